@@ -1,0 +1,45 @@
+"""nxdplug: the NxD Inference API as a small core plus plugins.
+
+The public names are imported on first use, so ``import nxdplug`` (and listing plugins) stays
+light: torch and model code load only when a config or model is touched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from nxdplug.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+_LAZY_EXPORTS = {
+    "NeuronConfig": "nxdplug.config",
+    "InferenceConfig": "nxdplug.config",
+    "MoENeuronConfig": "nxdplug.config",
+    "FusedSpecNeuronConfig": "nxdplug.config",
+    "OnDeviceSamplingConfig": "nxdplug.config",
+    "LoraServingConfig": "nxdplug.config",
+    "load_pretrained_config": "nxdplug.config",
+    "HuggingFaceGenerationAdapter": "nxdplug.generation",
+    "NeuronApplicationBase": "nxdplug.application",
+    "NeuronBaseForCausalLM": "nxdplug.application",
+    "NeuronBaseModel": "nxdplug.model_base",
+    "ModelWrapper": "nxdplug.model_wrapper",
+    "from_pretrained": "nxdplug.application",
+}
+
+__all__ = ["__version__", "hookimpl", *_LAZY_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nxdplug' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

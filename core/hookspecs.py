@@ -1,0 +1,222 @@
+"""The extension points of nxdplug.
+
+Registration hooks (``nxdplug_<plural noun>``) return an iterable of records from
+:mod:`nxdplug.types`; every plugin's records are collected and looked up by name through
+:mod:`nxdplug.registry`. Pipeline hooks act on one config and are called only for the plugins that
+config enables (see :mod:`nxdplug.pipeline`).
+
+A plugin is a module (or object) with functions decorated by :data:`nxdplug.hookimpl`, registered
+under the ``nxdplug`` entry-point group of its distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from nxdplug.types import (
+    CompileBackend,
+    ConfigLoader,
+    Feature,
+    KVCacheStrategy,
+    ModelArchitecture,
+    QuantizationMethod,
+    Sampler,
+    SpeculationMode,
+    StateDictConverter,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from nxdplug.config import InferenceConfig
+
+PROJECT_NAME = "nxdplug"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class ModelSpecs:
+    """Model families and how their checkpoints are read."""
+
+    @hookspec
+    def nxdplug_model_architectures(self) -> Iterable[ModelArchitecture]:
+        """Register model families.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_model_architectures():
+                yield ModelArchitecture(
+                    name="llama",
+                    model_type="llama",
+                    hf_architectures=("LlamaForCausalLM",),
+                    application="my_pkg.modeling:NeuronLlamaForCausalLM",
+                    config_class="my_pkg.modeling:LlamaInferenceConfig",
+                )
+        """
+
+    @hookspec
+    def nxdplug_config_loaders(self) -> Iterable[ConfigLoader]:
+        """Register readers of model configuration files.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_config_loaders():
+                yield ConfigLoader(
+                    name="yaml", filenames=("config.yaml",), loader="my_pkg.io:read_yaml"
+                )
+        """
+
+    @hookspec
+    def nxdplug_state_dict_converters(self) -> Iterable[StateDictConverter]:
+        """Register steps of the HF-to-nxdplug state-dict conversion chain.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_state_dict_converters():
+                yield StateDictConverter(
+                    name="my-model-renames",
+                    converter="my_pkg.convert:rename_keys",
+                    model_types=("my_model",),
+                    order=10,
+                )
+        """
+
+
+class NumericsSpecs:
+    """How numbers are stored and turned into tokens."""
+
+    @hookspec
+    def nxdplug_quantization_methods(self) -> Iterable[QuantizationMethod]:
+        """Register weight quantization methods.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_quantization_methods():
+                yield QuantizationMethod(
+                    name="int4-per-channel",
+                    dtype="int4",
+                    granularity="per_channel",
+                    implementation="my_pkg.quant:Int4PerChannel",
+                )
+        """
+
+    @hookspec
+    def nxdplug_samplers(self) -> Iterable[Sampler]:
+        """Register samplers that turn logits into tokens.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_samplers():
+                yield Sampler(name="min-p", implementation="my_pkg.sampling:MinPSampler")
+        """
+
+    @hookspec
+    def nxdplug_kv_cache_strategies(self) -> Iterable[KVCacheStrategy]:
+        """Register KV-cache layouts.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_kv_cache_strategies():
+                yield KVCacheStrategy(
+                    name="int8-cache",
+                    implementation="my_pkg.cache:Int8KVCache",
+                    enabled_by=("my_int8_cache",),
+                )
+        """
+
+
+class ExecutionSpecs:
+    """What runs: speculation, optional features, compile backends."""
+
+    @hookspec
+    def nxdplug_speculation_modes(self) -> Iterable[SpeculationMode]:
+        """Register speculative-decoding modes.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_speculation_modes():
+                yield SpeculationMode(
+                    name="medusa", implementation="my_pkg.medusa:Medusa", enabled_by=("is_medusa",)
+                )
+        """
+
+    @hookspec
+    def nxdplug_features(self) -> Iterable[Feature]:
+        """Register features a config can switch on, with their own settings.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_features():
+                yield Feature(
+                    name="logit-softcap",
+                    enabled_by=("logit_softcap",),
+                    settings={"logit_softcap": None},
+                )
+        """
+
+    @hookspec
+    def nxdplug_compile_backends(self) -> Iterable[CompileBackend]:
+        """Register compile backends.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_compile_backends():
+                yield CompileBackend(
+                    name="tvm", implementation="my_pkg.backend:TVMBackend", priority=5
+                )
+        """
+
+
+class PipelineSpecs:
+    """Hooks run by the compile pipeline, only for the plugins a config enables."""
+
+    @hookspec
+    def nxdplug_validate_config(self, config: InferenceConfig) -> Iterable[str]:
+        """Report every problem this plugin sees in ``config``, as plain sentences.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_validate_config(config):
+                if config.neuron_config.my_feature and config.neuron_config.batch_size > 1:
+                    yield "my_feature supports batch_size 1 only; set batch_size=1"
+        """
+
+    @hookspec
+    def nxdplug_transform_model(self, model: torch.nn.Module, config: InferenceConfig) -> None:
+        """Change a freshly built model in place, before its weights are loaded.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_transform_model(model, config):
+                for layer in model.layers:
+                    layer.mlp = MyFastMLP.from_module(layer.mlp)
+        """
+
+    @hookspec
+    def nxdplug_add_submodels(self, application: Any, config: InferenceConfig) -> Iterable[Any]:
+        """Return extra ModelWrappers (e.g. a speculation sub-model) for an application.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_add_submodels(application, config):
+                yield ModelWrapper(config, DraftModel, tag="draft_model")
+        """
+
+
+SPEC_CLASSES = (ModelSpecs, NumericsSpecs, ExecutionSpecs, PipelineSpecs)

@@ -1,0 +1,206 @@
+"""One table-driven lookup over every registration hook.
+
+Callers ask ``registry.get(kind, name)`` or ``registry.records(kind)``; they never call
+``pm.hook.nxdplug_...`` themselves. Each plugin's hook is called on its own, so every record is
+attributed to the plugin that provided it: a name provided twice is an error naming every
+provider, and an unknown name lists the valid choices.
+"""
+
+from __future__ import annotations
+
+import difflib
+import weakref
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+
+from nxdplug.errors import PluginError, UnknownNameError
+from nxdplug.manager import NxdPlugPluginManager, get_plugin_manager
+from nxdplug.types import (
+    CompileBackend,
+    ConfigLoader,
+    Feature,
+    KVCacheStrategy,
+    ModelArchitecture,
+    PluginRecord,
+    QuantizationMethod,
+    Sampler,
+    SpeculationMode,
+    StateDictConverter,
+)
+
+
+@attrs.frozen
+class Kind:
+    """A kind of registered thing: the hook that provides it and its record class."""
+
+    name: str
+    hook: str
+    record_type: type[PluginRecord]
+    label: str
+
+
+KINDS: dict[str, Kind] = {
+    kind.name: kind
+    for kind in (
+        Kind("model_architectures", "nxdplug_model_architectures", ModelArchitecture, "model"),
+        Kind("config_loaders", "nxdplug_config_loaders", ConfigLoader, "config loader"),
+        Kind(
+            "state_dict_converters",
+            "nxdplug_state_dict_converters",
+            StateDictConverter,
+            "state-dict converter",
+        ),
+        Kind(
+            "quantization_methods",
+            "nxdplug_quantization_methods",
+            QuantizationMethod,
+            "quantization method",
+        ),
+        Kind("samplers", "nxdplug_samplers", Sampler, "sampler"),
+        Kind(
+            "kv_cache_strategies",
+            "nxdplug_kv_cache_strategies",
+            KVCacheStrategy,
+            "KV-cache strategy",
+        ),
+        Kind("speculation_modes", "nxdplug_speculation_modes", SpeculationMode, "speculation mode"),
+        Kind("features", "nxdplug_features", Feature, "feature"),
+        Kind("compile_backends", "nxdplug_compile_backends", CompileBackend, "compile backend"),
+    )
+}
+
+
+@attrs.frozen
+class Provided:
+    """One record and the plugin that provided it."""
+
+    record: PluginRecord
+    plugin: str
+
+
+def _kind(kind: str) -> Kind:
+    try:
+        return KINDS[kind]
+    except KeyError:
+        raise UnknownNameError(
+            f"unknown registry kind {kind!r}; the kinds are: {', '.join(KINDS)}"
+        ) from None
+
+
+class Registry:
+    """A view over the registration hooks of one plugin manager, cached until it changes."""
+
+    def __init__(self, manager: NxdPlugPluginManager) -> None:
+        self.manager = manager
+        self._cache: dict[str, list[Provided]] = {}
+        self._generation = manager.generation
+
+    def _provided(self, kind: str) -> list[Provided]:
+        if self._generation != self.manager.generation:
+            self._cache.clear()
+            self._generation = self.manager.generation
+        if kind not in self._cache:
+            self._cache[kind] = list(self._collect(_kind(kind)))
+        return self._cache[kind]
+
+    def _collect(self, kind: Kind) -> Iterable[Provided]:
+        hook_caller = getattr(self.manager.hook, kind.hook)
+        # pluggy calls last-registered first; registration order reads better in listings.
+        for impl in reversed(hook_caller.get_hookimpls()):
+            try:
+                records = list(impl.function() or ())
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} failed in {kind.hook}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            for record in records:
+                if not isinstance(record, kind.record_type):
+                    raise PluginError(
+                        f"plugin {impl.plugin_name!r} returned {type(record).__name__} from "
+                        f"{kind.hook}; expected {kind.record_type.__name__} records"
+                    )
+                yield Provided(record, impl.plugin_name)
+
+    def records(self, kind: str) -> list[Any]:
+        """Every record of ``kind``; raises if two plugins provide the same name."""
+        provided = self._provided(kind)
+        self._raise_on_conflicts(_kind(kind), provided)
+        return [item.record for item in provided]
+
+    @staticmethod
+    def _raise_on_conflicts(kind: Kind, provided: list[Provided]) -> None:
+        providers: dict[str, list[str]] = defaultdict(list)
+        for item in provided:
+            providers[item.record.name].append(item.plugin)
+        clashes = {name: plugins for name, plugins in providers.items() if len(plugins) > 1}
+        if clashes:
+            details = "; ".join(
+                f"{name!r} is provided by {', '.join(repr(p) for p in plugins)}"
+                for name, plugins in sorted(clashes.items())
+            )
+            raise PluginError(
+                f"conflicting {kind.label} names: {details}. Uninstall or deny one of them "
+                "(NXDPLUG_DENY_PLUGINS=name)."
+            )
+
+    def names(self, kind: str) -> list[str]:
+        return [record.name for record in self.records(kind)]
+
+    def get(self, kind: str, name: str) -> Any:
+        """The record of ``kind`` called ``name``; an unknown name lists the valid choices."""
+        for record in self.records(kind):
+            if record.name == name:
+                return record
+        label = _kind(kind).label
+        choices = self.names(kind)
+        close = difflib.get_close_matches(name, choices, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        listing = ", ".join(repr(c) for c in choices) or "none are installed"
+        raise UnknownNameError(f"unknown {label} {name!r}.{hint} Valid choices: {listing}.")
+
+    def provider(self, kind: str, name: str) -> str:
+        """The name of the plugin that provides the record ``name`` of ``kind``."""
+        self.get(kind, name)
+        return next(item.plugin for item in self._provided(kind) if item.record.name == name)
+
+    def provided_by(self, plugin: str) -> dict[str, list[str]]:
+        """What ``plugin`` provides, per kind (no conflict check: this is for listings)."""
+        result: dict[str, list[str]] = {}
+        for kind in KINDS:
+            names = [item.record.name for item in self._provided(kind) if item.plugin == plugin]
+            if names:
+                result[kind] = names
+        return result
+
+    def find_architecture(self, hf_architectures: Iterable[str], model_type: str | None) -> Any:
+        """The model plugin serving an HF config's ``architectures`` (first) or ``model_type``."""
+        architectures = list(hf_architectures)
+        records = self.records("model_architectures")
+        for arch in architectures:
+            for record in records:
+                if arch in record.hf_architectures:
+                    return record
+        for record in records:
+            if model_type is not None and record.model_type == model_type:
+                return record
+        served = sorted({a for r in records for a in r.hf_architectures})
+        raise UnknownNameError(
+            f"no installed model plugin serves architectures={architectures} "
+            f"model_type={model_type!r}. Installed model plugins serve: {', '.join(served)}. "
+            "Install a plugin for this model family, or check `nxdplug plugins list`."
+        )
+
+
+_registries: weakref.WeakKeyDictionary[NxdPlugPluginManager, Registry] = weakref.WeakKeyDictionary()
+
+
+def get_registry() -> Registry:
+    """The registry over the process-wide plugin manager."""
+    manager = get_plugin_manager()
+    if manager not in _registries:
+        _registries[manager] = Registry(manager)
+    return _registries[manager]

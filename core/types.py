@@ -1,0 +1,185 @@
+"""Registration records: what a plugin says it provides.
+
+Every record is a small frozen attrs class with a validated ``name``. Code is referenced lazily
+as ``"package.module:attribute"`` strings, so building and listing records imports nothing heavy;
+:meth:`PluginRecord.load` imports a reference when the component is actually used.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from nxdplug.lazy import is_ref, resolve_ref
+
+_NAME = re.compile(r"^[a-z][a-z0-9_.\-]*$")
+
+
+def _check_name(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be lower-case letters, digits, "
+            f"'_', '-' or '.', starting with a letter; got {value!r}"
+        )
+
+
+def _check_ref(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None and not is_ref(value):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a 'package.module:attribute' "
+            f"reference; got {value!r}"
+        )
+
+
+def _str_tuple(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _ref_field(**kwargs: Any) -> Any:
+    return attrs.field(validator=_check_ref, **kwargs)
+
+
+def _names_field() -> Any:
+    return attrs.field(default=(), converter=_str_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class PluginRecord:
+    """Base of every record: a unique ``name`` within its kind and a one-line description."""
+
+    name: str = attrs.field(validator=_check_name)
+    description: str = ""
+
+    def load(self, field_name: str) -> Any:
+        """Import and return the object a reference field points to."""
+        return resolve_ref(getattr(self, field_name))
+
+
+@attrs.frozen(kw_only=True)
+class SelectableRecord(PluginRecord):
+    """A record a config switches on through NxD Inference attributes.
+
+    ``enabled_by`` names NeuronConfig attributes; the record is selected when any of them is
+    truthy (``is_medusa``, ``kv_cache_quant``, ...). An empty tuple means it is never switched on
+    by an attribute and must be chosen by name or be the default of its kind.
+    """
+
+    enabled_by: tuple[str, ...] = _names_field()
+
+    def is_enabled_by(self, neuron_config: object) -> bool:
+        return any(bool(getattr(neuron_config, attr, False)) for attr in self.enabled_by)
+
+
+@attrs.frozen(kw_only=True)
+class ModelArchitecture(PluginRecord):
+    """A model family.
+
+    ``hf_architectures`` are the ``architectures`` entries of an HF ``config.json`` this plugin
+    serves; ``application`` and ``config_class`` point at the NeuronBaseForCausalLM subclass and
+    its InferenceConfig subclass; ``hf_config_class`` / ``hf_model_class`` at the transformers
+    classes used to build tiny checkpoints and as the accuracy oracle.
+    """
+
+    model_type: str = attrs.field(validator=_check_name)
+    hf_architectures: tuple[str, ...] = _names_field()
+    application: str = _ref_field()
+    config_class: str = _ref_field()
+    hf_config_class: str | None = _ref_field(default=None)
+    hf_model_class: str | None = _ref_field(default=None)
+    capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+
+
+@attrs.frozen(kw_only=True)
+class ConfigLoader(PluginRecord):
+    """Reads model attributes from a checkpoint folder.
+
+    ``loader(model_path) -> dict`` is tried when one of ``filenames`` exists in the folder; the
+    dict's ``"attribute_map"`` entry, if any, lists attribute aliases.
+    """
+
+    filenames: tuple[str, ...] = _names_field()
+    loader: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
+class StateDictConverter(SelectableRecord):
+    """One step of the HF-to-nxdplug state-dict conversion chain.
+
+    ``converter(state_dict, config) -> state_dict``. It runs for the model types listed (all when
+    empty) and, when ``enabled_by`` is set, only when the config switches it on. Steps run in
+    ascending ``order``: model renames use 0-99, layout changes (fused QKV, GQA) 100-199,
+    quantization 200-299.
+    """
+
+    converter: str = _ref_field()
+    model_types: tuple[str, ...] = _names_field()
+    order: int = 100
+
+    def applies_to(self, model_type: str, neuron_config: object) -> bool:
+        if self.model_types and model_type not in self.model_types:
+            return False
+        return not self.enabled_by or self.is_enabled_by(neuron_config)
+
+
+@attrs.frozen(kw_only=True)
+class QuantizationMethod(PluginRecord):
+    """Weight quantization to ``dtype`` (``int8``, ``f8e4m3``, ...) at a ``granularity``."""
+
+    dtype: str
+    granularity: str = attrs.field(validator=attrs.validators.in_(("per_tensor", "per_channel")))
+    implementation: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
+class Sampler(PluginRecord):
+    """Turns next-token logits into tokens; ``implementation`` is a class taking no arguments."""
+
+    implementation: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
+class KVCacheStrategy(SelectableRecord):
+    """A KV-cache layout; ``implementation`` is a KVCacheManager subclass."""
+
+    implementation: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
+class SpeculationMode(SelectableRecord):
+    """A speculative-decoding mode (draft model, Medusa, EAGLE)."""
+
+    implementation: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
+class Feature(SelectableRecord):
+    """A feature a config switches on, with what it needs and what it cannot be combined with.
+
+    ``settings`` are the extra NeuronConfig attributes the feature owns, with their defaults, so
+    that a config naming them is not reported as having unknown attributes.
+    """
+
+    requires: tuple[str, ...] = _names_field()
+    conflicts_with: tuple[str, ...] = _names_field()
+    settings: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, hash=False)
+
+
+@attrs.frozen(kw_only=True)
+class CompileBackend(PluginRecord):
+    """Runs or compiles the sub-models.
+
+    ``implementation`` is a CompileBackend class; ``priority`` orders the automatic choice (the
+    highest available wins); ``tp_degrees`` lists the tensor-parallel degrees the target
+    supports (``None``: any).
+    """
+
+    implementation: str = _ref_field()
+    priority: int = 0
+    tp_degrees: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple)
+    )

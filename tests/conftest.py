@@ -1,0 +1,60 @@
+"""Shared fixtures: offline HF, fake installed distributions, plugin isolation."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture
+def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+    """Install a fake distribution (a ``*.dist-info`` folder and a module) on ``sys.path``."""
+
+    def install(
+        name: str, version: str, module_source: str, entry_point: str | None = None
+    ) -> Path:
+        root = tmp_path / f"site-{name}"
+        root.mkdir()
+        module = f"{name}_plugin"
+        (root / f"{module}.py").write_text(textwrap.dedent(module_source))
+        info = root / f"{name}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(f"[nxdplug]\n{entry_point or name} = {module}\n")
+        monkeypatch.syspath_prepend(str(root))
+        return root
+
+    return install
+
+
+@pytest.fixture
+def plugin_manager() -> Iterator:
+    """A fresh process-wide plugin manager with every installed plugin, for this test only."""
+    from nxdplug.testing import fresh_plugin_manager
+
+    with fresh_plugin_manager() as manager:
+        yield manager
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Build (once per session and settings) a tiny random HF checkpoint of an architecture."""
+    from nxdplug.tiny_models import make_tiny_checkpoint
+
+    built: dict[tuple, Path] = {}
+
+    def build(architecture: str = "llama", seed: int = 0, **overrides) -> Path:
+        key = (architecture, seed, repr(sorted(overrides.items())))
+        if key not in built:
+            folder = tmp_path_factory.mktemp(architecture) / "checkpoint"
+            built[key] = make_tiny_checkpoint(architecture, folder, seed=seed, overrides=overrides)
+        return built[key]
+
+    return build
