@@ -1,0 +1,272 @@
+"""HF checkpoints: find, read tensor by tensor, check against a model, and save.
+
+The four layouts of the feature guide are supported, safetensors first:
+``model.safetensors``, ``model.safetensors.index.json``, ``pytorch_model.bin`` and
+``pytorch_model.bin.index.json`` (an index maps each tensor name to its shard file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Literal
+
+import attrs
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from nxdplug.errors import CheckpointError
+
+Format = Literal["safetensors", "pickle"]
+
+# In order of preference: (file name, format, is an index).
+_LAYOUTS: tuple[tuple[str, Format, bool], ...] = (
+    ("model.safetensors", "safetensors", False),
+    ("model.safetensors.index.json", "safetensors", True),
+    ("pytorch_model.bin", "pickle", False),
+    ("pytorch_model.bin.index.json", "pickle", True),
+)
+
+
+@attrs.frozen
+class CheckpointFiles:
+    """The weight files of one checkpoint folder.
+
+    ``format`` is ``"safetensors"`` or ``"pickle"``; ``files`` are the files to read, in order;
+    ``index`` is the index file of a sharded checkpoint, ``None`` for a single file.
+    """
+
+    format: Format
+    files: tuple[Path, ...]
+    index: Path | None = None
+
+
+def find_checkpoint(model_path: str | os.PathLike[str]) -> CheckpointFiles:
+    """Locate the weights in ``model_path``, preferring safetensors over pickle."""
+    folder = Path(model_path)
+    for name, fmt, is_index in _LAYOUTS:
+        path = folder / name
+        if not path.is_file():
+            continue
+        if is_index:
+            return CheckpointFiles(fmt, _shards_of(path), path)
+        return CheckpointFiles(fmt, (path,))
+    names = ", ".join(name for name, _, _ in _LAYOUTS)
+    where = folder if folder.is_dir() else f"{folder} (not an existing folder)"
+    raise CheckpointError(
+        f"no checkpoint found in {where}: looked for {names}. Convert the weights to one of "
+        "these formats (safetensors recommended)."
+    )
+
+
+def _shards_of(index: Path) -> tuple[Path, ...]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shard_names = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(
+            f"cannot read checkpoint index {index}: expected JSON with a 'weight_map' object "
+            f"mapping tensor names to shard files ({type(exc).__name__}: {exc})"
+        ) from exc
+    shards = tuple(index.parent / name for name in shard_names)
+    missing = [str(shard.name) for shard in shards if not shard.is_file()]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint index {index} names shard file(s) missing from {index.parent}: "
+            + ", ".join(missing)
+        )
+    return shards
+
+
+def iter_checkpoint_tensors(
+    model_path: str | os.PathLike[str], dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` one at a time, floating tensors cast to ``dtype`` when given.
+
+    Safetensors files are read lazily, one tensor materialized at a time, and pickle files are
+    memory-mapped where the file allows it, so peak host memory stays near one copy of the
+    weights even when the caller keeps every tensor.
+    """
+    checkpoint = find_checkpoint(model_path)
+    read = _iter_safetensors if checkpoint.format == "safetensors" else _iter_pickle
+    for path in checkpoint.files:
+        for name, tensor in read(path):
+            yield name, _cast(tensor, dtype)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is None or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(dtype)
+
+
+def _unreadable(path: Path, exc: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"cannot read checkpoint file {path}; it may be corrupted or truncated "
+        f"({type(exc).__name__}: {exc})"
+    )
+
+
+def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise _unreadable(path, exc) from exc
+    with handle as reader:
+        names = reader.keys()
+        for name in names:
+            try:
+                tensor = reader.get_tensor(name)
+            except (SafetensorError, OSError) as exc:
+                raise _unreadable(path, exc) from exc
+            yield name, tensor
+
+
+def _iter_pickle(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    # Only the zip format (torch >= 1.6) can be memory-mapped; the legacy format is read whole.
+    try:
+        state = torch.load(
+            path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path)
+        )
+    except Exception as exc:  # torch raises many types for a bad file; all mean the same here
+        raise _unreadable(path, exc) from exc
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CheckpointError(f"checkpoint file {path} does not hold a flat dict of tensors")
+    # Popping lets a tensor the caller casts or drops be freed before the next one is read.
+    for name in list(state):
+        yield name, state.pop(name)
+
+
+def load_state_dict(
+    model_path: str | os.PathLike[str], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Read the whole checkpoint in ``model_path`` into a dict."""
+    state_dict: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_checkpoint_tensors(model_path, dtype):
+        if name in state_dict:
+            raise CheckpointError(f"tensor {name!r} appears twice in the checkpoint {model_path}")
+        state_dict[name] = tensor
+    return state_dict
+
+
+def replace_prefix(
+    state_dict: Mapping[str, torch.Tensor], old_prefix: str, new_prefix: str
+) -> dict[str, torch.Tensor]:
+    """Rename keys starting with ``old_prefix``; other keys are kept as they are.
+
+    NxD Inference strips HF's ``"model."`` this way (``_STATE_DICT_MODEL_PREFIX`` to
+    ``_NEW_STATE_DICT_MODEL_PREFIX``). A rename that lands on an existing key is an error.
+    """
+    renamed: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        new_name = new_prefix + name[len(old_prefix) :] if name.startswith(old_prefix) else name
+        if new_name in renamed:
+            raise CheckpointError(
+                f"replacing prefix {old_prefix!r} with {new_prefix!r} gives the key {new_name!r} "
+                "twice"
+            )
+        renamed[new_name] = tensor
+    return renamed
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    expected: Mapping[str, tuple[int, ...]],
+    source: str,
+) -> None:
+    """Raise one CheckpointError listing every missing, unexpected and mis-shaped tensor."""
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    misshaped = sorted(
+        name
+        for name in set(expected) & set(state_dict)
+        if tuple(state_dict[name].shape) != tuple(expected[name])
+    )
+    if not (missing or unexpected or misshaped):
+        return
+    lines = [f"  missing {name} (expected shape {_shape(expected[name])})" for name in missing]
+    lines += [
+        f"  unexpected {name} (shape {_shape(tuple(state_dict[name].shape))})"
+        for name in unexpected
+    ]
+    lines += [
+        f"  mis-shaped {name}: expected {_shape(tuple(expected[name]))}, "
+        f"found {_shape(tuple(state_dict[name].shape))}"
+        for name in misshaped
+    ]
+    raise CheckpointError(
+        f"checkpoint {source} does not fit the model: {len(missing)} missing, "
+        f"{len(unexpected)} unexpected, {len(misshaped)} mis-shaped tensor(s):\n" + "\n".join(lines)
+    )
+
+
+def load_into_module(
+    module: torch.nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    source: str,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Check ``state_dict`` against ``module`` and load it.
+
+    Floating tensors end up in ``dtype``, or in the dtype the module already has. When that keeps
+    every dtype and the module is materialized, the weights are copied into the existing storage
+    (ties between parameters survive); otherwise (a new dtype, or a module on the meta device)
+    the checkpoint tensors are assigned as they are, cast only where the dtype differs.
+    """
+    current = module.state_dict()
+    check_state_dict(state_dict, {name: tuple(t.shape) for name, t in current.items()}, source)
+    assign = any(
+        t.is_meta or (dtype is not None and t.is_floating_point() and t.dtype != dtype)
+        for t in current.values()
+    )
+    if assign:
+        state_dict = {
+            name: _to_module(tensor, current[name], dtype) for name, tensor in state_dict.items()
+        }
+    module.load_state_dict(state_dict, strict=True, assign=assign)
+
+
+def _to_module(
+    tensor: torch.Tensor, current: torch.Tensor, dtype: torch.dtype | None
+) -> torch.Tensor:
+    device = tensor.device if current.is_meta else current.device
+    if tensor.is_floating_point():
+        return tensor.to(device=device, dtype=dtype or current.dtype)
+    return tensor.to(device=device)
+
+
+def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """Write ``state_dict`` as one safetensors file, atomically.
+
+    Tensors are made contiguous, and tensors sharing storage (tied weights, views) are cloned,
+    which safetensors requires.
+    """
+    target = Path(path)
+    tensors: dict[str, torch.Tensor] = {}
+    seen_storage: set[tuple[torch.device, int]] = set()
+    for name, tensor in state_dict.items():
+        tensor = tensor.detach().contiguous()
+        storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        if storage in seen_storage:
+            tensor = tensor.clone()
+        else:
+            seen_storage.add(storage)
+        tensors[name] = tensor
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes the file private; weights are ordinary files
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise

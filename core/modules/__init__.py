@@ -1,0 +1,1 @@
+"""Building blocks every model shares: attention, rotary embeddings, norms, MLP, parallel layers."""

@@ -1,0 +1,248 @@
+"""Tensor-parallel linear and embedding layers (Megatron style), as in NxD.
+
+Each rank holds one shard of the full weight. ``ColumnParallelLinear`` splits the output
+features, ``RowParallelLinear`` the input features, ``ParallelEmbedding`` the embedding dim.
+Collectives go through the small wrappers below, over the default process group; without an
+initialized group of more than one rank the forward passes make no distributed call, so a
+single process can run each rank's shard on its own (that is how the tests check the sharding).
+Whether to communicate is decided on the host from the group size, never from tensor values,
+so forward traces to one graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nxdplug.errors import ConfigError
+
+
+def tp_world_size() -> int:
+    """Ranks in the default process group; 1 when torch.distributed is not initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def tp_rank() -> int:
+    """This process's rank in the default process group; 0 when it is not initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+def use_collectives(tp_degree: int) -> bool:
+    """Whether a layer sharded ``tp_degree`` ways must talk to the other ranks.
+
+    No for a single process (each rank's shard then runs on its own) or an unsharded layer; a
+    process group whose size is not ``tp_degree`` is a configuration error.
+    """
+    world = tp_world_size()
+    if world == 1 or tp_degree == 1:
+        return False
+    if world != tp_degree:
+        raise ConfigError([f"tp_degree is {tp_degree} but the process group has {world} ranks"])
+    return True
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks (in place) and return it."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along the last dim, in rank order."""
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(tp_world_size())]
+    dist.all_gather(parts, tensor)
+    return torch.cat(parts, dim=-1)
+
+
+def shard_size(size: int, tp_degree: int, what: str) -> int:
+    """``size // tp_degree``, or a ConfigError saying ``what`` does not split evenly."""
+    if size % tp_degree:
+        raise ConfigError([f"{what} ({size}) is not divisible by tp_degree ({tp_degree})"])
+    return size // tp_degree
+
+
+def _check_rank(tp_degree: int, rank: int) -> None:
+    if tp_degree < 1 or not 0 <= rank < tp_degree:
+        raise ConfigError(
+            [f"need tp_degree >= 1 and 0 <= rank < tp_degree; got {tp_degree=}, {rank=}"]
+        )
+
+
+def shard_tensor(tensor: torch.Tensor, dim: int, tp_degree: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``tensor`` cut into ``tp_degree`` equal parts along ``dim``."""
+    _check_rank(tp_degree, rank)
+    size = shard_size(
+        tensor.shape[dim], tp_degree, f"dim {dim} of a tensor of shape {list(tensor.shape)}"
+    )
+    return tensor.narrow(dim, rank * size, size).contiguous()
+
+
+def _init_uniform(tensor: torch.Tensor | None, fan_in: int) -> None:
+    # nn.Linear's default init, with the fan-in of the full (unsharded) layer.
+    if tensor is not None:
+        bound = 1 / math.sqrt(fan_in)
+        nn.init.uniform_(tensor, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W split along the output features: this rank holds rows
+    ``[rank * out/tp, (rank + 1) * out/tp)`` of W and of b.
+
+    The output is this rank's slice of the features, or all of them with ``gather_output``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        tp_degree: int = 1,
+        rank: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _check_rank(tp_degree, rank)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gather_output = gather_output
+        self.tp_degree = tp_degree
+        self.rank = rank
+        local_out = shard_size(out_features, tp_degree, "out_features")
+        self.weight = nn.Parameter(torch.empty(local_out, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(local_out, dtype=dtype)) if bias else None
+        _init_uniform(self.weight, in_features)
+        _init_uniform(self.bias, in_features)
+
+    @classmethod
+    def shard_state_dict(
+        cls, full: dict[str, torch.Tensor], tp_degree: int, rank: int
+    ) -> dict[str, torch.Tensor]:
+        """This layer's ``weight`` (and ``bias``) for ``rank`` from a full ``nn.Linear``'s."""
+        return {name: shard_tensor(t, 0, tp_degree, rank) for name, t in full.items()}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.gather_output and use_collectives(self.tp_degree):
+            out = all_gather_last_dim(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, gather_output={self.gather_output}, "
+            f"tp_degree={self.tp_degree}, rank={self.rank}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x W^T + b`` with W split along the input features.
+
+    This rank multiplies its slice of the input features (the input itself when
+    ``input_is_parallel``, as after a ColumnParallelLinear) by its columns of W; the partial
+    results are summed over the ranks, in ``reduce_dtype`` when given (NxD's
+    ``rpl_reduce_dtype``), and the full bias is added once, after the sum.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        input_is_parallel: bool = True,
+        tp_degree: int = 1,
+        rank: int = 0,
+        reduce_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _check_rank(tp_degree, rank)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.input_is_parallel = input_is_parallel
+        self.tp_degree = tp_degree
+        self.rank = rank
+        self.reduce_dtype = reduce_dtype
+        self.local_in = shard_size(in_features, tp_degree, "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        _init_uniform(self.weight, in_features)
+        _init_uniform(self.bias, in_features)
+
+    @classmethod
+    def shard_state_dict(
+        cls, full: dict[str, torch.Tensor], tp_degree: int, rank: int
+    ) -> dict[str, torch.Tensor]:
+        """This layer's ``weight`` for ``rank`` from a full ``nn.Linear``'s; the bias is whole."""
+        sharded = {"weight": shard_tensor(full["weight"], 1, tp_degree, rank)}
+        if "bias" in full:
+            sharded["bias"] = full["bias"]
+        return sharded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = x.narrow(-1, self.rank * self.local_in, self.local_in)
+        out = F.linear(x, self.weight)
+        if use_collectives(self.tp_degree):
+            dtype = out.dtype
+            out = all_reduce_sum(out.to(self.reduce_dtype or dtype)).to(dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
+            f"tp_degree={self.tp_degree}, rank={self.rank}, reduce_dtype={self.reduce_dtype}"
+        )
+
+
+class ParallelEmbedding(nn.Module):
+    """An embedding table split along the embedding dim; forward gathers the full vectors."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_degree: int = 1,
+        rank: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _check_rank(tp_degree, rank)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_degree = tp_degree
+        self.rank = rank
+        local_dim = shard_size(embedding_dim, tp_degree, "embedding_dim")
+        self.weight = nn.Parameter(torch.empty(num_embeddings, local_dim, dtype=dtype))
+        nn.init.normal_(self.weight)
+
+    @classmethod
+    def shard_state_dict(
+        cls, full: dict[str, torch.Tensor], tp_degree: int, rank: int
+    ) -> dict[str, torch.Tensor]:
+        """This layer's ``weight`` for ``rank`` from a full ``nn.Embedding``'s."""
+        return {"weight": shard_tensor(full["weight"], 1, tp_degree, rank)}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(input_ids, self.weight)
+        if use_collectives(self.tp_degree):
+            out = all_gather_last_dim(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+            f"tp_degree={self.tp_degree}, rank={self.rank}"
+        )
