@@ -1,0 +1,145 @@
+"""Mixture-of-experts settings: MoENeuronConfig and its sub-configs.
+
+They exist before the MoE models do, so that configs naming them load and save. Enumerations of
+NxD (``GLUType``, ``BlockShardStrategy``) are stored by name: ``"glu"``, ``"HI_LO"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from nxdplug.config.classrefs import optional_class
+from nxdplug.config.dtypes import to_torch_dtype
+from nxdplug.config.neuron_config import NeuronConfig
+from nxdplug.config.sections import section_converter
+
+
+@attrs.define(kw_only=True)
+class RouterConfig:
+    """The expert router's activation (an ACT2FN name) and compute dtype."""
+
+    act_fn: str = "softmax"
+    dtype: torch.dtype = attrs.field(default=torch.float32, converter=to_torch_dtype)
+
+
+@attrs.define(kw_only=True)
+class BlockwiseMatmulConfig:
+    """How the expert MLPs' blockwise matrix multiplication is split and run.
+
+    ``blockwise_nki_autograd_cls`` is a class (None: the backend's default), written to JSON as a
+    ``"module:QualName"`` reference. ``block_sharding_strategy`` is ``"HI_LO"`` or
+    ``"PING_PONG"``.
+    """
+
+    block_size: int = 512
+    use_block_parallel: bool = False
+    block_sharding_strategy: str = "HI_LO"
+    skip_dma_token: bool = False
+    skip_dma_weight: bool = False
+    logical_nc_config: int = 1
+    blockwise_nki_autograd_cls: Any = attrs.field(default=None, converter=optional_class)
+    use_torch_block_wise: bool = False
+    parallelize_token_to_block_mapping: bool = True
+    optimized_block_to_token_mapping: bool = True
+    always_augment_inputs_for_blockwise_matmul: bool = False
+    use_shard_on_intermediate_dynamic_while: bool = False
+    use_shard_on_block_dynamic_while: bool = False
+    num_static_blocks: int | None = None
+
+
+@attrs.define(kw_only=True)
+class HybridShardingConfig:
+    """Separate tensor- and expert-parallel degrees for context encoding and token generation."""
+
+    moe_cte_tp_degree: int = 1
+    moe_cte_ep_degree: int = 1
+    moe_tkg_tp_degree: int = 1
+    moe_tkg_ep_degree: int = 1
+
+
+@attrs.define(kw_only=True)
+class RoutedExpertsMLPOpsConfig:
+    """The shape and numerics of the routed experts' MLPs; the first six settings are required."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    top_k: int
+    hidden_act: str
+    glu_mlp: bool
+    bias: bool = False
+    glu_type: str = "glu"
+    hidden_act_scaling_factor: float = 1.0
+    hidden_act_bias: float = 0.0
+    capacity_factor: float | None = None
+    use_index_calc_kernel: bool = False
+    gate_clamp_upper_limit: float | None = None
+    gate_clamp_lower_limit: float | None = None
+    up_clamp_upper_limit: float | None = None
+    up_clamp_lower_limit: float | None = None
+    normalize_top_k_affinities: bool = False
+    early_expert_affinity_modulation: bool = False
+    input_layer_init_method: Any = None
+    output_layer_init_method: Any = None
+    enable_spmd_rank: bool = False
+    is_prefill: bool | None = None
+
+
+@attrs.define(kw_only=True)
+class MoEFusedTKGConfig:
+    """Kernel switches for the fused MoE token-generation path (None: the backend decides)."""
+
+    quantized: bool = False
+    moe_fused_kernel_enabled: bool | None = None
+    router_topk_kernel_enabled: bool | None = None
+    expert_mlp_kernel_enabled: bool | None = None
+    shared_mlp_kernel_enabled: bool | None = None
+
+
+@attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
+class MoENeuronConfig(NeuronConfig):
+    """NeuronConfig plus the settings of mixture-of-experts models.
+
+    ``router_config``, ``blockwise_matmul_config`` and ``hybrid_sharding_config`` take an
+    instance or a dict (``router_config={"act_fn": "sigmoid"}``).
+    """
+
+    # General
+    moe_tp_degree: int = 1
+    moe_ep_degree: int = 1
+    hybrid_sharding_config: HybridShardingConfig | None = attrs.field(
+        default=None, converter=section_converter(HybridShardingConfig, "hybrid_sharding_config")
+    )
+
+    # Router
+    router_config: RouterConfig = attrs.field(
+        factory=RouterConfig, converter=section_converter(RouterConfig, "router_config")
+    )
+    return_expert_index: bool = False
+    return_router_logits: bool = False
+
+    # Expert MLPs
+    blockwise_matmul_config: BlockwiseMatmulConfig = attrs.field(
+        factory=BlockwiseMatmulConfig,
+        converter=section_converter(BlockwiseMatmulConfig, "blockwise_matmul_config"),
+    )
+    capacity_factor: float | None = None
+    glu_mlp: bool = False
+    glu_type: str = "glu"
+    hidden_act_scaling_factor: float = 1.0
+    hidden_act_bias: float = 0.0
+    gate_clamp_upper_limit: float | None = None
+    gate_clamp_lower_limit: float | None = None
+    up_clamp_upper_limit: float | None = None
+    up_clamp_lower_limit: float | None = None
+    use_index_calc_kernel: bool = False
+    early_expert_affinity_modulation: bool = False
+    normalize_top_k_affinities: bool = True
+
+    # Shared experts
+    fused_shared_experts: bool = False
+    shared_experts_sequence_parallel_enabled: bool = False
+    transpose_shared_experts_weights: bool = False

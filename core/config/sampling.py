@@ -1,0 +1,23 @@
+"""On-device sampling settings (``NeuronConfig.on_device_sampling_config``)."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define(kw_only=True)
+class OnDeviceSamplingConfig:
+    """How the model turns logits into tokens; setting it enables on-device sampling.
+
+    ``do_sample`` chooses multinomial (True) or greedy (False) sampling; ``top_k``, ``top_p`` and
+    ``temperature`` are the defaults for every request, which ``dynamic`` lets each request
+    override; ``global_topk`` bounds the candidates kept before top-k / top-p.
+    """
+
+    do_sample: bool = False
+    top_k: int = 1
+    top_p: float = 1.0
+    temperature: float = 1.0
+    dynamic: bool = False
+    deterministic: bool = False
+    global_topk: int = 256

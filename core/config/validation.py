@@ -1,0 +1,297 @@
+"""The checks every config gets before it is used: each problem, in plain words, all at once.
+
+Each rule is a small function returning the problems it sees; :func:`core_config_problems` runs
+them all. Hardware limits (which ``tp_degree`` a target supports) are not checked here: they
+belong to the compile backend that is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nxdplug.config.dtypes import dtype_name
+from nxdplug.config.neuron_config import NeuronConfig
+from nxdplug.config.suggestions import did_you_mean
+
+if TYPE_CHECKING:
+    from nxdplug.config.inference_config import InferenceConfig
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "padding_side": ("left", "right"),
+    "quantization_dtype": ("int8", "f8e4m3", "f8e5m2"),
+    "quantization_type": ("per_tensor_symmetric", "per_channel_symmetric"),
+    "cast_type": ("config", "as-declared"),
+}
+AT_LEAST_ONE = (
+    "batch_size",
+    "ctx_batch_size",
+    "tkg_batch_size",
+    "max_batch_size",
+    "spec_batch_size",
+    "seq_len",
+    "max_context_length",
+    "max_length",
+    "n_active_tokens",
+    "n_positions",
+    "tp_degree",
+    "logical_nc_config",
+)
+# Settings that default to another one: a bad value equal to its source is reported once, there.
+DEFAULTS_FROM = {
+    "ctx_batch_size": "batch_size",
+    "tkg_batch_size": "batch_size",
+    "max_batch_size": "batch_size",
+    "spec_batch_size": "batch_size",
+    "max_context_length": "seq_len",
+    "max_length": "seq_len",
+    "n_active_tokens": "seq_len",
+    "n_positions": "seq_len",
+}
+AT_LEAST_ZERO = ("speculation_length", "medusa_speculation_length", "num_medusa_heads")
+# bucket list -> the length its largest bucket may not exceed
+BUCKET_LIMITS = {
+    "context_encoding_buckets": "max_context_length",
+    "token_generation_buckets": "seq_len",
+}
+
+Rule = Callable[["InferenceConfig", NeuronConfig], Iterable[str]]
+
+
+def core_config_problems(config: InferenceConfig) -> list[str]:
+    """Every problem the core sees in ``config``; an empty list means it is usable."""
+    neuron_config = getattr(config, "neuron_config", None)
+    if not isinstance(neuron_config, NeuronConfig):
+        return [
+            f"neuron_config is {type(neuron_config).__name__}, not a NeuronConfig: pass "
+            "NeuronConfig(...) as the first argument of the InferenceConfig"
+        ]
+    return [problem for rule in RULES for problem in rule(config, neuron_config)]
+
+
+def unknown_attribute_problems(
+    neuron_config: NeuronConfig, extra_known: Iterable[str] = ()
+) -> list[str]:
+    """Attributes set on ``neuron_config`` that neither its class nor ``extra_known`` declares.
+
+    ``extra_known`` holds the settings feature plugins declare. Names starting with ``_`` are
+    internal state, not settings, and are not reported.
+    """
+    known = neuron_config.known_attribute_names() | frozenset(extra_known)
+    unknown = sorted(name for name in vars(neuron_config) if name not in known)
+    return [
+        f"unknown NeuronConfig attribute {name!r}{did_you_mean(name, known)}: no field and no "
+        "installed plugin declares it, so it would be ignored; fix the name, remove it, or "
+        "install the plugin that provides it"
+        for name in unknown
+        if not name.startswith("_")
+    ]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if _is_int(value) else None
+
+
+def _describe_dtype(value: Any) -> str:
+    return dtype_name(value) if isinstance(value, torch.dtype) else repr(value)
+
+
+def _choices(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    for name, allowed in CHOICES.items():
+        value = getattr(nc, name)
+        if value not in allowed:
+            listing = ", ".join(repr(choice) for choice in allowed)
+            yield f"{name} is {value!r}{did_you_mean(str(value), allowed)}; choose one of {listing}"
+
+
+def _dtypes(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    supported = ", ".join(dtype_name(dtype) for dtype in SUPPORTED_DTYPES)
+    for name in ("torch_dtype", "rpl_reduce_dtype", "attention_dtype"):
+        value = getattr(nc, name)
+        if name != "torch_dtype" and value is None:
+            continue
+        if value not in SUPPORTED_DTYPES:
+            yield f"{name} is {_describe_dtype(value)}; use one of {supported}"
+    attention = nc.attention_dtype
+    if attention is not None and attention != nc.torch_dtype and nc.cast_type != "as-declared":
+        yield (
+            f"attention_dtype ({_describe_dtype(attention)}) differs from torch_dtype "
+            f"({_describe_dtype(nc.torch_dtype)}), which needs cast_type='as-declared' so "
+            "that parameters keep their own dtypes; set it, or drop attention_dtype"
+        )
+
+
+def _counts(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    for name in AT_LEAST_ONE:
+        value = getattr(nc, name)
+        source = DEFAULTS_FROM.get(name)
+        if source is not None and value == getattr(nc, source):
+            continue
+        if not _is_int(value) or value < 1:
+            yield f"{name} is {value!r}; it must be a whole number, 1 or more"
+    for name in AT_LEAST_ZERO:
+        value = getattr(nc, name)
+        if not _is_int(value) or value < 0:
+            yield f"{name} is {value!r}; it must be a whole number, 0 or more"
+
+
+def _lengths(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    context = _int_or_none(nc.max_context_length)
+    if context is None:
+        return
+    for name in ("seq_len", "max_length"):
+        limit = _int_or_none(getattr(nc, name))
+        if limit is not None and context > limit:
+            yield (
+                f"max_context_length ({context}) is larger than {name} ({limit}); a prompt "
+                f"must fit in the sequence: raise {name} or lower max_context_length"
+            )
+
+
+def _tensor_parallel(config: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    tp = _int_or_none(nc.tp_degree)
+    if tp is None or tp < 1:
+        return
+    heads = _int_or_none(getattr(config, "num_attention_heads", None))
+    if heads is not None and heads % tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
+        yield (
+            f"num_attention_heads ({heads}) is not divisible by tp_degree ({tp}); choose a "
+            f"tp_degree among {', '.join(map(str, divisors))}"
+        )
+    context = _int_or_none(nc.max_context_length)
+    if nc.sequence_parallel_enabled and context is not None and context % tp:
+        yield (
+            f"sequence_parallel_enabled needs max_context_length ({context}) divisible by "
+            f"tp_degree ({tp}); change one of them, or disable sequence parallelism"
+        )
+
+
+def _kernels(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    bf16 = nc.torch_dtype == torch.bfloat16
+    dtype = _describe_dtype(nc.torch_dtype)
+    if nc.qkv_kernel_enabled and not nc.fused_qkv:
+        yield "qkv_kernel_enabled needs fused_qkv=True; set it, or disable the QKV kernel"
+    if nc.qkv_kernel_enabled and not bf16:
+        yield (
+            f"qkv_kernel_enabled needs torch_dtype bfloat16 (it is {dtype}); change the dtype "
+            "or disable the QKV kernel"
+        )
+    if nc.mlp_kernel_enabled and not bf16:
+        yield (
+            f"mlp_kernel_enabled needs torch_dtype bfloat16 (it is {dtype}); change the dtype "
+            "or disable the MLP kernel"
+        )
+    if nc.quantized_mlp_kernel_enabled and not nc.mlp_kernel_enabled:
+        yield "quantized_mlp_kernel_enabled needs mlp_kernel_enabled=True; set it too"
+    if nc.rmsnorm_quantize_kernel_enabled and not nc.quantized_mlp_kernel_enabled:
+        yield "rmsnorm_quantize_kernel_enabled needs quantized_mlp_kernel_enabled=True; set it too"
+
+
+def _async_mode(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    if not nc.async_mode:
+        return
+    if nc.on_device_sampling_config is None:
+        yield (
+            "async_mode needs on-device sampling: set on_device_sampling_config "
+            "(OnDeviceSamplingConfig()), or disable async_mode"
+        )
+    speculating = (_int_or_none(nc.speculation_length) or 0) > 0 or nc.is_medusa
+    if speculating and not nc.enable_fused_speculation:
+        yield (
+            "async_mode with speculation (speculation_length > 0 or is_medusa) needs "
+            "enable_fused_speculation=True; set it, or disable async_mode"
+        )
+
+
+def _buckets(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    for name, limit_name in BUCKET_LIMITS.items():
+        buckets = getattr(nc, name)
+        if buckets is None:
+            continue
+        if not buckets or not all(_is_int(b) and b >= 1 for b in buckets):
+            yield f"{name} is {buckets!r}; give a non-empty list of positive whole numbers"
+            continue
+        if any(a >= b for a, b in pairwise(buckets)):
+            yield (
+                f"{name} {buckets} are not in increasing order; sort them and remove repeats: "
+                f"{sorted(set(buckets))}"
+            )
+        limit = _int_or_none(getattr(nc, limit_name))
+        if limit is not None and max(buckets) > limit:
+            yield (
+                f"the largest of {name} ({max(buckets)}) exceeds {limit_name} ({limit}); "
+                f"drop it, or raise {limit_name}"
+            )
+
+
+def _quantization(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    if nc.quantized and not nc.quantized_checkpoints_path:
+        yield (
+            "quantized=True needs quantized_checkpoints_path (where the quantized weights are, "
+            "or will be saved by save_quantized_state_dict)"
+        )
+
+
+def _speculation(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    if nc.is_medusa:
+        for name in ("num_medusa_heads", "medusa_speculation_length"):
+            value = getattr(nc, name)
+            if _is_int(value) and value < 1:
+                yield f"is_medusa=True needs {name} of 1 or more (it is {value})"
+    length = nc.speculation_length
+    if nc.enable_eagle_speculation and _is_int(length) and length < 1:
+        yield f"enable_eagle_speculation=True needs speculation_length 1 or more (it is {length})"
+
+
+def _sampling(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    sampling = nc.on_device_sampling_config
+    if sampling is None:
+        return
+    if not _is_number(sampling.top_p) or not 0 < sampling.top_p <= 1:
+        yield f"on_device_sampling_config.top_p is {sampling.top_p!r}; it must be in (0, 1]"
+    if not _is_number(sampling.temperature) or sampling.temperature <= 0:
+        yield (
+            f"on_device_sampling_config.temperature is {sampling.temperature!r}; it must be "
+            "above 0 (use do_sample=False for greedy decoding)"
+        )
+    if not _is_int(sampling.global_topk) or sampling.global_topk < 1:
+        yield (
+            f"on_device_sampling_config.global_topk is {sampling.global_topk!r}; it must be "
+            "a whole number, 1 or more"
+        )
+
+
+def _lora(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    lora = nc.lora_config
+    if lora is not None and (not _is_int(lora.max_loras) or lora.max_loras < 1):
+        yield f"lora_config.max_loras is {lora.max_loras!r}; it must be a whole number, 1 or more"
+
+
+RULES: tuple[Rule, ...] = (
+    _choices,
+    _dtypes,
+    _counts,
+    _lengths,
+    _tensor_parallel,
+    _kernels,
+    _async_mode,
+    _buckets,
+    _quantization,
+    _speculation,
+    _sampling,
+    _lora,
+)
