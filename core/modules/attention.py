@@ -1,0 +1,119 @@
+"""Multi-head attention with grouped K/V heads, rotary positions and a KV cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxdplug.modules.gqa import determine_sharding_strategy, shardable_head_counts
+from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.parallel_linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    tp_rank,
+    tp_world_size,
+)
+from nxdplug.modules.rotary import apply_rotary
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_head_counts(config: Any) -> tuple[int, int]:
+    """(query heads, K/V heads) after GQA conversion for the configured tp_degree."""
+    tp_degree = config.neuron_config.tp_degree
+    strategy = determine_sharding_strategy(tp_degree, config.num_key_value_heads)
+    return shardable_head_counts(
+        tp_degree, config.num_attention_heads, config.num_key_value_heads, strategy
+    )
+
+
+def repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
+    """[batch, kv_heads, seq, dim] -> [batch, kv_heads * times, seq, dim], each head repeated."""
+    if times == 1:
+        return x
+    return x.repeat_interleave(times, dim=1)
+
+
+def attention_mask_4d(
+    key_mask: torch.Tensor, position_ids: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """Boolean [batch, 1, queries, keys] mask: a query at position p sees valid keys at
+    positions <= p (and > p - sliding_window). Key k sits at cache position k."""
+    key_positions = torch.arange(key_mask.shape[-1], device=key_mask.device)
+    query_positions = position_ids[:, :, None]
+    allowed = (key_positions <= query_positions) & key_mask[:, None, :].bool()
+    if sliding_window is not None:
+        allowed = allowed & (key_positions > query_positions - sliding_window)
+    return allowed[:, None, :, :]
+
+
+class NeuronAttentionBase(nn.Module):
+    """Q/K/V projections (fused or not), rotary, cache update, softmax(QK^T/sqrt(d))V, output."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        *,
+        qkv_bias: bool = False,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        neuron_config = config.neuron_config
+        self.layer_idx = layer_idx
+        self.head_dim = head_dim_of(config)
+        num_heads, num_kv_heads = attention_head_counts(config)
+        world = tp_world_size()
+        self.num_heads = num_heads // world
+        self.num_kv_heads = num_kv_heads // world
+        self.fused_qkv = bool(neuron_config.fused_qkv)
+        tp = {"tp_degree": world, "rank": tp_rank()}
+        hidden = config.hidden_size
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        if self.fused_qkv:
+            self.qkv_proj = ColumnParallelLinear(hidden, q_size + 2 * kv_size, bias=qkv_bias, **tp)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, q_size, bias=qkv_bias, **tp)
+            self.k_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, **tp)
+            self.v_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, **tp)
+        self.o_proj = RowParallelLinear(
+            q_size, hidden, bias=False, reduce_dtype=neuron_config.rpl_reduce_dtype, **tp
+        )
+        self.sliding_window = sliding_window
+        self.attention_dtype = neuron_config.attention_dtype
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.fused_qkv:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: CacheSlot,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.project_qkv(x)
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, k, *rope)
+
+        k, v = cache.store_and_fetch(k, v)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+
+        dtype = self.attention_dtype or q.dtype
+        out = F.scaled_dot_product_attention(
+            q.to(dtype), k.to(dtype), v.to(dtype), attn_mask=mask
+        ).to(x.dtype)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

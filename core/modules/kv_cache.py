@@ -1,0 +1,68 @@
+"""The KV-cache manager interface; the layouts themselves are plugins (``kv_cache_strategies``).
+
+A cache lives in the model as buffers updated in place, so a traced graph carries it as state.
+Each step, attention hands the manager the new keys and values with their positions and batch
+rows (``seq_ids``) and gets back the keys and values of the first ``length`` positions.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import attrs
+import torch
+from torch import nn
+
+
+@attrs.frozen
+class CacheLayout:
+    """The shape of the cache a model needs."""
+
+    num_layers: int
+    max_batch_size: int
+    num_kv_heads: int
+    max_length: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+class KVCacheManager(nn.Module, ABC):
+    def __init__(self, layout: CacheLayout) -> None:
+        super().__init__()
+        self.layout = layout
+
+    @abstractmethod
+    def update_and_read(
+        self,
+        layer: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key``/``value`` ([batch, kv_heads, seq, head_dim]) at ``position_ids``
+        ([batch, seq]) of rows ``seq_ids`` ([batch]); return the rows' first ``length``
+        positions as [batch, kv_heads, length, head_dim] in the keys' dtype."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every stored position."""
+
+
+@attrs.frozen
+class CacheSlot:
+    """Where one layer's keys and values go in this step."""
+
+    manager: KVCacheManager
+    layer: int
+    position_ids: torch.Tensor
+    seq_ids: torch.Tensor
+    length: int
+
+    def store_and_fetch(
+        self, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.manager.update_and_read(
+            self.layer, key, value, self.position_ids, self.seq_ids, self.length
+        )

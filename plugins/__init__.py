@@ -1,0 +1,1 @@
+"""First-party feature plugins, each registered through the ``nxdplug`` entry-point group."""

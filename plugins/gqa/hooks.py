@@ -1,0 +1,18 @@
+"""GQA replication of K/V projection weights for the configured tensor-parallel degree."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nxdplug.hookspecs import hookimpl
+from nxdplug.types import StateDictConverter
+
+
+@hookimpl
+def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
+    yield StateDictConverter(
+        name="gqa-replication",
+        converter="nxdplug.plugins.gqa.convert:replicate_kv_projections",
+        order=110,
+        description="replicate K/V heads (REPLICATE_TO_TP_DEGREE) or convert to MHA",
+    )
