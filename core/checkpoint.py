@@ -244,8 +244,12 @@ def _to_module(
     return tensor.to(device=device)
 
 
+PICKLE_SUFFIXES = (".pt", ".bin")
+
+
 def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
-    """Write ``state_dict`` as one safetensors file, atomically.
+    """Write ``state_dict`` as one file, atomically: pickle for a ``.pt``/``.bin`` path (as
+    NxD Inference's quantized checkpoints), safetensors otherwise.
 
     Tensors are made contiguous, and tensors sharing storage (tied weights, views) are cloned,
     which safetensors requires.
@@ -265,7 +269,10 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str | os.PathL
     os.close(fd)
     try:
         os.chmod(tmp, 0o644)  # mkstemp makes the file private; weights are ordinary files
-        save_file(tensors, tmp, metadata={"format": "pt"})
+        if target.suffix in PICKLE_SUFFIXES:
+            torch.save(tensors, tmp)
+        else:
+            save_file(tensors, tmp, metadata={"format": "pt"})
         os.replace(tmp, target)
     except BaseException:
         os.unlink(tmp)

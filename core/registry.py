@@ -108,8 +108,8 @@ class Registry:
 
     def _collect(self, kind: Kind) -> Iterable[Provided]:
         hook_caller = getattr(self.manager.hook, kind.hook)
-        # pluggy calls last-registered first; registration order reads better in listings.
-        for impl in reversed(hook_caller.get_hookimpls()):
+        # get_hookimpls() is in registration order (pluggy *calls* them last-registered first).
+        for impl in hook_caller.get_hookimpls():
             try:
                 records = list(impl.function() or ())
             except Exception as exc:

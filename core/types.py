@@ -128,7 +128,13 @@ class StateDictConverter(SelectableRecord):
 
 @attrs.frozen(kw_only=True)
 class QuantizationMethod(PluginRecord):
-    """Weight quantization to ``dtype`` (``int8``, ``f8e4m3``, ...) at a ``granularity``."""
+    """Weight quantization to ``dtype`` (``int8``, ``f8e4m3``, ...) at a ``granularity``.
+
+    ``implementation`` is a class built with no arguments whose
+    ``quantize_state_dict(state_dict, config) -> state_dict`` returns the quantized checkpoint.
+    The record's name is ``<dtype>-<granularity>``, which is how NeuronConfig's
+    ``quantization_dtype`` and ``quantization_type`` select it.
+    """
 
     dtype: str
     granularity: str = attrs.field(validator=attrs.validators.in_(("per_tensor", "per_channel")))

@@ -1,0 +1,1 @@
+"""First-party model plugins, one subpackage per family."""

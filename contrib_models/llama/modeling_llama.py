@@ -1,0 +1,108 @@
+"""Llama (2 and 3.x) for nxdplug: the decoder math, in the layout of HF checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nxdplug.application import NeuronBaseForCausalLM
+from nxdplug.config import InferenceConfig, NeuronConfig
+from nxdplug.model_base import NeuronBaseModel
+from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
+from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.mlp import GatedMLP
+from nxdplug.modules.norms import RMSNorm
+from nxdplug.modules.parallel_linear import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    tp_rank,
+    tp_world_size,
+)
+from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
+
+
+class LlamaNeuronConfig(NeuronConfig):
+    """NeuronConfig for Llama; no extra attributes, kept for NxD Inference scripts."""
+
+
+class LlamaInferenceConfig(InferenceConfig):
+    def get_required_attributes(self) -> list[str]:
+        return [
+            "hidden_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "num_key_value_heads",
+            "vocab_size",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "intermediate_size",
+            "hidden_act",
+        ]
+
+    @classmethod
+    def get_neuron_config_cls(cls) -> type[NeuronConfig]:
+        return LlamaNeuronConfig
+
+
+class NeuronLlamaDecoderLayer(nn.Module):
+    """x + attention(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        *,
+        qkv_bias: bool = False,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = NeuronAttentionBase(
+            config, layer_idx, qkv_bias=qkv_bias, sliding_window=sliding_window
+        )
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            reduce_dtype=config.neuron_config.rpl_reduce_dtype,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: CacheSlot,
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class NeuronLlamaModel(NeuronBaseModel):
+    def init_model(self, config: Any) -> None:
+        tp = {"tp_degree": tp_world_size(), "rank": tp_rank()}
+        self.embed_tokens = ParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
+        self.layers = nn.ModuleList(
+            self.make_decoder_layer(config, index) for index in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = ColumnParallelLinear(
+            config.hidden_size, config.vocab_size, bias=False, gather_output=True, **tp
+        )
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+
+    def make_decoder_layer(self, config: Any, index: int) -> nn.Module:
+        """One decoder layer; model families that differ only here override this."""
+        return NeuronLlamaDecoderLayer(config, index)
+
+
+class NeuronLlamaForCausalLM(NeuronBaseForCausalLM):
+    _model_cls = NeuronLlamaModel
+
+    @classmethod
+    def get_config_cls(cls) -> type[InferenceConfig]:
+        return LlamaInferenceConfig

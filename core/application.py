@@ -1,0 +1,345 @@
+"""Application models: NeuronApplicationBase and NeuronBaseForCausalLM.
+
+An application owns the config, the checkpoint path and its sub-models (``models``, a list of
+ModelWrapper). ``to_cpu()`` builds the model eagerly; ``forward`` routes each call to the context
+encoding or token generation sub-model, doing the host-side work (compacting padded prompts,
+positions, cache masks) so the sub-models see fixed shapes only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from nxdplug.checkpoint import (
+    PICKLE_SUFFIXES,
+    load_into_module,
+    load_state_dict,
+    replace_prefix,
+    save_state_dict,
+)
+from nxdplug.config import InferenceConfig, NeuronConfig, load_pretrained_config
+from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
+from nxdplug.model_wrapper import (
+    CONTEXT_ENCODING_MODEL_TAG,
+    TOKEN_GENERATION_MODEL_TAG,
+    ModelWrapper,
+)
+from nxdplug.pipeline import PluginSelection, hook_caller, select_plugins, validate
+from nxdplug.registry import get_registry
+
+COMPILE_NOT_AVAILABLE = (
+    "compiling to an artefact folder needs a compile backend that produces artefacts, and none "
+    "is installed in this version of nxdplug; run the model eagerly with to_cpu() instead"
+)
+
+
+def quantization_method(config: InferenceConfig) -> Any:
+    """The ``quantization_methods`` record for the config's dtype and granularity."""
+    neuron_config = config.neuron_config
+    granularity = neuron_config.quantization_type.removesuffix("_symmetric")
+    name = f"{neuron_config.quantization_dtype}-{granularity}"
+    return get_registry().get("quantization_methods", name)
+
+
+def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating-point parameters only: buffers such as rotary tables keep their dtype."""
+    for param in module.parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
+
+
+class NeuronApplicationBase(nn.Module):
+    _STATE_DICT_MODEL_PREFIX = "model."
+    _NEW_STATE_DICT_MODEL_PREFIX = ""
+    _model_cls: type[nn.Module] | None = None
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        config: InferenceConfig | None = None,
+        neuron_config: NeuronConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if config is None:
+            config = self.get_config_cls()(
+                neuron_config or NeuronConfig(), load_config=load_pretrained_config(model_path)
+            )
+        self.plugins: PluginSelection = self.validate_config(config)
+        self.config = config
+        self.neuron_config = config.neuron_config
+        self.model_path = str(model_path)
+        self.models: list[ModelWrapper] = []
+        self.is_compiled = False
+        self.is_loaded_to_neuron = False
+
+    @classmethod
+    def get_config_cls(cls) -> type[InferenceConfig]:
+        return InferenceConfig
+
+    @classmethod
+    def validate_config(cls, config: InferenceConfig) -> PluginSelection:
+        """Check the config as a whole (core rules and every enabled plugin's checks)."""
+        if getattr(config, "neuron_config", None) is None:
+            raise ConfigError(["the InferenceConfig has no neuron_config; pass a NeuronConfig"])
+        return validate(config)
+
+    def get_compiler_args(self) -> str | None:
+        return None
+
+    def compile(self, compiled_model_path: str | Path, debug: bool = False) -> None:
+        raise NotSupportedError(COMPILE_NOT_AVAILABLE)
+
+    def load(self, compiled_model_path: str | Path) -> None:
+        raise NotSupportedError(COMPILE_NOT_AVAILABLE)
+
+    def load_weights(self, compiled_model_path: str | Path) -> None:
+        raise NotSupportedError(COMPILE_NOT_AVAILABLE)
+
+    def shard_weights(self, compiled_model_path: str | Path) -> None:
+        raise NotSupportedError(COMPILE_NOT_AVAILABLE)
+
+    def build_model(self) -> nn.Module:
+        """The model with its weights: built, transformed by the enabled plugins, loaded."""
+        if self._model_cls is None:
+            raise NxdPlugError(f"{type(self).__name__} does not set _model_cls")
+        model = self._model_cls(self.config)
+        hook_caller("nxdplug_transform_model", self.plugins)(model=model, config=self.config)
+        dtype = self.neuron_config.torch_dtype
+        if self.neuron_config.cast_type == "config":
+            cast_parameters(model, dtype)
+        state_dict = self.get_state_dict(self.model_path, self.config)
+        load_into_module(model, state_dict, source=self.model_path)
+        return model.eval()
+
+    def to_cpu(self) -> None:
+        """Run every sub-model eagerly on the CPU, in place of compile() and load()."""
+        model = self.build_model()
+        for wrapper in self.models:
+            wrapper.model = model
+        self.reset()
+
+    @classmethod
+    def get_state_dict(cls, model_path: str | Path, config: InferenceConfig) -> dict[str, Any]:
+        dtype = config.neuron_config.torch_dtype
+        if config.neuron_config.cast_type != "config":
+            dtype = None
+        state_dict = load_state_dict(model_path, dtype=dtype)
+        state_dict = replace_prefix(
+            state_dict, cls._STATE_DICT_MODEL_PREFIX, cls._NEW_STATE_DICT_MODEL_PREFIX
+        )
+        return cls.convert_hf_to_neuron_state_dict(state_dict, config)
+
+    @classmethod
+    def convert_hf_to_neuron_state_dict(
+        cls, state_dict: dict[str, Any], config: InferenceConfig
+    ) -> dict[str, Any]:
+        """Run the state-dict converter chain the config selects (model renames first)."""
+        for converter in select_plugins(config).converters:
+            state_dict = converter.load("converter")(state_dict, config)
+        return state_dict
+
+    @classmethod
+    def load_hf_model(cls, model_path: str | Path, **kwargs: Any) -> nn.Module:
+        """The transformers model for the same checkpoint (the accuracy oracle)."""
+        config = InferenceConfig(NeuronConfig(), load_config=load_pretrained_config(model_path))
+        architecture = select_plugins(config).architecture
+        if architecture is None or architecture.hf_model_class is None:
+            raise NotSupportedError(f"no transformers class is registered for {model_path}")
+        return architecture.load("hf_model_class").from_pretrained(str(model_path), **kwargs)
+
+    @classmethod
+    def generate_quantized_state_dict(
+        cls, model_path: str | Path, config: InferenceConfig
+    ) -> dict[str, torch.Tensor]:
+        """The checkpoint's state dict quantized by the method the config names.
+
+        The method is the ``quantization_methods`` record called
+        ``<quantization_dtype>-<per_tensor|per_channel>`` (e.g. ``int8-per_channel``).
+        """
+        quantizer = quantization_method(config).load("implementation")()
+        state_dict = load_state_dict(model_path, dtype=torch.float32)
+        return quantizer.quantize_state_dict(state_dict, config)
+
+    @classmethod
+    def save_quantized_state_dict(cls, model_path: str | Path, config: InferenceConfig) -> None:
+        """Quantize the checkpoint and save it to ``quantized_checkpoints_path``."""
+        target = config.neuron_config.quantized_checkpoints_path
+        if not target:
+            raise ConfigError(["save_quantized_state_dict needs quantized_checkpoints_path"])
+        target = Path(target)
+        if target.suffix not in (*PICKLE_SUFFIXES, ".safetensors"):
+            target.mkdir(parents=True, exist_ok=True)
+            target = target / "model.safetensors"
+        save_state_dict(cls.generate_quantized_state_dict(model_path, config), target)
+
+    def reset(self) -> None:
+        """Reset the model state; nothing to do at this level."""
+
+
+class NeuronBaseForCausalLM(NeuronApplicationBase):
+    """Causal LM application: context encoding, then token generation, with a KV cache."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv_cache_populated = False
+        self.enable_context_encoding()
+        if self.neuron_config.trace_tokengen_model:
+            self.enable_token_generation()
+        extra = hook_caller("nxdplug_add_submodels", self.plugins)(
+            application=self, config=self.config
+        )
+        self.models += [wrapper for wrappers in extra for wrapper in wrappers]
+
+    def enable_context_encoding(self) -> None:
+        self.context_encoding_model = ModelWrapper(
+            self.config, self._model_cls, tag=CONTEXT_ENCODING_MODEL_TAG
+        )
+        self.models.append(self.context_encoding_model)
+
+    def enable_token_generation(self) -> None:
+        self.token_generation_model = ModelWrapper(
+            self.config, self._model_cls, tag=TOKEN_GENERATION_MODEL_TAG
+        )
+        self.models.append(self.token_generation_model)
+
+    @property
+    def _model(self) -> nn.Module:
+        model = self.context_encoding_model.model
+        if model is None:
+            raise NxdPlugError("the model is not loaded: call to_cpu() (or compile() then load())")
+        return model
+
+    def reset(self) -> None:
+        """Start a new batch: the next call runs context encoding."""
+        self.kv_cache_populated = False
+
+    def reset_kv_cache(self) -> None:
+        """Zero the KV cache."""
+        self._model.kv_mgr.reset()
+        self.kv_cache_populated = False
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        seq_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        sampling_params: torch.Tensor | None = None,
+        prev_hidden: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        medusa_args: Any = None,
+        return_dict: bool | None = None,
+        input_capture_hook: Any = None,
+    ) -> CausalLMOutputWithPast:
+        """Route to context encoding (a new prompt) or token generation (one more token).
+
+        ``attention_mask`` follows the HF convention: [batch, tokens so far], 1 for real tokens,
+        padding on either side. Returned logits are those of each row's last token,
+        [batch, 1, vocab].
+        """
+        unsupported = {
+            "inputs_embeds": inputs_embeds,
+            "labels": labels,
+            "prev_hidden": prev_hidden,
+            "medusa_args": medusa_args,
+            "past_key_values": past_key_values,
+        }
+        given = [name for name, value in unsupported.items() if value is not None]
+        if given:
+            raise NotSupportedError(f"forward() does not accept {', '.join(given)} yet")
+        if input_ids is None:
+            raise NxdPlugError("forward() needs input_ids")
+        if input_capture_hook is not None:
+            input_capture_hook(self, [input_ids, attention_mask, position_ids, seq_ids])
+        batch = input_ids.shape[0]
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if seq_ids is None:
+            seq_ids = torch.arange(batch, dtype=torch.long)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask)[:, -input_ids.shape[1] :]
+        if self._is_prefill(position_ids, attention_mask, input_ids):
+            logits = self._context_encoding(input_ids, attention_mask, position_ids, seq_ids)
+            self.kv_cache_populated = True
+        else:
+            logits = self._token_generation(input_ids, position_ids, seq_ids)
+        return CausalLMOutputWithPast(logits=logits)
+
+    def _is_prefill(
+        self, position_ids: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor
+    ) -> bool:
+        if not self.kv_cache_populated or not hasattr(self, "token_generation_model"):
+            return True
+        real = attention_mask[:, -input_ids.shape[1] :].bool()
+        return bool((position_ids[real] == 0).any())
+
+    def _context_encoding(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens, mask, positions = compact_left(input_ids, attention_mask, position_ids)
+        return self.context_encoding_model(tokens, mask, positions, seq_ids)
+
+    def _token_generation(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_ids: torch.Tensor
+    ) -> torch.Tensor:
+        width = int(position_ids.max()) + 1
+        cache_mask = (torch.arange(width) <= position_ids[:, -1:]).long()
+        return self.token_generation_model(input_ids, cache_mask, position_ids, seq_ids)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """HF's positions for a padded batch: real tokens count from 0, padding gets 1."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def compact_left(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens to the front (right padding), whatever side was padded.
+
+    Returns tokens and positions [batch, longest], and the mask of real tokens.
+    """
+    real = attention_mask.bool()
+    lengths = real.sum(-1)
+    longest = int(lengths.max())
+    tokens = torch.zeros(input_ids.shape[0], longest, dtype=input_ids.dtype)
+    positions = torch.arange(longest).expand(input_ids.shape[0], longest).clone()
+    for row in range(input_ids.shape[0]):
+        count = int(lengths[row])
+        tokens[row, :count] = input_ids[row][real[row]]
+        positions[row, :count] = position_ids[row][real[row]]
+    mask = (torch.arange(longest) < lengths[:, None]).long()
+    return tokens, mask, positions
+
+
+def from_pretrained(
+    model_path: str | Path,
+    neuron_config: NeuronConfig | None = None,
+    config: InferenceConfig | None = None,
+) -> NeuronApplicationBase:
+    """The application for a checkpoint, its class chosen from ``config.json`` by the registry."""
+    probe = InferenceConfig(NeuronConfig(), load_config=load_pretrained_config(model_path))
+    architecture = get_registry().find_architecture(
+        getattr(probe, "architectures", None) or (), getattr(probe, "model_type", None)
+    )
+    application_cls = architecture.load("application")
+    if config is None:
+        config = application_cls.get_config_cls()(
+            neuron_config or NeuronConfig(), load_config=load_pretrained_config(model_path)
+        )
+    return application_cls(model_path, config)

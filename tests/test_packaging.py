@@ -1,0 +1,98 @@
+"""Packaging rules: the explicit package list, installed names only, documented hooks."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from nxdplug import hookspecs
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {
+    "nxdplug": "core",
+    "nxdplug.plugins": "plugins",
+    "nxdplug.contrib_models": "contrib_models",
+}
+FORBIDDEN_TOP_LEVEL = {"core", "plugins", "contrib_models"}
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def packages_on_disk() -> set[str]:
+    found = set()
+    for package, folder in PACKAGE_DIRS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *relative.parts]))
+    return found
+
+
+def test_package_dir_mapping() -> None:
+    assert pyproject()["tool"]["setuptools"]["package-dir"] == PACKAGE_DIRS
+
+
+def test_explicit_package_list_matches_the_folders() -> None:
+    assert set(pyproject()["tool"]["setuptools"]["packages"]) == packages_on_disk()
+
+
+def test_every_plugin_folder_is_an_entry_point() -> None:
+    entry_points = pyproject()["project"]["entry-points"]["nxdplug"]
+    modules = {value.rsplit(".", 1)[0] for value in entry_points.values()}
+    plugin_packages = {
+        p for p in packages_on_disk() if p.count(".") == 2 and not p.endswith("__pycache__")
+    }
+    assert plugin_packages == modules
+
+
+def python_files() -> list[Path]:
+    folders = ["core", "plugins", "contrib_models", "tests", "examples"]
+    return [f for folder in folders for f in (ROOT / folder).rglob("*.py")]
+
+
+@pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_imports_the_source_folders_as_packages(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            assert name.split(".")[0] not in FORBIDDEN_TOP_LEVEL, f"{path}:{node.lineno} {name}"
+
+
+def hook_specs() -> list[tuple[str, object]]:
+    return [
+        (name, function)
+        for spec_class in hookspecs.SPEC_CLASSES
+        for name, function in inspect.getmembers(spec_class, inspect.isfunction)
+        if name.startswith("nxdplug_")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "function"), hook_specs(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_hook_is_documented_with_an_example(name, function) -> None:
+    doc = inspect.getdoc(function) or ""
+    assert "@nxdplug.hookimpl" in doc and f"def {name}(" in doc, name
+    assert "return" in inspect.get_annotations(function, eval_str=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "function"), hook_specs(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_every_hook_is_implemented_somewhere_in_the_tests_or_plugins(name, function) -> None:
+    this_file = Path(__file__).resolve()
+    sources = [p for p in (ROOT / "tests").rglob("*.py") if p.resolve() != this_file]
+    sources += list((ROOT / "plugins").rglob("hooks.py"))
+    sources += list((ROOT / "contrib_models").rglob("hooks.py"))
+    assert any(f"def {name}(" in p.read_text() for p in sources), f"{name} is never implemented"

@@ -1,0 +1,249 @@
+"""The pipeline: a config selects plugins; pipeline hooks run for those plugins only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nxdplug import NeuronConfig, from_pretrained, hookimpl
+from nxdplug.config import InferenceConfig, load_pretrained_config
+from nxdplug.errors import ConfigError, UnknownNameError
+from nxdplug.model_wrapper import ModelWrapper
+from nxdplug.pipeline import config_problems, select_plugins, validate
+from nxdplug.testing import temporary_plugin
+from nxdplug.types import (
+    CompileBackend,
+    Feature,
+    KVCacheStrategy,
+    QuantizationMethod,
+    SpeculationMode,
+)
+
+
+class LogitScaleFeature:
+    """A third-party feature with its own setting, a check, a model transform and a sub-model."""
+
+    def __init__(self) -> None:
+        self.validated = 0
+        self.transformed = 0
+
+    @hookimpl
+    def nxdplug_features(self):
+        yield Feature(
+            name="logit-scale",
+            enabled_by=("logit_scale",),
+            settings={"logit_scale": None},
+            conflicts_with=("fused-qkv",),
+        )
+
+    @hookimpl
+    def nxdplug_validate_config(self, config):
+        self.validated += 1
+        if config.neuron_config.logit_scale <= 0:
+            yield "logit_scale must be positive"
+
+    @hookimpl
+    def nxdplug_transform_model(self, model, config):
+        self.transformed += 1
+        with torch.no_grad():
+            model.norm.weight.mul_(0)  # lets the test see that the transform ran before loading
+
+    @hookimpl
+    def nxdplug_add_submodels(self, application, config):
+        yield ModelWrapper(config, application._model_cls, tag="logit_scale_model")
+
+
+@pytest.fixture
+def llama_config(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+
+    def build(**options):
+        base = {"torch_dtype": "float32", "seq_len": 64}
+        return path, InferenceConfig(
+            NeuronConfig(**(base | options)), load_config=load_pretrained_config(path)
+        )
+
+    return build
+
+
+def test_default_selection(plugin_manager, llama_config) -> None:
+    _, config = llama_config()
+    selection = select_plugins(config)
+    assert selection.architecture.name == "llama"
+    assert selection.kv_cache_strategy.name == "static"
+    assert selection.compile_backend.name == "eager"
+    assert [c.name for c in selection.converters] == ["llama-hf", "gqa-replication"]
+    assert selection.features == ()
+    assert selection.plugins == {"llama", "static_kv_cache", "eager_backend", "gqa"}
+
+
+def test_attributes_switch_features_and_converters_on(plugin_manager, llama_config) -> None:
+    _, config = llama_config(fused_qkv=True)
+    selection = select_plugins(config)
+    assert [f.name for f in selection.features] == ["fused-qkv"]
+    assert [c.name for c in selection.converters][-1] == "fused-qkv"
+    assert "fused_qkv" in selection.plugins
+
+
+def test_pipeline_hooks_run_only_for_enabled_plugins(plugin_manager, llama_config) -> None:
+    feature = LogitScaleFeature()
+    with temporary_plugin(feature, "logit-scale-plugin"):
+        path, config = llama_config()
+        assert config_problems(config) == []
+        app = from_pretrained(path, config=config)
+        app.to_cpu()
+        assert (feature.validated, feature.transformed) == (0, 0)
+        assert [w.tag for w in app.models] == ["context_encoding_model", "token_generation_model"]
+
+        path, config = llama_config(logit_scale=2.0)
+        app = from_pretrained(path, config=config)
+        assert feature.validated == 1
+        assert app.models[-1].tag == "logit_scale_model"
+        app.to_cpu()
+        assert feature.transformed == 1
+        # the checkpoint's norm weights were loaded after the transform zeroed them
+        assert app.context_encoding_model.model.norm.weight.abs().sum() > 0
+
+
+def test_all_problems_are_reported_at_once(plugin_manager, llama_config) -> None:
+    with temporary_plugin(LogitScaleFeature(), "logit-scale-plugin"):
+        _, config = llama_config(logit_scale=-1.0, fused_qkv=True, tp_degree=3, paddng_side="left")
+        with pytest.raises(ConfigError) as error:
+            validate(config)
+    problems = error.value.problems
+    assert any("divisible by tp_degree (3)" in p for p in problems)
+    assert any("logit_scale must be positive" in p for p in problems)
+    assert any("'logit-scale' cannot be combined with 'fused-qkv'" in p for p in problems)
+    assert any("'paddng_side'" in p and "padding_side" in p for p in problems)
+
+
+def test_feature_settings_are_not_unknown_attributes(plugin_manager, llama_config) -> None:
+    _, config = llama_config(logit_scale=1.0)
+    assert any("'logit_scale'" in p for p in config_problems(config))
+    with temporary_plugin(LogitScaleFeature(), "logit-scale-plugin"):
+        assert config_problems(config) == []
+
+
+def test_required_feature_that_is_missing(plugin_manager, llama_config) -> None:
+    class NeedsSpeculation:
+        @hookimpl
+        def nxdplug_features(self):
+            yield Feature(name="tree-attention", enabled_by=("fused_qkv",), requires=("eagle",))
+
+    _, config = llama_config(fused_qkv=True)
+    with temporary_plugin(NeedsSpeculation(), "needs"):
+        assert "feature 'tree-attention' requires 'eagle', which is not installed" in (
+            config_problems(config)
+        )
+
+
+def test_backend_limits_tp_degrees(plugin_manager, llama_config) -> None:
+    class SmallBackend:
+        @hookimpl
+        def nxdplug_compile_backends(self):
+            yield CompileBackend(name="small", implementation="x.y:Z", tp_degrees=(1, 2))
+
+    _, config = llama_config(compile_backend="small", tp_degree=4)
+    with temporary_plugin(SmallBackend(), "small-backend"):
+        assert config_problems(config) == [
+            "tp_degree=4 is not supported by the 'small' backend; supported: [1, 2]"
+        ]
+
+
+def test_unknown_backend_name_lists_the_choices(plugin_manager, llama_config) -> None:
+    _, config = llama_config(compile_backend="tpu")
+    (problem,) = config_problems(config)
+    assert "unknown compile backend 'tpu'" in problem and "'eager'" in problem
+
+
+def test_two_kv_cache_strategies_switched_on_is_a_conflict(plugin_manager, llama_config) -> None:
+    class TwoCaches:
+        @hookimpl
+        def nxdplug_kv_cache_strategies(self):
+            yield KVCacheStrategy(name="a", implementation="x.y:A", enabled_by=("fused_qkv",))
+            yield KVCacheStrategy(name="b", implementation="x.y:B", enabled_by=("fused_qkv",))
+
+    _, config = llama_config(fused_qkv=True)
+    with temporary_plugin(TwoCaches(), "two-caches"):
+        (problem,) = config_problems(config)
+    assert "more than one KV-cache strategy" in problem
+
+
+def test_eager_backend_refuses_neuron_kernels(plugin_manager, llama_config) -> None:
+    _, config = llama_config(mlp_kernel_enabled=True, torch_dtype="bfloat16")
+    assert any("eager backend cannot run" in p for p in config_problems(config))
+
+
+class HalfPrecisionQuantizer:
+    """A test quantization method: float16 copies of 2-D weights."""
+
+    def quantize_state_dict(self, state_dict, config):
+        return {k: v.half() if v.dim() == 2 else v for k, v in state_dict.items()}
+
+
+class QuantAndSpeculationPlugin:
+    @hookimpl
+    def nxdplug_quantization_methods(self):
+        yield QuantizationMethod(
+            name="int8-per_channel",
+            dtype="int8",
+            granularity="per_channel",
+            implementation=f"{__name__}:HalfPrecisionQuantizer",
+        )
+
+    @hookimpl
+    def nxdplug_speculation_modes(self):
+        yield SpeculationMode(name="medusa", implementation="x.y:Medusa", enabled_by=("is_medusa",))
+
+
+@pytest.mark.parametrize(
+    ("options", "attribute"),
+    [
+        ({"is_medusa": True}, "is_medusa"),
+        ({"kv_cache_quant": True}, "kv_cache_quant"),
+        ({"quantized": True, "quantized_checkpoints_path": "/tmp/q"}, "quantized"),
+        ({"speculation_length": 4, "trace_tokengen_model": False}, "speculation_length"),
+    ],
+)
+def test_attributes_without_an_installed_plugin_are_problems(
+    plugin_manager, llama_config, options, attribute
+) -> None:
+    _, config = llama_config(**options)
+    assert any(
+        p.startswith(f"{attribute}=") and "no installed plugin implements it" in p
+        for p in config_problems(config)
+    )
+
+
+def test_trace_tokengen_model_false_needs_speculation(plugin_manager, llama_config) -> None:
+    _, config = llama_config(trace_tokengen_model=False)
+    assert any("leaves no sub-model to generate tokens" in p for p in config_problems(config))
+
+
+def test_speculation_mode_selected_by_its_attribute(plugin_manager, llama_config) -> None:
+    _, config = llama_config(
+        is_medusa=True, num_medusa_heads=4, medusa_speculation_length=4, trace_tokengen_model=False
+    )
+    with temporary_plugin(QuantAndSpeculationPlugin(), "quant-spec"):
+        assert config_problems(config) == []
+        selection = select_plugins(config)
+    assert selection.speculation_mode.name == "medusa"
+    assert "quant-spec" in selection.plugins
+
+
+def test_quantized_state_dict_uses_the_named_method(plugin_manager, llama_config, tmp_path):
+    from nxdplug.checkpoint import load_state_dict
+    from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM
+
+    path, config = llama_config(
+        quantization_dtype="int8",
+        quantization_type="per_channel_symmetric",
+        quantized_checkpoints_path=str(tmp_path / "quantized"),
+    )
+    with pytest.raises(UnknownNameError, match="quantization method 'int8-per_channel'"):
+        NeuronLlamaForCausalLM.save_quantized_state_dict(path, config)
+    with temporary_plugin(QuantAndSpeculationPlugin(), "quant-spec"):
+        NeuronLlamaForCausalLM.save_quantized_state_dict(path, config)
+    saved = load_state_dict(tmp_path / "quantized")
+    assert saved["model.layers.0.mlp.up_proj.weight"].dtype == torch.float16
+    assert saved["model.norm.weight"].dtype == torch.float32
