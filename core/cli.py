@@ -1,0 +1,259 @@
+"""The ``nxdplug`` command.
+
+Each subcommand is one row of :data:`COMMANDS`: a name, a help line, a function that adds its
+arguments and a function that runs it and returns the exit code. A user error (any
+:class:`~nxdplug.errors.NxdPlugError`, an ``OSError`` about a path, a usage error) is printed as
+one ``nxdplug: error: ...`` paragraph without a traceback; ``--verbose`` adds the traceback.
+Anything else is a bug and keeps its traceback. Heavy modules (torch, transformers, model code)
+are imported inside the commands that need them, so ``nxdplug plugins list`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import attrs
+
+from nxdplug import __version__
+from nxdplug.cli_inference import (
+    add_check_config_arguments,
+    add_run_arguments,
+    run_check_config,
+    run_run,
+)
+from nxdplug.cli_options import parse_key_value
+from nxdplug.errors import NxdPlugError
+from nxdplug.manager import get_plugin_manager
+from nxdplug.registry import get_registry
+
+PROG = "nxdplug"
+
+
+@attrs.frozen
+class Command:
+    """One subcommand: either ``run`` (a leaf) or ``subcommands`` (a group like ``plugins``)."""
+
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int] | None = None
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    subcommands: tuple[Command, ...] = ()
+
+
+class UsageError(Exception):
+    """The command line itself is wrong (exit code 2, as argparse)."""
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+# plugins list ---------------------------------------------------------------------------------
+
+
+def add_plugins_list_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print a JSON list of plugins")
+
+
+def run_plugins_list(args: argparse.Namespace) -> int:
+    rows = plugin_rows()
+    print(json.dumps(rows, indent=2) if args.json else format_plugin_table(rows))
+    return 0
+
+
+def plugin_rows() -> list[dict[str, Any]]:
+    """Every plugin seen (active, disabled or failed) and what each active one provides."""
+    registry = get_registry()
+    return [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "status": info.status,
+            "error": info.error,
+            "provides": registry.provided_by(info.name) if info.status == "active" else {},
+        }
+        for info in get_plugin_manager().plugin_infos()
+    ]
+
+
+def format_plugin_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Aligned columns; what a plugin provides (or its error) one kind per line."""
+    table = [("PLUGIN", "STATUS", "FROM", ["PROVIDES"])]
+    for row in rows:
+        origin = f"{row['distribution']} {row['version']}" if row["distribution"] else "in-process"
+        table.append((row["name"], row["status"], origin, _details(row)))
+    widths = [max(len(cells[i]) for cells in table) for i in range(3)]
+    lines = []
+    for *cells, (first, *rest) in table:
+        lines.append("".join(c.ljust(w + 2) for c, w in zip(cells, widths, strict=True)) + first)
+        lines.extend(" " * (sum(widths) + 6) + line for line in rest)
+    counts = Counter(row["status"] for row in rows)
+    summary = ", ".join(f"{counts[s]} {s}" for s in ("active", "disabled", "failed") if counts[s])
+    lines.append(f"\n{len(rows)} plugins: {summary or 'none installed'}")
+    return "\n".join(lines)
+
+
+def _details(row: dict[str, Any]) -> list[str]:
+    if row["status"] == "failed":
+        return [f"error: {row['error']}"]
+    if row["status"] == "disabled":
+        return ["(disabled by NXDPLUG_ALLOW_PLUGINS / NXDPLUG_DENY_PLUGINS)"]
+    return [f"{kind}: {', '.join(names)}" for kind, names in row["provides"].items()] or ["-"]
+
+
+# make-tiny-model ------------------------------------------------------------------------------
+
+
+def add_make_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--architecture",
+        required=True,
+        metavar="NAME",
+        help="a registered model architecture, e.g. llama (see `nxdplug plugins list`)",
+    )
+    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="new folder")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        type=parse_key_value,
+        metavar="KEY=VALUE",
+        help="a transformers config value, parsed as JSON when it can be "
+        "(repeatable, e.g. --set num_hidden_layers=3)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace a non-empty DIR")
+
+
+def run_make_tiny_model(args: argparse.Namespace) -> int:
+    from nxdplug.tiny_models import make_tiny_checkpoint, summarize_checkpoint
+
+    path = make_tiny_checkpoint(
+        args.architecture,
+        args.output,
+        seed=args.seed,
+        overrides=dict(args.overrides or ()),
+        force=args.force,
+    )
+    print(path)
+    print(summarize_checkpoint(path))
+    return 0
+
+
+# the command table ----------------------------------------------------------------------------
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "plugins",
+        "inspect installed plugins",
+        subcommands=(
+            Command(
+                "list",
+                "list every plugin, its origin, status and what it provides",
+                run=run_plugins_list,
+                add_arguments=add_plugins_list_arguments,
+            ),
+        ),
+    ),
+    Command(
+        "check-config",
+        "resolve a checkpoint plus options into plugins and list every problem (exit 1 if any)",
+        run=run_check_config,
+        add_arguments=add_check_config_arguments,
+    ),
+    Command(
+        "run",
+        "generate from prompts on the CPU and optionally check accuracy against HF",
+        run=run_run,
+        add_arguments=add_run_arguments,
+    ),
+    Command(
+        "make-tiny-model",
+        "write a tiny random HF checkpoint of a registered architecture (offline)",
+        run=run_make_tiny_model,
+        add_arguments=add_make_tiny_model_arguments,
+    ),
+)
+
+
+def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog=PROG, description="The NxD Inference API on CPU and CUDA.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="show tracebacks of reported errors"
+    )
+    _add_commands(parser, commands)
+    return parser
+
+
+def _add_commands(parser: argparse.ArgumentParser, commands: Sequence[Command]) -> None:
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    for command in commands:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        # Accepted after the command name too; SUPPRESS keeps a global -v from being reset.
+        sub.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+        if command.add_arguments is not None:
+            command.add_arguments(sub)
+        if command.subcommands:
+            _add_commands(sub, command.subcommands)
+        else:
+            sub.set_defaults(handler=command.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``nxdplug`` command line and return its exit code."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        return _report(str(exc), exit_code=2)
+    except SystemExit as exc:  # --help and --version exit through argparse
+        return exc.code if isinstance(exc.code, int) else 0
+    try:
+        return args.handler(args)
+    except (NxdPlugError, OSError) as exc:
+        if args.verbose:
+            traceback.print_exc()
+        return _report(_describe(exc), exit_code=1)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _show_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None:
+    """Warnings (a plugin that failed to load, ...) as one line, without the source line."""
+    print(f"{PROG}: warning: {message}", file=sys.stderr)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror and exc.filename:
+        target = f" -> {exc.filename2}" if exc.filename2 else ""
+        return f"{exc.filename}{target}: {exc.strerror}"
+    return str(exc) or type(exc).__name__
+
+
+def _report(message: str, *, exit_code: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return exit_code

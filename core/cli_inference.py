@@ -1,0 +1,179 @@
+"""``nxdplug check-config`` and ``nxdplug run``: resolve a config, generate text, check accuracy.
+
+``run`` follows NxD Inference's inference_demo: a checkpoint, prompts, NeuronConfig options,
+sampling options, then an optional accuracy check against HF transformers on the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from nxdplug.cli_options import (
+    add_neuron_config_options,
+    add_sampling_options,
+    neuron_config_kwargs,
+    sampling_kwargs,
+)
+from nxdplug.errors import NxdPlugError
+
+
+def _add_model_path(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-path", required=True, type=Path, metavar="DIR", help="an HF checkpoint folder"
+    )
+
+
+def _inference_config(model_path: Path, options: dict[str, Any]) -> Any:
+    from nxdplug.config import InferenceConfig, NeuronConfig, load_pretrained_config
+    from nxdplug.registry import get_registry
+
+    if not model_path.is_dir():
+        raise NxdPlugError(f"--model-path {model_path} is not a folder")
+    probe = InferenceConfig(NeuronConfig(), load_config=load_pretrained_config(model_path))
+    architecture = get_registry().find_architecture(
+        getattr(probe, "architectures", None) or (), getattr(probe, "model_type", None)
+    )
+    config_cls = architecture.load("application").get_config_cls()
+    return config_cls(NeuronConfig(**options), load_config=load_pretrained_config(model_path))
+
+
+# check-config ---------------------------------------------------------------------------------
+
+
+def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_path(parser)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_neuron_config_options(parser)
+
+
+def selection_summary(selection: Any) -> dict[str, Any]:
+    return {
+        "model": selection.architecture.name if selection.architecture else None,
+        "features": [f.name for f in selection.features],
+        "kv_cache_strategy": selection.kv_cache_strategy.name,
+        "speculation_mode": selection.speculation_mode.name if selection.speculation_mode else None,
+        "compile_backend": selection.compile_backend.name,
+        "state_dict_converters": [c.name for c in selection.converters],
+        "plugins": sorted(selection.plugins),
+    }
+
+
+def run_check_config(args: argparse.Namespace) -> int:
+    from nxdplug.pipeline import config_problems, select_plugins
+
+    config = _inference_config(args.model_path, neuron_config_kwargs(args))
+    problems = config_problems(config)
+    try:
+        summary: dict[str, Any] | None = selection_summary(select_plugins(config))
+    except NxdPlugError:
+        summary = None  # the reason is among the problems
+    if args.json:
+        print(json.dumps({"plugins": summary, "problems": problems}, indent=2))
+    else:
+        if summary is not None:
+            for key, value in summary.items():
+                shown = ", ".join(value) if isinstance(value, list) else value
+                print(f"{key:22} {shown or '-'}")
+        if problems:
+            print(f"\n{len(problems)} problem(s):")
+            print("\n".join(f"  - {p}" for p in problems))
+        else:
+            print("\nno problems found")
+    return 1 if problems else 0
+
+
+# run ------------------------------------------------------------------------------------------
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_path(parser)
+    parser.add_argument(
+        "--prompt",
+        dest="prompts",
+        action="append",
+        required=True,
+        metavar="TEXT",
+        help="a prompt (repeatable: one per batch row)",
+    )
+    parser.add_argument(
+        "--check-accuracy-mode",
+        choices=("token-matching", "logit-matching", "skip"),
+        default="skip",
+        help="compare with HF transformers on the same checkpoint",
+    )
+    add_neuron_config_options(parser)
+    add_sampling_options(parser)
+
+
+def _tokenizer(model_path: Path, padding_side: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path), padding_side=padding_side)
+    except (OSError, ValueError) as exc:
+        raise NxdPlugError(
+            f"no usable tokenizer in {model_path} ({type(exc).__name__}); `nxdplug run` needs "
+            "tokenizer.json / tokenizer_config.json beside the weights"
+        ) from exc
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def run_run(args: argparse.Namespace) -> int:
+    import torch
+
+    from nxdplug.application import from_pretrained
+    from nxdplug.generation import HuggingFaceGenerationAdapter
+
+    options = {"batch_size": len(args.prompts)} | neuron_config_kwargs(args)
+    config = _inference_config(args.model_path, options)
+    generation = sampling_kwargs(args)
+    seed = generation.pop("seed", None)
+    if seed is not None:
+        torch.manual_seed(seed)
+
+    model = from_pretrained(args.model_path, config=config)
+    model.to_cpu()
+    tokenizer = _tokenizer(args.model_path, config.neuron_config.padding_side)
+    batch = tokenizer(args.prompts, return_tensors="pt", padding=True)
+
+    adapter = HuggingFaceGenerationAdapter(model)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        outputs = adapter.generate(
+            batch.input_ids, attention_mask=batch.attention_mask, **generation
+        )
+    seconds = time.perf_counter() - start
+    new_tokens = outputs[:, batch.input_ids.shape[1] :]
+    print("Generated outputs:")
+    for index, (prompt, text) in enumerate(
+        zip(args.prompts, tokenizer.batch_decode(new_tokens, skip_special_tokens=True), strict=True)
+    ):
+        print(f"Output {index}: {prompt}{text}")
+    count = new_tokens.numel()
+    print(f"\n{count} new tokens in {seconds:.2f} s ({count / seconds:.1f} tokens/s, eager CPU)")
+
+    if args.check_accuracy_mode == "skip":
+        return 0
+    return _check_accuracy(args, model, batch, new_tokens.shape[1])
+
+
+def _check_accuracy(args: argparse.Namespace, model: Any, batch: Any, new_tokens: int) -> int:
+    from nxdplug.testing import check_accuracy
+
+    hf_model = model.load_hf_model(args.model_path, dtype=model.neuron_config.torch_dtype).eval()
+    report = check_accuracy(
+        model,
+        hf_model,
+        batch.input_ids,
+        batch.attention_mask,
+        max_new_tokens=new_tokens,
+        mode=args.check_accuracy_mode,
+    )
+    print(report.summary())
+    return 0 if report.passed else 1
