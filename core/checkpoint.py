@@ -17,10 +17,10 @@ from typing import Literal
 
 import attrs
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from nxdplug.errors import CheckpointError
+from nxdplug.safetensors_reader import SafetensorsFormatError, iter_safetensors
 
 Format = Literal["safetensors", "pickle"]
 
@@ -88,9 +88,9 @@ def iter_checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` one at a time, floating tensors cast to ``dtype`` when given.
 
-    Safetensors files are read lazily, one tensor materialized at a time, and pickle files are
-    memory-mapped where the file allows it, so peak host memory stays near one copy of the
-    weights even when the caller keeps every tensor.
+    Safetensors files are read one tensor at a time straight into that tensor's memory, and
+    pickle files are memory-mapped where the file allows it, so peak host memory stays near one
+    copy of the weights even when the caller keeps every tensor.
     """
     checkpoint = find_checkpoint(model_path)
     read = _iter_safetensors if checkpoint.format == "safetensors" else _iter_pickle
@@ -114,17 +114,9 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
 
 def _iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     try:
-        handle = safe_open(path, framework="pt", device="cpu")
-    except (SafetensorError, OSError) as exc:
+        yield from iter_safetensors(path)
+    except (SafetensorsFormatError, OSError) as exc:
         raise _unreadable(path, exc) from exc
-    with handle as reader:
-        names = reader.keys()
-        for name in names:
-            try:
-                tensor = reader.get_tensor(name)
-            except (SafetensorError, OSError) as exc:
-                raise _unreadable(path, exc) from exc
-            yield name, tensor
 
 
 def _iter_pickle(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -169,47 +169,49 @@ def test_hf_sharded_pickle(tmp_path: Path, hf_model: transformers.LlamaForCausal
 # --- laziness ---------------------------------------------------------------------------------
 
 
-def test_safetensors_tensors_are_read_one_at_a_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    write_checkpoint(tmp_path, "model.safetensors.index.json", tiny_state_dict())
-    opened: list[str] = []
-    reads: list[str] = []
-    real_safe_open = checkpoint.safe_open
-
-    class CountingSafeOpen:
-        def __init__(self, path: Path, **kwargs: object) -> None:
-            opened.append(Path(path).name)
-            self._handle = real_safe_open(path, **kwargs)
-
-        def __enter__(self) -> CountingSafeOpen:
-            self._reader = self._handle.__enter__()
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self._handle.__exit__(*exc)
-
-        def keys(self) -> list[str]:
-            return self._reader.keys()
-
-        def get_tensor(self, name: str) -> torch.Tensor:
-            reads.append(name)
-            return self._reader.get_tensor(name)
-
-    monkeypatch.setattr(checkpoint, "safe_open", CountingSafeOpen)
+def test_safetensors_tensors_are_read_one_at_a_time(tmp_path: Path) -> None:
+    """Each tensor is read when it is reached: data removed from the file after the first
+    tensor was yielded is missed, which a reader that loaded everything up front would not."""
+    state = {f"w{i}": torch.full((64,), float(i)) for i in range(4)}
+    save_file(state, tmp_path / "model.safetensors")
     tensors = iter_checkpoint_tensors(tmp_path)
+    first_name, first = next(tensors)
+    assert torch.equal(first, state[first_name])
+    with (tmp_path / "model.safetensors").open("r+b") as handle:
+        handle.truncate(handle.seek(0, 2) - 64 * 4)  # the last tensor's bytes
+    with pytest.raises(CheckpointError, match="ends inside tensor 'w3'"):
+        list(tensors)
 
-    first_name, _ = next(tensors)
-    assert reads == [first_name]
-    assert opened == ["model-00001-of-00002.safetensors"]
 
-    second_name, _ = next(tensors)
-    assert reads == [first_name, second_name]
-    assert len(opened) == 1
+# VmHWM (peak resident memory) resets at exec, unlike ru_maxrss, which a child inherits.
+PEAK_MEMORY_SCRIPT = """
+import sys, torch
+from nxdplug.checkpoint import load_state_dict
+def peak():
+    status = open("/proc/self/status").read()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+before = peak()
+state = load_state_dict(sys.argv[1])
+print(peak() - before)
+"""
 
-    rest = list(tensors)
-    assert len(reads) == 2 + len(rest) == len(tiny_state_dict())
-    assert len(opened) == 2
+
+def test_loading_peaks_near_one_copy_of_the_weights(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    size = 256 * 1024 * 1024
+    shards = {f"layer{i}.weight": torch.ones(size // 16 // 4) for i in range(16)}
+    save_file(shards, tmp_path / "model.safetensors")
+    del shards
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_MEMORY_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    growth = int(result.stdout)
+    assert size * 0.9 < growth < size * 1.25, f"peak grew by {growth / size:.2f} copies"
 
 
 # --- errors -----------------------------------------------------------------------------------
