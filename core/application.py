@@ -24,6 +24,7 @@ from nxdplug.checkpoint import (
 )
 from nxdplug.config import InferenceConfig, NeuronConfig, load_pretrained_config
 from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
+from nxdplug.meta_init import parameters_on_meta
 from nxdplug.model_wrapper import (
     CONTEXT_ENCODING_MODEL_TAG,
     TOKEN_GENERATION_MODEL_TAG,
@@ -44,13 +45,6 @@ def quantization_method(config: InferenceConfig) -> Any:
     granularity = neuron_config.quantization_type.removesuffix("_symmetric")
     name = f"{neuron_config.quantization_dtype}-{granularity}"
     return get_registry().get("quantization_methods", name)
-
-
-def cast_parameters(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating-point parameters only: buffers such as rotary tables keep their dtype."""
-    for param in module.parameters():
-        if param.is_floating_point():
-            param.data = param.data.to(dtype)
 
 
 class NeuronApplicationBase(nn.Module):
@@ -107,13 +101,14 @@ class NeuronApplicationBase(nn.Module):
         """The model with its weights: built, transformed by the enabled plugins, loaded."""
         if self._model_cls is None:
             raise NxdPlugError(f"{type(self).__name__} does not set _model_cls")
-        model = self._model_cls(self.config)
-        hook_caller("nxdplug_transform_model", self.plugins)(model=model, config=self.config)
-        dtype = self.neuron_config.torch_dtype
-        if self.neuron_config.cast_type == "config":
-            cast_parameters(model, dtype)
+        with parameters_on_meta():
+            model = self._model_cls(self.config)
+            hook_caller("nxdplug_transform_model", self.plugins)(model=model, config=self.config)
+        cast_to = (
+            self.neuron_config.torch_dtype if self.neuron_config.cast_type == "config" else None
+        )
         state_dict = self.get_state_dict(self.model_path, self.config)
-        load_into_module(model, state_dict, source=self.model_path)
+        load_into_module(model, state_dict, source=self.model_path, dtype=cast_to)
         return model.eval()
 
     def to_cpu(self) -> None:

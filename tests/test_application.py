@@ -191,3 +191,60 @@ def test_state_dict_prefix_and_conversion(llama_path) -> None:
     assert "embed_tokens.weight" in state_dict and "model.embed_tokens.weight" not in state_dict
     assert "layers.0.self_attn.qkv_proj.weight" in state_dict
     assert not any(key.endswith("q_proj.weight") for key in state_dict)
+
+
+TO_CPU_PEAK_SCRIPT = """
+import sys
+from nxdplug import NeuronConfig, from_pretrained
+def peak():
+    status = open("/proc/self/status").read()
+    return int(status.split("VmHWM:")[1].split()[0]) * 1024
+app = from_pretrained(sys.argv[1], NeuronConfig(torch_dtype="float32", seq_len=16))
+before = peak()
+app.to_cpu()
+print(peak() - before)
+"""
+
+
+def test_to_cpu_holds_the_weights_once(tmp_path) -> None:
+    """Building the model allocates no parameters of its own: peak growth is one copy."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    )
+    config.save_pretrained(tmp_path)
+    shapes = {"model.embed_tokens.weight": (32000, 1024), "lm_head.weight": (32000, 1024)}
+    shapes["model.norm.weight"] = (1024,)
+    for i in range(4):
+        prefix = f"model.layers.{i}."
+        shapes |= {
+            prefix + "self_attn.q_proj.weight": (1024, 1024),
+            prefix + "self_attn.k_proj.weight": (256, 1024),
+            prefix + "self_attn.v_proj.weight": (256, 1024),
+            prefix + "self_attn.o_proj.weight": (1024, 1024),
+            prefix + "mlp.gate_proj.weight": (2816, 1024),
+            prefix + "mlp.up_proj.weight": (2816, 1024),
+            prefix + "mlp.down_proj.weight": (1024, 2816),
+            prefix + "input_layernorm.weight": (1024,),
+            prefix + "post_attention_layernorm.weight": (1024,),
+        }
+    save_file({k: torch.full(v, 0.01) for k, v in shapes.items()}, tmp_path / "model.safetensors")
+    weight_bytes = sum(torch.Size(v).numel() * 4 for v in shapes.values())
+    result = subprocess.run(
+        [sys.executable, "-c", TO_CPU_PEAK_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    growth = int(result.stdout)
+    assert growth < 1.2 * weight_bytes, f"to_cpu peaked at {growth / weight_bytes:.2f} copies"
