@@ -16,13 +16,25 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The trained pycoder-tiny model, when the shared models folder sits beside this checkout.
+PYCODER ?= ../shared/models/pycoder-tiny
+
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/nxdplug make-tiny-model --architecture llama --output .demo/tiny-llama --seed 0 --force
 	HF_HUB_OFFLINE=1 $(VENV)/bin/nxdplug run --model-path .demo/tiny-llama \
 		--prompt "def fibonacci(n):" --prompt "import os" \
 		--max-new-tokens 32 --torch-dtype float32 --check-accuracy-mode token-matching
+	@if [ -d "$(PYCODER)" ]; then \
+		echo; echo "== pycoder-tiny, a small Llama trained on Python source =="; \
+		HF_HUB_OFFLINE=1 $(VENV)/bin/nxdplug run --model-path $(PYCODER) \
+			--prompt "def __init__(self" --prompt "class Stack:" \
+			--max-new-tokens 48 --seq-len 256 --torch-dtype float32 \
+			--check-accuracy-mode token-matching; \
+	fi
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) -q tests
 
 lint: $(STAMP)

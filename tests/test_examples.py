@@ -1,0 +1,37 @@
+"""The examples run, and a ported NxD Inference script prints what HF transformers generates."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_nxdi_generate_script_prints_hf_greedy_text(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("llama", seed=5)
+    prompts = ["def fibonacci(n):", "import os"]
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "nxdi_generate.py"), str(path), *prompts],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    printed = result.stdout.split("Generated outputs:\n", 1)[1].splitlines()
+
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = tokenizer(prompts, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        expected = hf.generate(
+            **inputs, generation_config=GenerationConfig.from_pretrained(path), max_length=128
+        )
+    texts = tokenizer.batch_decode(
+        expected, skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
+    expected_lines = "\n".join(f"Output {i}: {t}" for i, t in enumerate(texts)).splitlines()
+    assert printed == expected_lines
