@@ -30,8 +30,15 @@ from nxdplug.model_wrapper import (
     TOKEN_GENERATION_MODEL_TAG,
     ModelWrapper,
 )
-from nxdplug.pipeline import PluginSelection, hook_caller, select_plugins, validate
+from nxdplug.pipeline import (
+    DEFAULT_BACKEND,
+    PluginSelection,
+    hook_caller,
+    select_plugins,
+    validate,
+)
 from nxdplug.registry import get_registry
+from nxdplug.types import ModelArchitecture
 
 COMPILE_NOT_AVAILABLE = (
     "compiling to an artefact folder needs a compile backend that produces artefacts, and none "
@@ -113,7 +120,8 @@ class NeuronApplicationBase(nn.Module):
 
     def to_cpu(self) -> None:
         """Run every sub-model eagerly on the CPU, in place of compile() and load()."""
-        model = self.build_model()
+        backend = get_registry().get("compile_backends", DEFAULT_BACKEND).load("implementation")
+        model = backend().prepare(self.build_model())
         for wrapper in self.models:
             wrapper.model = model
         self.reset()
@@ -141,9 +149,8 @@ class NeuronApplicationBase(nn.Module):
     @classmethod
     def load_hf_model(cls, model_path: str | Path, **kwargs: Any) -> nn.Module:
         """The transformers model for the same checkpoint (the accuracy oracle)."""
-        config = InferenceConfig(NeuronConfig(), load_config=load_pretrained_config(model_path))
-        architecture = select_plugins(config).architecture
-        if architecture is None or architecture.hf_model_class is None:
+        architecture = architecture_for(model_path)
+        if architecture.hf_model_class is None:
             raise NotSupportedError(f"no transformers class is registered for {model_path}")
         return architecture.load("hf_model_class").from_pretrained(str(model_path), **kwargs)
 
@@ -322,17 +329,21 @@ def compact_left(
     return tokens, mask, positions
 
 
+def architecture_for(model_path: str | Path) -> ModelArchitecture:
+    """The model plugin serving a checkpoint, from its config's architectures / model_type."""
+    probe = InferenceConfig(NeuronConfig(), load_config=load_pretrained_config(model_path))
+    return get_registry().find_architecture(
+        getattr(probe, "architectures", None) or (), getattr(probe, "model_type", None)
+    )
+
+
 def from_pretrained(
     model_path: str | Path,
     neuron_config: NeuronConfig | None = None,
     config: InferenceConfig | None = None,
 ) -> NeuronApplicationBase:
     """The application for a checkpoint, its class chosen from ``config.json`` by the registry."""
-    probe = InferenceConfig(NeuronConfig(), load_config=load_pretrained_config(model_path))
-    architecture = get_registry().find_architecture(
-        getattr(probe, "architectures", None) or (), getattr(probe, "model_type", None)
-    )
-    application_cls = architecture.load("application")
+    application_cls = architecture_for(model_path).load("application")
     if config is None:
         config = application_cls.get_config_cls()(
             neuron_config or NeuronConfig(), load_config=load_pretrained_config(model_path)

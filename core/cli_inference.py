@@ -28,16 +28,12 @@ def _add_model_path(parser: argparse.ArgumentParser) -> None:
 
 
 def _inference_config(model_path: Path, options: dict[str, Any]) -> Any:
-    from nxdplug.config import InferenceConfig, NeuronConfig, load_pretrained_config
-    from nxdplug.registry import get_registry
+    from nxdplug.application import architecture_for
+    from nxdplug.config import NeuronConfig, load_pretrained_config
 
     if not model_path.is_dir():
         raise NxdPlugError(f"--model-path {model_path} is not a folder")
-    probe = InferenceConfig(NeuronConfig(), load_config=load_pretrained_config(model_path))
-    architecture = get_registry().find_architecture(
-        getattr(probe, "architectures", None) or (), getattr(probe, "model_type", None)
-    )
-    config_cls = architecture.load("application").get_config_cls()
+    config_cls = architecture_for(model_path).load("application").get_config_cls()
     return config_cls(NeuronConfig(**options), load_config=load_pretrained_config(model_path))
 
 

@@ -25,7 +25,6 @@ class ModelWrapper(nn.Module):
         model_cls: type[nn.Module],
         tag: str = "",
         compiler_args: str | None = None,
-        priority_model_idx: int | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -33,7 +32,6 @@ class ModelWrapper(nn.Module):
         self.model_cls = model_cls
         self.tag = tag
         self.compiler_args = compiler_args
-        self.priority_model_idx = priority_model_idx
         self.model: nn.Module | None = None
         self.is_context_encoding = tag == CONTEXT_ENCODING_MODEL_TAG
         self.buckets = self._buckets()

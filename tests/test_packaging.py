@@ -96,3 +96,19 @@ def test_every_hook_is_implemented_somewhere_in_the_tests_or_plugins(name, funct
     sources += list((ROOT / "plugins").rglob("hooks.py"))
     sources += list((ROOT / "contrib_models").rglob("hooks.py"))
     assert any(f"def {name}(" in p.read_text() for p in sources), f"{name} is never implemented"
+
+
+def test_public_api_names_resolve() -> None:
+    import nxdplug
+
+    for name in nxdplug.__all__:
+        assert getattr(nxdplug, name) is not None, name
+    from nxdplug.contrib_models.llama import LlamaInferenceConfig, NeuronLlamaForCausalLM
+    from nxdplug.contrib_models.mistral import NeuronMistralForCausalLM
+    from nxdplug.contrib_models.qwen2 import NeuronQwen2ForCausalLM
+
+    assert issubclass(NeuronLlamaForCausalLM, nxdplug.NeuronBaseForCausalLM)
+    assert issubclass(NeuronMistralForCausalLM, NeuronLlamaForCausalLM)
+    assert issubclass(NeuronQwen2ForCausalLM, NeuronLlamaForCausalLM)
+    assert issubclass(LlamaInferenceConfig, nxdplug.InferenceConfig)
+    assert NeuronLlamaForCausalLM.get_config_cls() is LlamaInferenceConfig
