@@ -22,6 +22,7 @@ from nxdplug.config.serialization import (
     to_jsonable,
     write_text_atomic,
 )
+from nxdplug.config.value_object import ComparedByValue
 from nxdplug.errors import ConfigError
 
 CONFIG_FILE = "neuron_config.json"
@@ -29,7 +30,7 @@ CONFIG_FILE = "neuron_config.json"
 Self = TypeVar("Self", bound="InferenceConfig")
 
 
-class InferenceConfig:
+class InferenceConfig(ComparedByValue):
     """A NeuronConfig (``neuron_config``) and the model's attributes, as plain attributes.
 
     ``attribute_map`` lists aliases (alias -> attribute): getting or setting an alias reaches the
@@ -190,19 +191,6 @@ class InferenceConfig:
         if isinstance(draft, Mapping):
             values["draft_config"] = type(self)(**draft)
         return build_section(FusedSpecNeuronConfig, values, "fused_spec_config")
-
-    # -- comparison and display ---------------------------------------------------------------
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return vars(self) == vars(other)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
-
-    def __repr__(self) -> str:
-        items = ", ".join(f"{name}={value!r}" for name, value in vars(self).items())
-        return f"{type(self).__name__}({items})"
 
 
 def _has_attribute_path(obj: Any, dotted_name: str) -> bool:

@@ -23,6 +23,7 @@ from nxdplug.config.lora import LoraServingConfig
 from nxdplug.config.sampling import OnDeviceSamplingConfig
 from nxdplug.config.sections import section_converter
 from nxdplug.config.serialization import to_jsonable
+from nxdplug.config.value_object import ComparedByValue
 from nxdplug.errors import ConfigError
 
 LNC_ENV = "NEURON_LOGICAL_NC_CONFIG"
@@ -74,7 +75,7 @@ def _layout_skips(config: NeuronConfig) -> list[str]:
 
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
-class NeuronConfig:
+class NeuronConfig(ComparedByValue):
     """Compile-time settings: shapes, dtypes, parallelism, features. Pass them as keywords."""
 
     # General
@@ -213,17 +214,6 @@ class NeuronConfig:
     def to_dict(self) -> dict[str, Any]:
         """Every attribute, JSON-ready: dtypes as names, sub-configs as dicts."""
         return to_jsonable(vars(self), type(self).__name__)
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return vars(self) == vars(other)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
-
-    def __repr__(self) -> str:
-        items = ", ".join(f"{name}={value!r}" for name, value in vars(self).items())
-        return f"{type(self).__name__}({items})"
 
 
 def _warn_deprecated(old: str, new: str) -> None:
