@@ -116,7 +116,7 @@ class NeuronApplicationBase(nn.Module):
         )
         state_dict = self.get_state_dict(self.model_path, self.config)
         load_into_module(model, state_dict, source=self.model_path, dtype=cast_to)
-        return model.eval()
+        return model.requires_grad_(False).eval()
 
     def to_cpu(self) -> None:
         """Run every sub-model eagerly on the CPU, in place of compile() and load()."""

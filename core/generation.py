@@ -117,6 +117,7 @@ class HuggingFaceGenerationAdapter:
             )
         return total - prompt_length
 
+    @torch.no_grad()
     def generate(
         self,
         input_ids: torch.Tensor,

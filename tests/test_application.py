@@ -248,3 +248,42 @@ def test_to_cpu_holds_the_weights_once(tmp_path) -> None:
     )
     growth = int(result.stdout)
     assert growth < 1.2 * weight_bytes, f"to_cpu peaked at {growth / weight_bytes:.2f} copies"
+
+
+def test_sub_models_export_with_fixed_shapes(llama_path) -> None:
+    """Each phase traces with torch.export (no data-dependent Python control flow), the KV cache
+    is mutated state of the graph, and token generation reads what context encoding wrote."""
+    app = make_app(llama_path)
+    model = app.context_encoding_model.model
+    generator = torch.Generator().manual_seed(0)
+    cte = list(app.context_encoding_model.input_generator()[0])
+    cte[0] = torch.randint(1, 500, cte[0].shape, generator=generator)
+    tkg = list(app.token_generation_model.input_generator()[0])
+    tkg[0] = torch.randint(1, 500, tkg[0].shape, generator=generator)
+    tkg[2] = torch.full_like(tkg[2], 32)  # the token after a full 32-token prompt
+    tkg[1][:, 33:] = 0
+
+    context_graph = torch.export.export(model, tuple(cte), strict=False).module()
+    token_graph = torch.export.export(model, tuple(tkg), strict=False).module()
+    model.kv_mgr.reset()
+    expected = [model(*cte), model(*tkg)]
+
+    first = context_graph(*cte)
+    cache = {name: b for name, b in context_graph.named_buffers() if name.startswith("kv_mgr.")}
+    assert any(b.abs().sum() > 0 for b in cache.values()), "the graph did not write the cache"
+    for name, buffer in token_graph.named_buffers():
+        if name in cache:
+            buffer.copy_(cache[name])
+    second = token_graph(*tkg)
+    assert torch.equal(first, expected[0])
+    assert torch.equal(second, expected[1])
+
+
+def test_generation_records_no_autograd_history(llama_path) -> None:
+    app = make_app(llama_path)
+    ids, mask = left_padded(ROWS)
+    HuggingFaceGenerationAdapter(app).generate(ids, attention_mask=mask, max_new_tokens=4)
+    app(input_ids=ids, attention_mask=mask)  # forward called directly, outside no_grad
+    model = app.context_encoding_model.model
+    assert not any(p.requires_grad for p in model.parameters())
+    assert not any(b.requires_grad for b in model.kv_mgr.buffers())
