@@ -35,7 +35,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) -q tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -q tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .

@@ -22,6 +22,12 @@ from nxdplug.checkpoint import (
     replace_prefix,
     save_state_dict,
 )
+from nxdplug.compiled_model import (
+    compile_application,
+    load_application,
+    load_weights,
+    shard_weights,
+)
 from nxdplug.config import InferenceConfig, NeuronConfig, load_pretrained_config
 from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
 from nxdplug.meta_init import parameters_on_meta
@@ -39,11 +45,6 @@ from nxdplug.pipeline import (
 )
 from nxdplug.registry import get_registry
 from nxdplug.types import ModelArchitecture
-
-COMPILE_NOT_AVAILABLE = (
-    "compiling to an artefact folder needs a compile backend that produces artefacts, and none "
-    "is installed in this version of nxdplug; run the model eagerly with to_cpu() instead"
-)
 
 
 def quantization_method(config: InferenceConfig) -> Any:
@@ -77,6 +78,7 @@ class NeuronApplicationBase(nn.Module):
         self.models: list[ModelWrapper] = []
         self.is_compiled = False
         self.is_loaded_to_neuron = False
+        self.backend_name: str | None = None  # what runs the sub-models once loaded
 
     @classmethod
     def get_config_cls(cls) -> type[InferenceConfig]:
@@ -92,17 +94,24 @@ class NeuronApplicationBase(nn.Module):
     def get_compiler_args(self) -> str | None:
         return None
 
-    def compile(self, compiled_model_path: str | Path, debug: bool = False) -> None:
-        raise NotSupportedError(COMPILE_NOT_AVAILABLE)
+    def compile(
+        self, compiled_model_path: str | Path, debug: bool = False, *, quiet: bool = False
+    ) -> None:
+        """Compile every sub-model and bucket into ``compiled_model_path`` (see
+        :mod:`nxdplug.compiled_model`); a folder already holding these graphs is reused."""
+        compile_application(self, Path(compiled_model_path), debug=debug, quiet=quiet)
 
-    def load(self, compiled_model_path: str | Path) -> None:
-        raise NotSupportedError(COMPILE_NOT_AVAILABLE)
+    def load(self, compiled_model_path: str | Path, *, quiet: bool = False) -> None:
+        """Load a compiled folder made for this config, and its weights."""
+        load_application(self, Path(compiled_model_path), quiet=quiet)
 
     def load_weights(self, compiled_model_path: str | Path) -> None:
-        raise NotSupportedError(COMPILE_NOT_AVAILABLE)
+        """Swap in the weights of ``compiled_model_path`` without reloading the graphs."""
+        load_weights(self, Path(compiled_model_path))
 
     def shard_weights(self, compiled_model_path: str | Path) -> None:
-        raise NotSupportedError(COMPILE_NOT_AVAILABLE)
+        """Write this model's weights into the compiled folder ``compiled_model_path``."""
+        shard_weights(self, Path(compiled_model_path))
 
     def build_model(self) -> nn.Module:
         """The model with its weights: built, transformed by the enabled plugins, loaded."""
@@ -124,6 +133,7 @@ class NeuronApplicationBase(nn.Module):
         model = backend().prepare(self.build_model())
         for wrapper in self.models:
             wrapper.model = model
+        self.backend_name = DEFAULT_BACKEND
         self.reset()
 
     @classmethod

@@ -134,6 +134,13 @@ def _iter_pickle(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, state.pop(name)
 
 
+def load_tensor_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors (or ``.pt``/``.bin`` pickle) file."""
+    path = Path(path)
+    read = _iter_pickle if path.suffix in PICKLE_SUFFIXES else _iter_safetensors
+    return dict(read(path))
+
+
 def load_state_dict(
     model_path: str | os.PathLike[str], dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
@@ -260,11 +267,11 @@ def save_state_dict(state_dict: Mapping[str, torch.Tensor], path: str | os.PathL
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        os.chmod(tmp, 0o644)  # mkstemp makes the file private; weights are ordinary files
         if target.suffix in PICKLE_SUFFIXES:
             torch.save(tensors, tmp)
         else:
             save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)  # mkstemp makes the file private; weights are ordinary files
         os.replace(tmp, target)
     except BaseException:
         os.unlink(tmp)

@@ -8,12 +8,12 @@ add sub-models) are then called only for the plugins in that set.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
+from nxdplug.compile_backend import requested_backend
 from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.registry import Registry, get_registry
 from nxdplug.types import (
@@ -44,7 +44,6 @@ PLUGIN_PROVIDED_ATTRIBUTES = (
 
 DEFAULT_KV_CACHE_STRATEGY = "static"
 DEFAULT_BACKEND = "eager"
-BACKEND_ENV = "NXDPLUG_BACKEND"
 
 
 @attrs.frozen
@@ -76,15 +75,6 @@ def _single_choice(records: Iterable[Any], neuron_config: Any, label: str) -> An
     return chosen[0] if chosen else None
 
 
-def backend_name(neuron_config: Any) -> str:
-    """The backend a config asks for: the attribute, then NXDPLUG_BACKEND, then eager."""
-    return (
-        getattr(neuron_config, "compile_backend", None)
-        or os.environ.get(BACKEND_ENV)
-        or DEFAULT_BACKEND
-    )
-
-
 def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelection:
     """The plugins ``config`` enables; raises when a named or implied choice does not exist."""
     registry = registry or get_registry()
@@ -97,7 +87,7 @@ def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelec
     speculation = _single_choice(
         registry.records("speculation_modes"), neuron_config, "speculation mode"
     )
-    backend = registry.get("compile_backends", backend_name(neuron_config))
+    backend = registry.get("compile_backends", requested_backend(neuron_config) or DEFAULT_BACKEND)
     model_type = architecture.model_type if architecture else getattr(config, "model_type", "")
     converters = tuple(
         sorted(
@@ -170,14 +160,31 @@ def _unimplemented_attribute_problems(
     return problems
 
 
+NEURON_KERNEL_FLAGS = (
+    "attn_kernel_enabled",
+    "qkv_kernel_enabled",
+    "mlp_kernel_enabled",
+    "quantized_mlp_kernel_enabled",
+    "rmsnorm_quantize_kernel_enabled",
+)
+
+
 def _backend_problems(selection: PluginSelection, neuron_config: Any) -> list[str]:
-    supported = selection.compile_backend.tp_degrees
-    if supported is None or neuron_config.tp_degree in supported:
-        return []
-    return [
-        f"tp_degree={neuron_config.tp_degree} is not supported by the "
-        f"{selection.compile_backend.name!r} backend; supported: {list(supported)}"
-    ]
+    backend = selection.compile_backend
+    problems = []
+    if backend.tp_degrees is not None and neuron_config.tp_degree not in backend.tp_degrees:
+        problems.append(
+            f"tp_degree={neuron_config.tp_degree} is not supported by the {backend.name!r} "
+            f"backend; supported: {list(backend.tp_degrees)}"
+        )
+    if "nki-kernels" not in backend.capabilities:
+        problems += [
+            f"{flag}=True selects a Neuron (NKI) kernel, which the {backend.name!r} backend "
+            f"cannot run; set {flag}=False or compile with the neuron backend"
+            for flag in NEURON_KERNEL_FLAGS
+            if getattr(neuron_config, flag, False)
+        ]
+    return problems
 
 
 def hook_caller(name: str, selection: PluginSelection) -> Any:

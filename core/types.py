@@ -179,9 +179,10 @@ class Feature(SelectableRecord):
 class CompileBackend(PluginRecord):
     """Runs or compiles the sub-models.
 
-    ``implementation`` is a CompileBackend class; ``priority`` orders the automatic choice (the
-    highest available wins); ``tp_degrees`` lists the tensor-parallel degrees the target
-    supports (``None``: any).
+    ``implementation`` is a class following :class:`nxdplug.compile_backend.Backend`;
+    ``priority`` orders the automatic choice (the highest available wins); ``tp_degrees`` lists
+    the tensor-parallel degrees the target supports (``None``: any); ``capabilities`` may hold
+    ``"nki-kernels"`` for backends that run the Neuron kernels NeuronConfig can switch on.
     """
 
     implementation: str = _ref_field()
@@ -189,3 +190,4 @@ class CompileBackend(PluginRecord):
     tp_degrees: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple)
     )
+    capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)

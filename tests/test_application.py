@@ -67,8 +67,9 @@ def test_application_attributes_follow_the_reference(llama_path) -> None:
         False,
         False,
     )
-    with pytest.raises(NotSupportedError, match="to_cpu"):
-        app.compile("/tmp/never-written")
+    assert app.backend_name is None
+    app.to_cpu()
+    assert app.backend_name == "eager"
 
 
 def test_smallest_bucket_that_fits_is_used(llama_path, hf_llama) -> None:

@@ -1,0 +1,95 @@
+"""The contract between the compile pipeline and compile-backend plugins, and backend choice.
+
+A backend plugin's ``implementation`` is a class built with no arguments. Its instances turn one
+sub-model bucket, given as a pure function of ``(weights, caches, *inputs)``, into an artefact
+file, and load such a file back as a callable with the same signature. Weights and KV caches are
+graph inputs, so every graph of a model shares one copy of each, and weights can be swapped
+without recompiling.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from nxdplug.errors import NotSupportedError
+from nxdplug.registry import get_registry
+from nxdplug.types import CompileBackend
+
+BACKEND_ENV = "NXDPLUG_BACKEND"
+
+
+class Backend(Protocol):
+    name: str
+    produces_artefacts: bool
+    artefact_suffix: str
+
+    def unavailable_reason(self) -> str | None:
+        """None when the backend can run here; otherwise what is missing and how to get it."""
+
+    def versions(self) -> dict[str, str]:
+        """Versions (and target device) that shape the artefacts, for the manifest hash."""
+
+    def compile_graph(
+        self,
+        function: nn.Module,
+        example_args: tuple[Any, ...],
+        output: Path,
+        *,
+        debug: bool,
+        compiler_args: str | None,
+    ) -> None:
+        """Write the artefact of ``function`` traced at ``example_args`` to ``output``."""
+
+    def load_graph(self, path: Path) -> Callable[..., torch.Tensor]:
+        """The compiled callable stored at ``path``."""
+
+
+def requested_backend(neuron_config: Any) -> str | None:
+    """The backend a user asked for: NeuronConfig.compile_backend, then NXDPLUG_BACKEND."""
+    return getattr(neuron_config, "compile_backend", None) or os.environ.get(BACKEND_ENV) or None
+
+
+def instantiate(record: CompileBackend) -> Backend:
+    return record.load("implementation")()
+
+
+def choose_backend(neuron_config: Any) -> tuple[CompileBackend, Backend]:
+    """The backend ``compile()`` uses.
+
+    A requested backend is used or refused, never replaced by another; otherwise the available
+    artefact-producing backend with the highest priority wins.
+    """
+    registry = get_registry()
+    name = requested_backend(neuron_config)
+    if name is not None:
+        record = registry.get("compile_backends", name)
+        backend = instantiate(record)
+        if not backend.produces_artefacts:
+            raise NotSupportedError(
+                f"the {name!r} backend runs models eagerly and writes no compiled artefacts; "
+                "use to_cpu(), or choose another backend for compile()"
+            )
+        reason = backend.unavailable_reason()
+        if reason is not None:
+            raise NotSupportedError(f"the {name!r} compile backend is not available: {reason}")
+        return record, backend
+    refused = []
+    for record in sorted(registry.records("compile_backends"), key=lambda r: -r.priority):
+        backend = instantiate(record)
+        if not backend.produces_artefacts:
+            continue
+        reason = backend.unavailable_reason()
+        if reason is None:
+            return record, backend
+        refused.append(f"{record.name}: {reason}")
+    raise NotSupportedError(
+        "no compile backend that writes artefacts is available"
+        + (f" ({'; '.join(refused)})" if refused else "")
+        + "; install one, or run the model with to_cpu()"
+    )

@@ -1,0 +1,328 @@
+"""compile(), load(), load_weights() and shard_weights() of an application.
+
+Compiling exports every sub-model and bucket as a pure function of (weights, caches, inputs)
+and has the backend turn each into an artefact. Compiling needs shapes only: the graphs are
+traced on uninitialized weights, and the checkpoint is read just to write ``weights/``. Loading
+checks the folder against the config it is given, loads the graphs, and hands every graph the
+same weights and the same KV cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from nxdplug import __version__
+from nxdplug.artefacts import (
+    CONFIG_FILE,
+    GRAPHS,
+    MANIFEST,
+    WEIGHTS,
+    ArtefactError,
+    GraphEntry,
+    Manifest,
+    config_hash,
+    differing_fields,
+    fetch_graphs,
+    file_digest,
+    graph_shaping_config,
+    publish_graphs,
+    save_text_atomically,
+    staged_folder,
+    store_folder,
+    verify_files,
+)
+from nxdplug.checkpoint import check_state_dict, load_tensor_file, save_state_dict
+from nxdplug.compile_backend import Backend, choose_backend, instantiate
+from nxdplug.errors import NotSupportedError
+from nxdplug.graph_function import GraphFunction
+from nxdplug.manager import get_plugin_manager
+from nxdplug.pipeline import select_plugins, validate
+from nxdplug.registry import get_registry
+
+WEIGHTS_FILE = f"{WEIGHTS}/rank0.safetensors"
+
+
+class CompiledSubModel:
+    """Stands in for the model of a ModelWrapper: runs the compiled graph of the bucket."""
+
+    def __init__(
+        self,
+        graphs: dict[int, Callable[..., torch.Tensor]],
+        weights: list[torch.Tensor],
+        caches: list[torch.Tensor],
+        kv_mgr: nn.Module,
+    ) -> None:
+        self.graphs = graphs
+        self.weights = weights
+        self.caches = caches
+        self.kv_mgr = kv_mgr
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        sampling_params: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        graph = self.graphs[attention_mask.shape[-1]]
+        inputs = (input_ids, attention_mask, position_ids, seq_ids)
+        return graph(self.weights, self.caches, *(t.contiguous() for t in inputs))
+
+
+@attrs.frozen
+class Skeleton:
+    """The model with its parameters on the meta device: shapes, names and real caches."""
+
+    model: nn.Module
+    function: GraphFunction
+
+    @property
+    def caches(self) -> list[torch.Tensor]:
+        buffers = dict(self.model.named_buffers())
+        return [buffers[name] for name in self.function.cache_names]
+
+    def weight_shapes(self, dtype: torch.dtype | None) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        params = dict(self.model.named_parameters())
+        result = {}
+        for name in self.function.weight_names:
+            param = params[name]
+            target = dtype if dtype is not None and param.is_floating_point() else param.dtype
+            result[name] = (param.shape, target)
+        return result
+
+
+def _weight_dtype(app: Any) -> torch.dtype | None:
+    neuron_config = app.neuron_config
+    return neuron_config.torch_dtype if neuron_config.cast_type == "config" else None
+
+
+def build_skeleton(app: Any) -> Skeleton:
+    from nxdplug.meta_init import parameters_on_meta
+    from nxdplug.pipeline import hook_caller
+
+    with parameters_on_meta():
+        model = app._model_cls(app.config)
+        hook_caller("nxdplug_transform_model", app.plugins)(model=model, config=app.config)
+    model.requires_grad_(False).eval()
+    return Skeleton(model, GraphFunction(model))
+
+
+def _config_for_backend(app: Any, backend_name: str) -> Any:
+    config = copy.deepcopy(app.config)
+    config.neuron_config.compile_backend = backend_name
+    return config
+
+
+def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, dict, dict]:
+    """(config hash, versions, plugin versions) of the graphs this app compiles."""
+    config = _config_for_backend(app, backend_name)
+    manager = get_plugin_manager()
+    plugins = {
+        name: manager.plugin_info(name).version for name in sorted(select_plugins(config).plugins)
+    }
+    versions = {"nxdplug": __version__, **backend.versions()}
+    shaping = graph_shaping_config(config.to_dict())
+    extra = {"backend": backend_name, "plugins": plugins, "compiler_args": app.get_compiler_args()}
+    return config_hash(shaping, versions | extra), versions, plugins
+
+
+def _reusable(folder: Path, digest: str, needs_weights: bool) -> bool:
+    try:
+        manifest = Manifest.read(folder)
+        verify_files(folder, manifest)
+    except ArtefactError:
+        return False
+    return manifest.config_hash == digest and (bool(manifest.weights) or not needs_weights)
+
+
+def _say(message: str, quiet: bool) -> None:
+    if not quiet:
+        tqdm.write(f"nxdplug: {message}", file=sys.stderr)
+
+
+def _graph_plan(app: Any, suffix: str) -> Iterator[tuple[Any, int, tuple, str]]:
+    for wrapper in app.models:
+        for bucket, example in zip(wrapper.buckets, wrapper.input_generator(), strict=True):
+            yield wrapper, bucket, example, f"{GRAPHS}/{wrapper.tag}-{bucket}{suffix}"
+
+
+def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: bool = False) -> None:
+    record, backend = choose_backend(app.neuron_config)
+    config = _config_for_backend(app, record.name)
+    validate(config, source=f"compile with the {record.name!r} backend")
+    digest, versions, plugins = _fingerprint(app, record.name, backend)
+    save_weights = bool(app.neuron_config.save_sharded_checkpoint)
+    if _reusable(path, digest, save_weights):
+        _say(f"{path} already holds these graphs (config hash {digest[:12]}); reusing it", quiet)
+        app.is_compiled = True
+        return
+
+    skeleton = build_skeleton(app)
+    shapes = skeleton.weight_shapes(_weight_dtype(app))
+    example_weights = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
+    store = store_folder()
+    started = time.perf_counter()
+    with staged_folder(path) as staging:
+        (staging / GRAPHS).mkdir()
+        from_store = store is not None and fetch_graphs(store, digest, staging)
+        if from_store:
+            _say(f"graphs for config hash {digest[:12]} found in the store {store}", quiet)
+        entries = []
+        plan = list(_graph_plan(app, backend.artefact_suffix))
+        for wrapper, bucket, example, relative in tqdm(
+            plan, desc=f"compiling ({record.name})", unit="graph", disable=quiet or from_store
+        ):
+            if not from_store:
+                backend.compile_graph(
+                    skeleton.function,
+                    (example_weights, skeleton.caches, *example),
+                    staging / relative,
+                    debug=debug,
+                    compiler_args=app.get_compiler_args(),
+                )
+            entries.append(GraphEntry(wrapper.tag, bucket, relative))
+        weights = _write_weights(app, path, staging, shapes) if save_weights else ()
+        config.save(staging)
+        files = {
+            str(p.relative_to(staging)): file_digest(p)
+            for p in sorted(staging.rglob("*"))
+            if p.is_file()
+        }
+        manifest = Manifest(digest, record.name, versions, plugins, tuple(entries), weights, files)
+        save_text_atomically(staging / MANIFEST, manifest.to_json())
+        if store is not None and not from_store:
+            publish_graphs(store, digest, staging / GRAPHS)
+    seconds = time.perf_counter() - started
+    _say(f"compiled {len(entries)} graph(s) into {path} in {seconds:.1f} s", quiet)
+    app.is_compiled = True
+
+
+def _write_weights(
+    app: Any, previous: Path, staging: Path, shapes: dict[str, tuple[torch.Size, torch.dtype]]
+) -> tuple[str, ...]:
+    """The weights in graph order; with skip_sharding, those already in ``previous``."""
+    existing = previous / WEIGHTS_FILE
+    target = staging / WEIGHTS_FILE
+    target.parent.mkdir()
+    if app.neuron_config.skip_sharding and existing.is_file():
+        shutil.copyfile(existing, target)
+    else:
+        save_state_dict(checkpoint_weights(app, shapes), target)
+    return (WEIGHTS_FILE,)
+
+
+def checkpoint_weights(
+    app: Any, shapes: dict[str, tuple[torch.Size, torch.dtype]]
+) -> dict[str, torch.Tensor]:
+    """The HF checkpoint converted to the graphs' weights, checked against their shapes."""
+    state_dict = app.get_state_dict(app.model_path, app.config)
+    expected = {name: tuple(shape) for name, (shape, _) in shapes.items()}
+    tied = {k: v for k, v in state_dict.items() if k in expected}
+    check_state_dict(tied, expected, source=app.model_path)
+    return {name: tied[name].to(dtype) for name, (_, dtype) in shapes.items()}
+
+
+def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
+    manifest = Manifest.read(path)
+    verify_files(path, manifest)
+    record = get_registry().get("compile_backends", manifest.backend)
+    backend = instantiate(record)
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        raise NotSupportedError(f"{path} was compiled for {manifest.backend!r}: {reason}")
+    _check_fingerprint(app, path, manifest, backend)
+
+    skeleton = build_skeleton(app)
+    shapes = skeleton.weight_shapes(_weight_dtype(app))
+    weights_by_name = _stored_weights(app, path, manifest, shapes)
+    weights = [weights_by_name[name] for name in shapes]
+    caches = skeleton.caches
+    loaded: dict[str, dict[int, Callable]] = {}
+    for entry in tqdm(manifest.graphs, desc="loading", unit="graph", disable=quiet):
+        loaded.setdefault(entry.tag, {})[entry.bucket] = backend.load_graph(path / entry.file)
+    for wrapper in app.models:
+        if wrapper.tag not in loaded:
+            raise ArtefactError(f"{path} has no graphs for {wrapper.tag}; compile again")
+        wrapper.model = CompiledSubModel(
+            loaded[wrapper.tag], weights, caches, skeleton.model.kv_mgr
+        )
+    if not app.neuron_config.skip_warmup:
+        warm_up(app)
+    app.is_loaded_to_neuron = True
+    app.backend_name = manifest.backend
+    app.reset()
+
+
+def _check_fingerprint(app: Any, path: Path, manifest: Manifest, backend: Backend) -> None:
+    digest, versions, plugins = _fingerprint(app, manifest.backend, backend)
+    if digest == manifest.config_hash:
+        return
+    stored = json.loads((path / CONFIG_FILE).read_text())
+    current = _config_for_backend(app, manifest.backend).to_dict()
+    differences = differing_fields(graph_shaping_config(stored), graph_shaping_config(current))
+    differences += differing_fields(
+        {"versions": manifest.versions, "plugins": manifest.plugins},
+        {"versions": versions, "plugins": plugins},
+    )
+    detail = "; ".join(differences) or "the compiler arguments differ"
+    raise ArtefactError(
+        f"{path} was compiled for a different configuration ({detail}). Compile again for this "
+        "config, or load with the config the folder was compiled with "
+        f"(InferenceConfig.load({str(path)!r}))."
+    )
+
+
+def _stored_weights(
+    app: Any, path: Path, manifest: Manifest, shapes: dict[str, tuple[torch.Size, torch.dtype]]
+) -> dict[str, torch.Tensor]:
+    if not manifest.weights:
+        return checkpoint_weights(app, shapes)  # save_sharded_checkpoint=False: shard at load
+    weights = load_tensor_file(path / WEIGHTS_FILE)
+    check_state_dict(weights, {n: tuple(s) for n, (s, _) in shapes.items()}, str(path / WEIGHTS))
+    return weights
+
+
+def warm_up(app: Any) -> None:
+    """Run every graph once on its example inputs, then clear the cache they wrote."""
+    for wrapper in app.models:
+        for example in wrapper.input_generator():
+            wrapper.model(*example)
+    app.context_encoding_model.model.kv_mgr.reset()
+
+
+def load_weights(app: Any, path: Path) -> None:
+    """Swap the weights of a loaded model for those of ``path`` (no recompilation)."""
+    manifest = Manifest.read(path)
+    verify_files(path, manifest)
+    compiled = app.context_encoding_model.model
+    if not isinstance(compiled, CompiledSubModel):
+        raise NotSupportedError("load_weights() needs a model loaded with load(); call it first")
+    shapes = build_skeleton(app).weight_shapes(_weight_dtype(app))
+    new = _stored_weights(app, path, manifest, shapes)
+    for tensor, name in zip(compiled.weights, shapes, strict=True):
+        tensor.copy_(new[name])
+
+
+def shard_weights(app: Any, path: Path) -> None:
+    """Write the checkpoint's weights, in the compiled graphs' layout, into the compiled folder
+    ``path`` (its manifest is updated to list and hash them)."""
+    manifest = Manifest.read(path)
+    shapes = build_skeleton(app).weight_shapes(_weight_dtype(app))
+    (path / WEIGHTS).mkdir(exist_ok=True)
+    save_state_dict(checkpoint_weights(app, shapes), path / WEIGHTS_FILE)
+    files = dict(manifest.files) | {WEIGHTS_FILE: file_digest(path / WEIGHTS_FILE)}
+    updated = attrs.evolve(manifest, weights=(WEIGHTS_FILE,), files=files)
+    save_text_atomically(path / MANIFEST, updated.to_json())

@@ -1,0 +1,97 @@
+"""AOTInductor: export a graph function, compile it to a ``.pt2`` package, load it back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from nxdplug.errors import ConfigError
+
+C_COMPILERS = ("c++", "g++", "clang++")
+
+
+def parse_compiler_args(compiler_args: str | None) -> dict[str, Any]:
+    """``"max_autotune=true cpp.threads=2"`` -> inductor config options (JSON values)."""
+    options: dict[str, Any] = {}
+    for item in (compiler_args or "").split():
+        key, separator, raw = item.partition("=")
+        if not separator or not key:
+            raise ConfigError(
+                [f"inductor compiler argument {item!r} is not KEY=VALUE (e.g. max_autotune=true)"]
+            )
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    return options
+
+
+@contextmanager
+def torch_internal_warnings_silenced() -> Iterator[None]:
+    """torch 2.13's export/AOTI emit deprecation warnings about their own internals."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r".*requires gradient.*", category=UserWarning)
+        yield
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class InductorBackend:
+    name = "inductor"
+    produces_artefacts = True
+    artefact_suffix = ".pt2"
+
+    def unavailable_reason(self) -> str | None:
+        if not hasattr(torch._inductor, "aoti_compile_and_package"):
+            return f"torch {torch.__version__} has no AOTInductor packaging; use torch >= 2.6"
+        if device() == "cpu" and not any(shutil.which(c) for c in C_COMPILERS):
+            return "AOTInductor needs a C++ compiler on PATH (install g++)"
+        return None
+
+    def versions(self) -> dict[str, str]:
+        return {"torch": torch.__version__, "device": device()}
+
+    def compile_graph(
+        self,
+        function: nn.Module,
+        example_args: tuple[Any, ...],
+        output: Path,
+        *,
+        debug: bool,
+        compiler_args: str | None,
+    ) -> None:
+        options = parse_compiler_args(compiler_args)
+        with torch_internal_warnings_silenced():
+            program = torch.export.export(function, example_args, strict=False)
+            if debug:
+                output.with_suffix(".graph.txt").write_text(annotated_graph(program))
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(output), inductor_configs=options
+            )
+
+    def load_graph(self, path: Path) -> Callable[..., torch.Tensor]:
+        with torch_internal_warnings_silenced():
+            return torch._inductor.aoti_load_package(str(path))
+
+
+def annotated_graph(program: torch.export.ExportedProgram) -> str:
+    """The exported graph, each node followed by the source line that produced it."""
+    lines = [str(program.graph_signature), ""]
+    for node in program.graph.nodes:
+        lines.append(node.format_node())
+        trace = node.meta.get("stack_trace")
+        if trace:
+            source = trace.strip().splitlines()[-2:]
+            lines.extend(f"    # {line.strip()}" for line in source)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,19 @@
+"""The inductor backend: torch.export per sub-model and bucket, compiled ahead of time by
+AOTInductor into packages a fresh process loads without recompiling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nxdplug.hookspecs import hookimpl
+from nxdplug.types import CompileBackend
+
+
+@hookimpl
+def nxdplug_compile_backends() -> Iterable[CompileBackend]:
+    yield CompileBackend(
+        name="inductor",
+        implementation="nxdplug.plugins.inductor_backend.backend:InductorBackend",
+        priority=50,
+        description="torch.export + AOTInductor packages (.pt2), CPU or CUDA",
+    )
