@@ -23,10 +23,13 @@ from typing import Any, NoReturn
 import attrs
 
 from nxdplug import __version__
+from nxdplug.cli_benchmark import add_benchmark_arguments, run_benchmark
 from nxdplug.cli_inference import (
     add_check_config_arguments,
+    add_compile_arguments,
     add_run_arguments,
     run_check_config,
+    run_compile,
     run_run,
 )
 from nxdplug.cli_options import parse_key_value
@@ -172,10 +175,22 @@ COMMANDS: tuple[Command, ...] = (
         add_arguments=add_check_config_arguments,
     ),
     Command(
+        "compile",
+        "compile every sub-model and bucket into a folder that loads without recompiling",
+        run=run_compile,
+        add_arguments=add_compile_arguments,
+    ),
+    Command(
         "run",
         "generate from prompts on the CPU and optionally check accuracy against HF",
         run=run_run,
         add_arguments=add_run_arguments,
+    ),
+    Command(
+        "benchmark",
+        "time context encoding and token generation (optionally against HF transformers)",
+        run=run_benchmark,
+        add_arguments=add_benchmark_arguments,
     ),
     Command(
         "make-tiny-model",

@@ -101,6 +101,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default="skip",
         help="compare with HF transformers on the same checkpoint",
     )
+    _add_compiled_path(parser, required=False)
     add_neuron_config_options(parser)
     add_sampling_options(parser)
 
@@ -120,10 +121,59 @@ def _tokenizer(model_path: Path, padding_side: str) -> Any:
     return tokenizer
 
 
+def _add_compiled_path(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument(
+        "--compiled-model-path",
+        type=Path,
+        required=required,
+        metavar="DIR",
+        help="the compiled folder (compiled into when it does not match this config)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--backend",
+        dest="compile_backend",
+        default=None,
+        metavar="NAME",
+        help="compile backend, the same as --compile-backend (default: the best available)",
+    )
+
+
+def load_model(args: argparse.Namespace, config: Any) -> Any:
+    """The application, compiled and loaded from --compiled-model-path, or eager on the CPU."""
+    from nxdplug.application import from_pretrained
+
+    model = from_pretrained(args.model_path, config=config)
+    if args.compiled_model_path is None:
+        model.to_cpu()
+    else:
+        model.compile(args.compiled_model_path, quiet=args.quiet)
+        model.load(args.compiled_model_path, quiet=args.quiet)
+    return model
+
+
+def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_model_path(parser)
+    _add_compiled_path(parser, required=True)
+    parser.add_argument(
+        "--debug", action="store_true", help="keep each exported graph, annotated with source lines"
+    )
+    add_neuron_config_options(parser)
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    from nxdplug.application import from_pretrained
+
+    config = _inference_config(args.model_path, neuron_config_kwargs(args))
+    model = from_pretrained(args.model_path, config=config)
+    model.compile(args.compiled_model_path, debug=args.debug, quiet=args.quiet)
+    print(args.compiled_model_path)
+    return 0
+
+
 def run_run(args: argparse.Namespace) -> int:
     import torch
 
-    from nxdplug.application import from_pretrained
     from nxdplug.generation import HuggingFaceGenerationAdapter
 
     options = {"batch_size": len(args.prompts)} | neuron_config_kwargs(args)
@@ -133,8 +183,7 @@ def run_run(args: argparse.Namespace) -> int:
     if seed is not None:
         torch.manual_seed(seed)
 
-    model = from_pretrained(args.model_path, config=config)
-    model.to_cpu()
+    model = load_model(args, config)
     tokenizer = _tokenizer(args.model_path, config.neuron_config.padding_side)
     batch = tokenizer(args.prompts, return_tensors="pt", padding=True)
 
@@ -152,7 +201,8 @@ def run_run(args: argparse.Namespace) -> int:
     ):
         print(f"Output {index}: {prompt}{text}")
     count = new_tokens.numel()
-    print(f"\n{count} new tokens in {seconds:.2f} s ({count / seconds:.1f} tokens/s, eager CPU)")
+    rate = f"{count / seconds:.1f} tokens/s"
+    print(f"\n{count} new tokens in {seconds:.2f} s ({rate}, {model.backend_name} backend)")
 
     if args.check_accuracy_mode == "skip":
         return 0

@@ -90,7 +90,11 @@ _NEURON_CONFIG_OPTIONS: tuple[tuple[str, dict[str, Any], str], ...] = (
     ("--tkg-batch-size", {"type": positive_int}, "batch size of token generation"),
     ("--max-batch-size", {"type": positive_int}, "most sequences served at once"),
     ("--async-mode", _FLAG, "overlap host work with the next model step"),
-    ("--compile-backend", {"metavar": "NAME"}, "compile backend (see `nxdplug plugins list`)"),
+    (
+        "--compile-backend",
+        {"metavar": "NAME"},
+        "compile backend (see `nxdplug plugins list`); default: the best available",
+    ),
     ("--output-logits", _FLAG, "return the logits along with the tokens"),
 )
 
