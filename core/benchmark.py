@@ -1,0 +1,449 @@
+"""Latency and throughput of greedy generation, nxdplug against HF transformers.
+
+The nxdplug model is driven directly (``reset()``, one forward for the prompt, one per new
+token), so context encoding and token generation are timed apart. HF's ``generate()`` is timed
+through a streamer that stamps every token it is handed. Both give one :class:`RunTimes` per
+generation: ``perf_counter`` at the start, after each new token and at the end; every statistic
+is derived from those stamps the same way for both.
+
+The ceiling is the memory-bandwidth bound of decoding: each token-generation step reads every
+weight once plus the KV cache held so far, so it cannot produce more than
+``batch * bandwidth / bytes_per_step`` tokens per second.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from nxdplug.errors import NxdPlugError
+from nxdplug.modules.attention import head_dim_of
+
+PROMPT_SEED = 0
+BANDWIDTH_BYTES = 2**28
+BANDWIDTH_REPEATS = 5
+# The output projection of a model with tied embeddings: a parameter of its own in the nxdplug
+# models, but the same matrix as the input embedding, so read once per step.
+TIED_OUTPUT_WEIGHT = "lm_head.weight"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation between closest ranks.
+
+    This is the "inclusive" definition (numpy's default, ``statistics.quantiles(...,
+    method="inclusive")``): the sorted values sit at ranks 0..n-1 and percentile q is read at
+    rank ``(n - 1) * q / 100``, so p0 is the minimum, p100 the maximum, and p50 the median.
+    """
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"percentile must be within 0..100; got {q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    below = math.floor(rank)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (rank - below)
+
+
+@attrs.frozen
+class LatencyStats:
+    """Percentiles of a set of latencies, in the unit of the samples."""
+
+    p50: float
+    p90: float
+    p99: float
+    count: int
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[float]) -> LatencyStats:
+        return cls(
+            p50=percentile(samples, 50),
+            p90=percentile(samples, 90),
+            p99=percentile(samples, 99),
+            count=len(samples),
+        )
+
+
+@attrs.frozen
+class RunTimes:
+    """One generation: ``perf_counter`` at its start, after each new token, and at its end."""
+
+    start: float
+    tokens: tuple[float, ...]
+    end: float
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token: context encoding and the first token's selection."""
+        return self.tokens[0] - self.start
+
+    @property
+    def steps(self) -> list[float]:
+        """The time of each token-generation step (every token after the first)."""
+        return [later - earlier for earlier, later in itertools.pairwise(self.tokens)]
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+
+@attrs.frozen
+class GenerationStats:
+    """What a set of runs of one system measured, in seconds.
+
+    TTFT and end-to-end latency are medians over runs; the per-token percentiles are over every
+    token-generation step of every run.
+    """
+
+    batch_size: int
+    new_tokens: int
+    ttft: float
+    per_token: LatencyStats
+    e2e: float
+
+    @classmethod
+    def from_runs(cls, runs: Sequence[RunTimes], batch_size: int) -> GenerationStats:
+        steps = [step for run in runs for step in run.steps]
+        if not steps:
+            raise NxdPlugError("no token-generation step was timed; generate 2 tokens or more")
+        return cls(
+            batch_size=batch_size,
+            new_tokens=len(runs[0].tokens),
+            ttft=statistics.median(run.ttft for run in runs),
+            per_token=LatencyStats.from_samples(steps),
+            e2e=statistics.median(run.e2e for run in runs),
+        )
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second of token generation alone: a batch per median step."""
+        return self.batch_size / self.per_token.p50
+
+    @property
+    def throughput_tokens_per_s(self) -> float:
+        """Generated tokens per second of a whole generation, context encoding included."""
+        return self.batch_size * self.new_tokens / self.e2e
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "ttft_ms": self.ttft * 1e3,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "per_token_p50_ms": self.per_token.p50 * 1e3,
+            "per_token_p90_ms": self.per_token.p90 * 1e3,
+            "per_token_p99_ms": self.per_token.p99 * 1e3,
+            "e2e_ms": self.e2e * 1e3,
+            "throughput_tokens_per_s": self.throughput_tokens_per_s,
+        }
+
+
+def random_prompt_ids(
+    vocab_size: int, batch_size: int, length: int, seed: int = PROMPT_SEED
+) -> torch.Tensor:
+    """Seeded random prompts [batch, length] of ids 1..vocab-1 (0 is often a special token)."""
+    if vocab_size < 2:
+        raise NxdPlugError(f"a vocabulary of {vocab_size} token(s) leaves no id to prompt with")
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (batch_size, length), generator=generator)
+
+
+def _run_nxdplug(model: Any, input_ids: torch.Tensor, new_tokens: int) -> RunTimes:
+    model.reset()
+    mask = torch.ones_like(input_ids)
+    step_input = input_ids
+    stamps = []
+    start = time.perf_counter()
+    for _ in range(new_tokens):
+        logits = model(input_ids=step_input, attention_mask=mask).logits
+        step_input = logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+        stamps.append(time.perf_counter())
+    return RunTimes(start=start, tokens=tuple(stamps), end=stamps[-1])
+
+
+def measure_nxdplug(
+    model: Any, input_ids: torch.Tensor, new_tokens: int, runs: int, warmup: int = 1
+) -> tuple[RunTimes, ...]:
+    """Greedy generation of exactly ``new_tokens`` tokens by a loaded NeuronBaseForCausalLM.
+
+    The first forward after ``reset()`` is context encoding, each later one a token-generation
+    step; end-of-sequence tokens are not looked for. ``warmup`` untimed runs come first.
+    """
+    with torch.inference_mode():
+        for _ in range(warmup):
+            _run_nxdplug(model, input_ids, new_tokens)
+        return tuple(_run_nxdplug(model, input_ids, new_tokens) for _ in range(runs))
+
+
+class _TimestampStreamer:
+    """A ``generate()`` streamer that only records when each ``put()`` happens.
+
+    HF calls ``put()`` with the prompt first, then once per new token, right after selecting it.
+    """
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _run_hf(hf_model: nn.Module, input_ids: torch.Tensor, new_tokens: int) -> RunTimes:
+    streamer = _TimestampStreamer()
+    pad_token_id = hf_model.generation_config.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = 0  # any id: with min_new_tokens no row finishes, so no row is padded
+    start = time.perf_counter()
+    hf_model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=pad_token_id,
+        streamer=streamer,
+    )
+    end = time.perf_counter()
+    tokens = tuple(streamer.stamps[1:])
+    if len(tokens) != new_tokens:
+        raise NxdPlugError(
+            f"HF generate() streamed {len(tokens)} new tokens instead of {new_tokens}; "
+            "its timings cannot be compared"
+        )
+    return RunTimes(start=start, tokens=tokens, end=end)
+
+
+def measure_hf(
+    hf_model: nn.Module, input_ids: torch.Tensor, new_tokens: int, runs: int, warmup: int = 1
+) -> tuple[RunTimes, ...]:
+    """HF transformers' eager greedy ``generate()`` of exactly ``new_tokens`` tokens.
+
+    ``min_new_tokens`` equal to ``max_new_tokens`` keeps an end-of-sequence token from ending a
+    run early. ``warmup`` untimed runs come first.
+    """
+    with torch.inference_mode():
+        for _ in range(warmup):
+            _run_hf(hf_model, input_ids, new_tokens)
+        return tuple(_run_hf(hf_model, input_ids, new_tokens) for _ in range(runs))
+
+
+def measure_alternating(
+    model: Any, hf_model: nn.Module, input_ids: torch.Tensor, new_tokens: int, runs: int
+) -> tuple[tuple[RunTimes, ...], tuple[RunTimes, ...]]:
+    """nxdplug and HF runs taken in turn after a warm-up of each, so that load from other
+    processes on a shared machine falls on both alike and their ratios stay meaningful."""
+    nxdplug_runs: list[RunTimes] = []
+    hf_runs: list[RunTimes] = []
+    measure_nxdplug(model, input_ids, new_tokens, runs=0)
+    measure_hf(hf_model, input_ids, new_tokens, runs=0)
+    for _ in range(runs):
+        nxdplug_runs += measure_nxdplug(model, input_ids, new_tokens, runs=1, warmup=0)
+        hf_runs += measure_hf(hf_model, input_ids, new_tokens, runs=1, warmup=0)
+    return tuple(nxdplug_runs), tuple(hf_runs)
+
+
+def measure_read_bandwidth(
+    nbytes: int = BANDWIDTH_BYTES, repeats: int = BANDWIDTH_REPEATS
+) -> float:
+    """Memory read bandwidth in GB/s (1e9 bytes): the best of ``repeats`` timed ``sum()`` over a
+    float32 tensor of ``nbytes``, on torch's current threads.
+
+    ``sum()`` reads every byte once and writes nothing, as a decode step reads its weights; a
+    copy would add as many writes. The tensor must be much larger than the caches (the default,
+    256 MiB, is) for this to measure memory rather than cache.
+    """
+    data = torch.empty(max(nbytes // 4, 1), dtype=torch.float32).fill_(1.0)
+    data.sum()  # touch every page before timing
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * data.element_size() / best / 1e9
+
+
+@attrs.frozen
+class DecodeBytes:
+    """Bytes one token-generation step has to read."""
+
+    weights: int
+    kv_cache: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache
+
+
+def weight_bytes(module: nn.Module, dtype: torch.dtype, tie_word_embeddings: bool = False) -> int:
+    """Bytes of the module's parameters with floating ones in ``dtype``, a tied weight once.
+
+    Parameters shared as one tensor count once already; with ``tie_word_embeddings`` the output
+    projection (``lm_head.weight``) is left out too, since it is the input embedding.
+    """
+    return sum(
+        parameter.numel()
+        * (dtype.itemsize if parameter.is_floating_point() else parameter.element_size())
+        for name, parameter in module.named_parameters()
+        if not (tie_word_embeddings and name.endswith(TIED_OUTPUT_WEIGHT))
+    )
+
+
+def kv_cache_bytes(config: Any, batch_size: int, positions: float) -> float:
+    """Bytes of keys and values of ``positions`` cached tokens for every layer and row."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    itemsize = config.neuron_config.torch_dtype.itemsize
+    per_position = 2 * config.num_hidden_layers * heads * head_dim_of(config) * itemsize
+    return batch_size * per_position * positions
+
+
+def mean_decode_positions(prompt_length: int, new_tokens: int) -> float:
+    """The mean number of cached positions a token-generation step attends to.
+
+    Step k (1..new_tokens-1) feeds token k, which attends to ``prompt_length + k`` positions;
+    the mean over the steps is ``prompt_length + new_tokens / 2``.
+    """
+    return prompt_length + new_tokens / 2
+
+
+def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> DecodeBytes:
+    """What one token-generation step of a NeuronBaseForCausalLM reads: every weight in the
+    config's dtype (a tied one once) and the KV cache of ``positions`` tokens per row.
+
+    The weights are counted on the model class built on the meta device, so the count is the
+    same whether the model runs eagerly or from compiled graphs, and costs no memory.
+    """
+    from nxdplug.meta_init import parameters_on_meta
+
+    config = model.config
+    with parameters_on_meta():
+        skeleton = model.context_encoding_model.model_cls(config, optimize_inference=False)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return DecodeBytes(
+        weights=weight_bytes(skeleton, config.neuron_config.torch_dtype, tied),
+        kv_cache=round(kv_cache_bytes(config, batch_size, positions)),
+    )
+
+
+# (label, key in GenerationStats.to_dict(), format)
+_TABLE_ROWS = (
+    ("TTFT (ms)", "ttft_ms", "{:.2f}"),
+    ("decode (tok/s)", "decode_tokens_per_s", "{:.1f}"),
+    ("per-token p50 (ms)", "per_token_p50_ms", "{:.3f}"),
+    ("per-token p90 (ms)", "per_token_p90_ms", "{:.3f}"),
+    ("per-token p99 (ms)", "per_token_p99_ms", "{:.3f}"),
+    ("end-to-end (ms)", "e2e_ms", "{:.1f}"),
+    ("throughput (tok/s)", "throughput_tokens_per_s", "{:.1f}"),
+)
+
+
+@attrs.frozen
+class BenchmarkReport:
+    """One benchmark: its configuration, both systems' statistics and the bandwidth ceiling."""
+
+    config: dict[str, Any]
+    nxdplug: GenerationStats
+    hf: GenerationStats | None
+    read_gb_per_s: float
+    bytes_per_step: DecodeBytes
+    mean_positions: float
+
+    @property
+    def ceiling_tokens_per_s(self) -> float:
+        """Decode tokens/s if every step only streamed its bytes at the measured bandwidth."""
+        return self.nxdplug.batch_size * self.read_gb_per_s * 1e9 / self.bytes_per_step.total
+
+    def ratios(self) -> dict[str, float] | None:
+        """nxdplug / HF for every reported number (above 1 is faster for tokens/s, slower for
+        latencies)."""
+        if self.hf is None:
+            return None
+        ours, theirs = self.nxdplug.to_dict(), self.hf.to_dict()
+        return {key: ours[key] / theirs[key] for key in ours}
+
+    def to_dict(self) -> dict[str, Any]:
+        ceiling = self.ceiling_tokens_per_s
+        systems = {"nxdplug": self.nxdplug, "hf": self.hf}
+        return {
+            "config": dict(self.config),
+            "nxdplug": self.nxdplug.to_dict(),
+            "hf": self.hf.to_dict() if self.hf else None,
+            "ratios": self.ratios(),
+            "bandwidth": {
+                "read_gb_per_s": self.read_gb_per_s,
+                "weight_bytes": self.bytes_per_step.weights,
+                "kv_cache_bytes_per_step": self.bytes_per_step.kv_cache,
+                "bytes_per_step": self.bytes_per_step.total,
+                "mean_positions": self.mean_positions,
+                "ceiling_tokens_per_s": ceiling,
+                "fraction_of_ceiling": {
+                    name: stats.decode_tokens_per_s / ceiling
+                    for name, stats in systems.items()
+                    if stats is not None
+                },
+            },
+        }
+
+    def format_table(self) -> str:
+        report = self.to_dict()
+        header = ["", "nxdplug"] + (["HF", "nxdplug/HF"] if self.hf else [])
+        rows = [header]
+        for label, key, fmt in _TABLE_ROWS:
+            row = [label, fmt.format(report["nxdplug"][key])]
+            if self.hf:
+                row += [fmt.format(report["hf"][key]), f"{report['ratios'][key]:.2f}"]
+            rows.append(row)
+        bandwidth = report["bandwidth"]
+        fractions = bandwidth["fraction_of_ceiling"]
+        row = ["of ceiling", f"{fractions['nxdplug']:.1%}"]
+        if self.hf:
+            row += [f"{fractions['hf']:.1%}", f"{fractions['nxdplug'] / fractions['hf']:.2f}"]
+        rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        table = [
+            "  ".join(
+                [r[0].ljust(widths[0])]
+                + [c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)]
+            )
+            for r in rows
+        ]
+        return "\n".join(
+            [*self._config_lines(), "", *self._headline(), *table, "", *self._ceiling_lines()]
+        )
+
+    def _config_lines(self) -> list[str]:
+        c = self.config
+        return [
+            f"model     {c['model']}",
+            f"dtype     {c['dtype']}, batch {c['batch_size']}, prompt {c['prompt_length']} + "
+            f"{c['new_tokens']} new tokens, {c['runs']} timed run(s) after 1 warm-up",
+            f"backend   {c['backend']}, torch {c['torch']}, {c['threads']} thread(s)",
+        ]
+
+    def _headline(self) -> list[str]:
+        ratios = self.ratios()
+        if ratios is None:
+            return []
+        return [
+            f"nxdplug/HF: decode tok/s x{ratios['decode_tokens_per_s']:.2f}, "
+            f"TTFT x{ratios['ttft_ms']:.2f}, end-to-end x{ratios['e2e_ms']:.2f}",
+            "",
+        ]
+
+    def _ceiling_lines(self) -> list[str]:
+        b = self.bytes_per_step
+        return [
+            f"read bandwidth  {self.read_gb_per_s:.1f} GB/s (best timed sum() of a large tensor)",
+            f"bytes per step  {b.total / 1e6:.2f} MB = {b.weights / 1e6:.2f} MB weights + "
+            f"{b.kv_cache / 1e6:.2f} MB KV cache ({self.mean_positions:g} positions on average)",
+            f"ceiling         {self.ceiling_tokens_per_s:.1f} decode tok/s",
+        ]

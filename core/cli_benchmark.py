@@ -1,0 +1,176 @@
+"""``nxdplug benchmark``: latency and throughput of greedy generation, like NxD Inference's.
+
+Random prompts of a fixed length, exactly ``--max-new-tokens`` new tokens per run (no stop on
+end-of-sequence), timed per phase; optionally HF transformers on the same prompts in the same
+process, and always the memory-bandwidth ceiling of decoding on this machine. The measuring
+itself is in :mod:`nxdplug.benchmark`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from nxdplug.cli_inference import _inference_config
+from nxdplug.cli_options import add_neuron_config_options, neuron_config_kwargs, positive_int
+from nxdplug.errors import NxdPlugError
+
+EAGER_BACKEND_LABEL = "eager (to_cpu)"
+
+
+def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-path", required=True, type=Path, metavar="DIR", help="an HF checkpoint folder"
+    )
+    parser.add_argument(
+        "--compiled-model-path",
+        type=Path,
+        metavar="DIR",
+        help="compile into DIR (a matching compiled folder is reused) and load from it; "
+        "without it the model runs eagerly (to_cpu)",
+    )
+    parser.add_argument("--prompt-length", type=positive_int, default=128, metavar="N")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="tokens generated per run, exactly (at least 2: the first comes from context "
+        "encoding)",
+    )
+    parser.add_argument(
+        "--runs", type=positive_int, default=5, metavar="N", help="timed runs, after 1 warm-up"
+    )
+    parser.add_argument(
+        "--compare-hf",
+        action="store_true",
+        help="also time HF transformers' generate() on the same prompts and print the ratios",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    add_neuron_config_options(parser)
+    # Same destination as --compile-backend: NxD Inference's benchmark calls it --backend.
+    parser.add_argument(
+        "--backend",
+        dest="compile_backend",
+        default=None,
+        metavar="NAME",
+        help="compile backend (same as --compile-backend)",
+    )
+
+
+def benchmark_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The NeuronConfig options: the user's, with lengths that fit the benchmark by default."""
+    if args.max_new_tokens < 2:
+        raise NxdPlugError(
+            "--max-new-tokens must be at least 2: the first token comes from context encoding, "
+            "so token generation is timed from the second on"
+        )
+    options = neuron_config_kwargs(args)
+    if "seq_len" not in options and "max_context_length" not in options:
+        options["max_context_length"] = args.prompt_length
+    options.setdefault("seq_len", args.prompt_length + args.max_new_tokens)
+    return options
+
+
+def _check_lengths(args: argparse.Namespace, neuron_config: Any) -> None:
+    problems = []
+    if args.prompt_length > neuron_config.max_context_length:
+        problems.append(
+            f"--prompt-length {args.prompt_length} exceeds max_context_length "
+            f"{neuron_config.max_context_length}"
+        )
+    total = args.prompt_length + args.max_new_tokens
+    if total > neuron_config.seq_len:
+        problems.append(
+            f"--prompt-length + --max-new-tokens = {total} exceeds seq_len {neuron_config.seq_len}"
+        )
+    if problems:
+        raise NxdPlugError(
+            "; ".join(problems) + "; raise --seq-len / --max-context-length or leave them unset"
+        )
+
+
+def _load_hf_model(model_path: Path, dtype: Any, quiet: bool) -> Any:
+    """``AutoModelForCausalLM`` in ``dtype``; with ``quiet``, without its loading progress bar."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hide_bar = quiet and hf_logging.is_progress_bar_enabled()
+    if hide_bar:
+        hf_logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).eval()
+    finally:
+        if hide_bar:
+            hf_logging.enable_progress_bar()
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    import torch
+
+    from nxdplug import benchmark
+    from nxdplug.application import from_pretrained
+
+    def progress(message: str) -> None:
+        if not args.quiet:
+            print(f"benchmark: {message}", file=sys.stderr, flush=True)
+
+    config = _inference_config(args.model_path, benchmark_options(args))
+    neuron_config = config.neuron_config
+    _check_lengths(args, neuron_config)
+    batch_size, dtype = neuron_config.batch_size, neuron_config.torch_dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    progress(f"loading {args.model_path} ({dtype_name}, batch {batch_size})")
+    model = from_pretrained(args.model_path, config=config)
+    if args.compiled_model_path is None:
+        model.to_cpu()
+        backend = EAGER_BACKEND_LABEL
+    else:
+        from nxdplug.artefacts import Manifest
+
+        model.compile(args.compiled_model_path, quiet=args.quiet)
+        model.load(args.compiled_model_path, quiet=args.quiet)
+        backend = Manifest.read(args.compiled_model_path).backend
+
+    input_ids = benchmark.random_prompt_ids(config.vocab_size, batch_size, args.prompt_length)
+    new_tokens, runs = args.max_new_tokens, args.runs
+    hf_stats = None
+    if args.compare_hf:
+        progress("loading the HF transformers model")
+        hf_model = _load_hf_model(args.model_path, dtype, quiet=args.quiet)
+        progress(f"timing nxdplug and HF in turn: 1 warm-up + {runs} run(s) each")
+        nxdplug_runs, hf_runs = benchmark.measure_alternating(
+            model, hf_model, input_ids, new_tokens, runs
+        )
+        hf_stats = benchmark.GenerationStats.from_runs(hf_runs, batch_size)
+    else:
+        progress(f"timing nxdplug: 1 warm-up + {runs} run(s)")
+        nxdplug_runs = benchmark.measure_nxdplug(model, input_ids, new_tokens, runs)
+
+    progress("measuring the memory read bandwidth")
+    positions = benchmark.mean_decode_positions(args.prompt_length, new_tokens)
+    report = benchmark.BenchmarkReport(
+        config={
+            "model": str(args.model_path),
+            "dtype": dtype_name,
+            "batch_size": batch_size,
+            "prompt_length": args.prompt_length,
+            "new_tokens": new_tokens,
+            "runs": runs,
+            "backend": backend,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        nxdplug=benchmark.GenerationStats.from_runs(nxdplug_runs, batch_size),
+        hf=hf_stats,
+        read_gb_per_s=benchmark.measure_read_bandwidth(),
+        bytes_per_step=benchmark.decode_bytes_per_step(model, batch_size, positions),
+        mean_positions=positions,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
+    return 0
