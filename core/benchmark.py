@@ -317,7 +317,8 @@ def mean_decode_positions(prompt_length: int, new_tokens: int) -> float:
 
 def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> DecodeBytes:
     """What one token-generation step of a NeuronBaseForCausalLM reads: every weight in the
-    config's dtype (a tied one once) and the KV cache of ``positions`` tokens per row.
+    config's dtype (a tied one once; of an untied input embedding, only the rows of the batch)
+    and the KV cache of ``positions`` tokens per row.
 
     The weights are counted on the model class built on the meta device, so the count is the
     same whether the model runs eagerly or from compiled graphs, and costs no memory.
@@ -328,8 +329,15 @@ def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> Deco
     with parameters_on_meta():
         skeleton = model.context_encoding_model.model_cls(config, optimize_inference=False)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    dtype = config.neuron_config.torch_dtype
+    weights = weight_bytes(skeleton, dtype, tied)
+    if not tied:
+        # A step reads one embedding row per sequence; the LM head, a separate table, is read
+        # whole. (Tied, the one table is read whole by the LM head.)
+        table = skeleton.embed_tokens.weight
+        weights -= (table.shape[0] - batch_size) * table.shape[1] * dtype.itemsize
     return DecodeBytes(
-        weights=weight_bytes(skeleton, config.neuron_config.torch_dtype, tied),
+        weights=weights,
         kv_cache=round(kv_cache_bytes(config, batch_size, positions)),
     )
 

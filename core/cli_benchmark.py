@@ -14,23 +14,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nxdplug.cli_inference import _inference_config
+from nxdplug.cli_inference import add_compiled_model_options, inference_config, load_model
 from nxdplug.cli_options import add_neuron_config_options, neuron_config_kwargs, positive_int
 from nxdplug.errors import NxdPlugError
-
-EAGER_BACKEND_LABEL = "eager (to_cpu)"
 
 
 def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-path", required=True, type=Path, metavar="DIR", help="an HF checkpoint folder"
-    )
-    parser.add_argument(
-        "--compiled-model-path",
-        type=Path,
-        metavar="DIR",
-        help="compile into DIR (a matching compiled folder is reused) and load from it; "
-        "without it the model runs eagerly (to_cpu)",
     )
     parser.add_argument("--prompt-length", type=positive_int, default=128, metavar="N")
     parser.add_argument(
@@ -50,16 +41,8 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time HF transformers' generate() on the same prompts and print the ratios",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    add_compiled_model_options(parser, required=False)
     add_neuron_config_options(parser)
-    # Same destination as --compile-backend: NxD Inference's benchmark calls it --backend.
-    parser.add_argument(
-        "--backend",
-        dest="compile_backend",
-        default=None,
-        metavar="NAME",
-        help="compile backend (same as --compile-backend)",
-    )
 
 
 def benchmark_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -113,29 +96,19 @@ def run_benchmark(args: argparse.Namespace) -> int:
     import torch
 
     from nxdplug import benchmark
-    from nxdplug.application import from_pretrained
 
     def progress(message: str) -> None:
         if not args.quiet:
             print(f"benchmark: {message}", file=sys.stderr, flush=True)
 
-    config = _inference_config(args.model_path, benchmark_options(args))
+    config = inference_config(args.model_path, benchmark_options(args))
     neuron_config = config.neuron_config
     _check_lengths(args, neuron_config)
     batch_size, dtype = neuron_config.batch_size, neuron_config.torch_dtype
     dtype_name = str(dtype).removeprefix("torch.")
 
     progress(f"loading {args.model_path} ({dtype_name}, batch {batch_size})")
-    model = from_pretrained(args.model_path, config=config)
-    if args.compiled_model_path is None:
-        model.to_cpu()
-        backend = EAGER_BACKEND_LABEL
-    else:
-        from nxdplug.artefacts import Manifest
-
-        model.compile(args.compiled_model_path, quiet=args.quiet)
-        model.load(args.compiled_model_path, quiet=args.quiet)
-        backend = Manifest.read(args.compiled_model_path).backend
+    model = load_model(args, config)
 
     input_ids = benchmark.random_prompt_ids(config.vocab_size, batch_size, args.prompt_length)
     new_tokens, runs = args.max_new_tokens, args.runs
@@ -162,7 +135,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "prompt_length": args.prompt_length,
             "new_tokens": new_tokens,
             "runs": runs,
-            "backend": backend,
+            "backend": model.backend_name,
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
         },

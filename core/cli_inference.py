@@ -27,7 +27,7 @@ def _add_model_path(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _inference_config(model_path: Path, options: dict[str, Any]) -> Any:
+def inference_config(model_path: Path, options: dict[str, Any]) -> Any:
     from nxdplug.application import architecture_for
     from nxdplug.config import NeuronConfig, load_pretrained_config
 
@@ -61,7 +61,7 @@ def selection_summary(selection: Any) -> dict[str, Any]:
 def run_check_config(args: argparse.Namespace) -> int:
     from nxdplug.pipeline import config_problems, select_plugins
 
-    config = _inference_config(args.model_path, neuron_config_kwargs(args))
+    config = inference_config(args.model_path, neuron_config_kwargs(args))
     problems = config_problems(config)
     try:
         summary: dict[str, Any] | None = selection_summary(select_plugins(config))
@@ -101,7 +101,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default="skip",
         help="compare with HF transformers on the same checkpoint",
     )
-    _add_compiled_path(parser, required=False)
+    add_compiled_model_options(parser, required=False)
     add_neuron_config_options(parser)
     add_sampling_options(parser)
 
@@ -121,13 +121,15 @@ def _tokenizer(model_path: Path, padding_side: str) -> Any:
     return tokenizer
 
 
-def _add_compiled_path(parser: argparse.ArgumentParser, required: bool) -> None:
+def add_compiled_model_options(parser: argparse.ArgumentParser, required: bool) -> None:
+    """--compiled-model-path, --quiet and --backend, shared by the commands that load models."""
     parser.add_argument(
         "--compiled-model-path",
         type=Path,
         required=required,
         metavar="DIR",
-        help="the compiled folder (compiled into when it does not match this config)",
+        help="compile into DIR (a folder already matching this config is reused) and load "
+        "from it" + ("" if required else "; without it the model runs eagerly (to_cpu)"),
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument(
@@ -154,7 +156,7 @@ def load_model(args: argparse.Namespace, config: Any) -> Any:
 
 def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_path(parser)
-    _add_compiled_path(parser, required=True)
+    add_compiled_model_options(parser, required=True)
     parser.add_argument(
         "--debug", action="store_true", help="keep each exported graph, annotated with source lines"
     )
@@ -164,7 +166,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
 def run_compile(args: argparse.Namespace) -> int:
     from nxdplug.application import from_pretrained
 
-    config = _inference_config(args.model_path, neuron_config_kwargs(args))
+    config = inference_config(args.model_path, neuron_config_kwargs(args))
     model = from_pretrained(args.model_path, config=config)
     model.compile(args.compiled_model_path, debug=args.debug, quiet=args.quiet)
     print(args.compiled_model_path)
@@ -177,7 +179,7 @@ def run_run(args: argparse.Namespace) -> int:
     from nxdplug.generation import HuggingFaceGenerationAdapter
 
     options = {"batch_size": len(args.prompts)} | neuron_config_kwargs(args)
-    config = _inference_config(args.model_path, options)
+    config = inference_config(args.model_path, options)
     generation = sampling_kwargs(args)
     seed = generation.pop("seed", None)
     if seed is not None:
