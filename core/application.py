@@ -79,6 +79,7 @@ class NeuronApplicationBase(nn.Module):
         self.is_compiled = False
         self.is_loaded_to_neuron = False
         self.backend_name: str | None = None  # what runs the sub-models once loaded
+        self.compiler_args: str | None = None
 
     @classmethod
     def get_config_cls(cls) -> type[InferenceConfig]:
@@ -92,7 +93,9 @@ class NeuronApplicationBase(nn.Module):
         return validate(config)
 
     def get_compiler_args(self) -> str | None:
-        return None
+        """Arguments for the compile backend (for inductor: ``KEY=VALUE`` inductor options,
+        e.g. ``"freezing=true max_autotune=true"``); ``compiler_args`` unless overridden."""
+        return self.compiler_args
 
     def compile(
         self, compiled_model_path: str | Path, debug: bool = False, *, quiet: bool = False

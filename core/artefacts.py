@@ -110,6 +110,7 @@ class Manifest:
     graphs: tuple[GraphEntry, ...]
     weights: tuple[str, ...]
     files: dict[str, str]
+    weights_in_graphs: bool = False
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:

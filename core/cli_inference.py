@@ -139,6 +139,13 @@ def add_compiled_model_options(parser: argparse.ArgumentParser, required: bool) 
         metavar="NAME",
         help="compile backend, the same as --compile-backend (default: the best available)",
     )
+    parser.add_argument(
+        "--compiler-args",
+        default=None,
+        metavar="ARGS",
+        help='compile backend arguments; for inductor, "freezing=true max_autotune=true" folds '
+        "the weights into each graph: faster decoding, no weight swapping",
+    )
 
 
 def load_model(args: argparse.Namespace, config: Any) -> Any:
@@ -146,6 +153,7 @@ def load_model(args: argparse.Namespace, config: Any) -> Any:
     from nxdplug.application import from_pretrained
 
     model = from_pretrained(args.model_path, config=config)
+    model.compiler_args = args.compiler_args
     if args.compiled_model_path is None:
         model.to_cpu()
     else:
@@ -168,6 +176,7 @@ def run_compile(args: argparse.Namespace) -> int:
 
     config = inference_config(args.model_path, neuron_config_kwargs(args))
     model = from_pretrained(args.model_path, config=config)
+    model.compiler_args = args.compiler_args
     model.compile(args.compiled_model_path, debug=args.debug, quiet=args.quiet)
     print(args.compiled_model_path)
     return 0

@@ -46,8 +46,13 @@ class Backend(Protocol):
     ) -> None:
         """Write the artefact of ``function`` traced at ``example_args`` to ``output``."""
 
-    def load_graph(self, path: Path) -> Callable[..., torch.Tensor]:
-        """The compiled callable stored at ``path``."""
+    def embeds_weights(self, compiler_args: str | None) -> bool:
+        """Whether these compiler arguments fold the weights into each graph (then the example
+        weights given to compile_graph are the real ones, and the graphs ignore the weights
+        passed to them)."""
+
+    def load_graph(self, path: Path, *, weights_in_graph: bool) -> Callable[..., torch.Tensor]:
+        """The compiled callable stored at ``path``, taking ``(weights, caches, *inputs)``."""
 
 
 def requested_backend(neuron_config: Any) -> str | None:

@@ -164,7 +164,9 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
     config = _config_for_backend(app, record.name)
     validate(config, source=f"compile with the {record.name!r} backend")
     digest, versions, plugins = _fingerprint(app, record.name, backend)
-    save_weights = bool(app.neuron_config.save_sharded_checkpoint)
+    compiler_args = app.get_compiler_args()
+    frozen = backend.embeds_weights(compiler_args)
+    save_weights = bool(app.neuron_config.save_sharded_checkpoint) and not frozen
     if _reusable(path, digest, save_weights):
         _say(f"{path} already holds these graphs (config hash {digest[:12]}); reusing it", quiet)
         app.is_compiled = True
@@ -172,8 +174,13 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
 
     skeleton = build_skeleton(app)
     shapes = skeleton.weight_shapes(_weight_dtype(app))
-    example_weights = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
-    store = store_folder()
+    if frozen:  # the graphs hold the weights: trace on the real ones
+        real = checkpoint_weights(app, shapes)
+        example_weights = [real[name] for name in shapes]
+    else:  # the graphs take the weights as inputs: shapes are all tracing needs
+        example_weights = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
+    # Graphs holding weights are not shared: the store is keyed by config, not by checkpoint.
+    store = None if frozen else store_folder()
     started = time.perf_counter()
     with staged_folder(path) as staging:
         (staging / GRAPHS).mkdir()
@@ -191,7 +198,7 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
                     (example_weights, skeleton.caches, *example),
                     staging / relative,
                     debug=debug,
-                    compiler_args=app.get_compiler_args(),
+                    compiler_args=compiler_args,
                 )
             entries.append(GraphEntry(wrapper.tag, bucket, relative))
         weights = _write_weights(app, path, staging, shapes) if save_weights else ()
@@ -201,7 +208,9 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
             for p in sorted(staging.rglob("*"))
             if p.is_file()
         }
-        manifest = Manifest(digest, record.name, versions, plugins, tuple(entries), weights, files)
+        manifest = Manifest(
+            digest, record.name, versions, plugins, tuple(entries), weights, files, frozen
+        )
         save_text_atomically(staging / MANIFEST, manifest.to_json())
         if store is not None and not from_store:
             publish_graphs(store, digest, staging / GRAPHS)
@@ -247,12 +256,15 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
 
     skeleton = build_skeleton(app)
     shapes = skeleton.weight_shapes(_weight_dtype(app))
-    weights_by_name = _stored_weights(app, path, manifest, shapes)
-    weights = [weights_by_name[name] for name in shapes]
+    weights = []
+    if not manifest.weights_in_graphs:
+        weights_by_name = _stored_weights(app, path, manifest, shapes)
+        weights = [weights_by_name[name] for name in shapes]
     caches = skeleton.caches
     loaded: dict[str, dict[int, Callable]] = {}
     for entry in tqdm(manifest.graphs, desc="loading", unit="graph", disable=quiet):
-        loaded.setdefault(entry.tag, {})[entry.bucket] = backend.load_graph(path / entry.file)
+        graph = backend.load_graph(path / entry.file, weights_in_graph=manifest.weights_in_graphs)
+        loaded.setdefault(entry.tag, {})[entry.bucket] = graph
     for wrapper in app.models:
         if wrapper.tag not in loaded:
             raise ArtefactError(f"{path} has no graphs for {wrapper.tag}; compile again")
@@ -303,10 +315,19 @@ def warm_up(app: Any) -> None:
     app.context_encoding_model.model.kv_mgr.reset()
 
 
+def _refuse_frozen(manifest: Manifest, path: Path) -> None:
+    if manifest.weights_in_graphs:
+        raise NotSupportedError(
+            f"the weights of {path} are frozen into its graphs (compiler argument "
+            "freezing=true); compile again to change them"
+        )
+
+
 def load_weights(app: Any, path: Path) -> None:
     """Swap the weights of a loaded model for those of ``path`` (no recompilation)."""
     manifest = Manifest.read(path)
     verify_files(path, manifest)
+    _refuse_frozen(manifest, path)
     compiled = app.context_encoding_model.model
     if not isinstance(compiled, CompiledSubModel):
         raise NotSupportedError("load_weights() needs a model loaded with load(); call it first")
@@ -320,6 +341,7 @@ def shard_weights(app: Any, path: Path) -> None:
     """Write the checkpoint's weights, in the compiled graphs' layout, into the compiled folder
     ``path`` (its manifest is updated to list and hash them)."""
     manifest = Manifest.read(path)
+    _refuse_frozen(manifest, path)
     shapes = build_skeleton(app).weight_shapes(_weight_dtype(app))
     (path / WEIGHTS).mkdir(exist_ok=True)
     save_state_dict(checkpoint_weights(app, shapes), path / WEIGHTS_FILE)

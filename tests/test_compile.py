@@ -306,3 +306,47 @@ def test_cli_compile_then_run_from_the_folder(compiled, tmp_path, with_store, ca
     out = capsys.readouterr().out
     assert code == 0, out
     assert "inductor backend" in out and "token matching: PASS" in out
+
+
+def test_frozen_weights_generate_the_eager_tokens_and_refuse_swaps(
+    compiled, tmp_path, with_store, store
+) -> None:
+    """freezing=true folds the weights into each graph: no weights/ folder, no store entry,
+    the eager tokens, and load_weights / shard_weights refuse rather than do nothing."""
+    checkpoint, _ = compiled
+    folder = tmp_path / "frozen"
+    entries_before = set(store.iterdir())
+    app = app_for(checkpoint)
+    app.compiler_args = "freezing=true"
+    app.compile(folder, quiet=True)
+    manifest = Manifest.read(folder)
+    assert manifest.weights_in_graphs and manifest.weights == ()
+    assert not (folder / "weights").exists()
+    assert set(store.iterdir()) == entries_before
+    app.load(folder, quiet=True)
+    assert app.context_encoding_model.model.weights == []
+    eager = app_for(checkpoint)
+    eager.to_cpu()
+    assert torch.equal(generate(app), generate(eager))
+    with pytest.raises(NotSupportedError, match="frozen into its graphs"):
+        app.load_weights(folder)
+    with pytest.raises(NotSupportedError, match="frozen into its graphs"):
+        app.shard_weights(folder)
+
+
+def test_compiler_args_are_part_of_the_config_hash(compiled) -> None:
+    checkpoint, folder = compiled
+    app = app_for(checkpoint)
+    app.compiler_args = "freezing=true"
+    with pytest.raises(ArtefactError, match="compiled for a different configuration"):
+        app.load(folder, quiet=True)
+
+
+def test_bad_compiler_args_are_a_config_error(compiled, tmp_path) -> None:
+    from nxdplug.errors import ConfigError
+
+    checkpoint, _ = compiled
+    app = app_for(checkpoint)
+    app.compiler_args = "freezing"
+    with pytest.raises(ConfigError, match="not KEY=VALUE"):
+        app.compile(tmp_path / "bad", quiet=True)

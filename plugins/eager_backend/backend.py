@@ -41,5 +41,8 @@ class EagerBackend:
     ) -> None:
         raise NotSupportedError(NO_ARTEFACTS)
 
-    def load_graph(self, path: Path) -> Callable[..., torch.Tensor]:
+    def embeds_weights(self, compiler_args: str | None) -> bool:
+        return False
+
+    def load_graph(self, path: Path, *, weights_in_graph: bool) -> Callable[..., torch.Tensor]:
         raise NotSupportedError(NO_ARTEFACTS)

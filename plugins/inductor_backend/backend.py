@@ -17,6 +17,9 @@ from nxdplug.errors import ConfigError
 
 C_COMPILERS = ("c++", "g++", "clang++")
 
+# Inductor prints every max_autotune timing table to stderr; keep them unless asked for.
+QUIET_AUTOTUNE = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+
 
 def parse_compiler_args(compiler_args: str | None) -> dict[str, Any]:
     """``"max_autotune=true cpp.threads=2"`` -> inductor config options (JSON values)."""
@@ -43,24 +46,43 @@ def torch_internal_warnings_silenced() -> Iterator[None]:
         yield
 
 
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+class WeightsAsConstants(nn.Module):
+    """A graph function with its weights held as module state, so that inductor's freezing can
+    fold and prepack them: ``forward(caches, *inputs)``."""
+
+    def __init__(self, function: nn.Module, weights: list[torch.Tensor]) -> None:
+        super().__init__()
+        object.__setattr__(self, "function", function)
+        self.weights = nn.ParameterList(nn.Parameter(w, requires_grad=False) for w in weights)
+
+    def forward(self, caches: list[torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        return self.function(list(self.weights), caches, *inputs)
 
 
 class InductorBackend:
+    """AOTInductor packages. With the compiler argument ``freezing=true`` the weights are folded
+    into each graph (prepacked for the CPU GEMM kernels ``max_autotune=true`` picks): much faster
+    token generation, at the price of one copy of the weights per graph and no weight swapping
+    without recompiling. Otherwise the weights are graph inputs shared by every graph."""
+
     name = "inductor"
     produces_artefacts = True
     artefact_suffix = ".pt2"
 
+    def embeds_weights(self, compiler_args: str | None) -> bool:
+        return bool(parse_compiler_args(compiler_args).get("freezing"))
+
     def unavailable_reason(self) -> str | None:
         if not hasattr(torch._inductor, "aoti_compile_and_package"):
             return f"torch {torch.__version__} has no AOTInductor packaging; use torch >= 2.6"
-        if device() == "cpu" and not any(shutil.which(c) for c in C_COMPILERS):
+        if not any(shutil.which(c) for c in C_COMPILERS):
             return "AOTInductor needs a C++ compiler on PATH (install g++)"
         return None
 
     def versions(self) -> dict[str, str]:
-        return {"torch": torch.__version__, "device": device()}
+        # The application builds weights, caches and inputs on the CPU, so the graphs are CPU
+        # graphs; CUDA needs those tensors placed on the GPU first (not done yet).
+        return {"torch": torch.__version__, "device": "cpu"}
 
     def compile_graph(
         self,
@@ -71,7 +93,10 @@ class InductorBackend:
         debug: bool,
         compiler_args: str | None,
     ) -> None:
-        options = parse_compiler_args(compiler_args)
+        options = QUIET_AUTOTUNE | parse_compiler_args(compiler_args)
+        if self.embeds_weights(compiler_args):
+            weights, *rest = example_args
+            function, example_args = WeightsAsConstants(function, weights), tuple(rest)
         with torch_internal_warnings_silenced():
             program = torch.export.export(function, example_args, strict=False)
             if debug:
@@ -80,9 +105,16 @@ class InductorBackend:
                 program, package_path=str(output), inductor_configs=options
             )
 
-    def load_graph(self, path: Path) -> Callable[..., torch.Tensor]:
+    def load_graph(self, path: Path, *, weights_in_graph: bool) -> Callable[..., torch.Tensor]:
         with torch_internal_warnings_silenced():
-            return torch._inductor.aoti_load_package(str(path))
+            compiled = torch._inductor.aoti_load_package(str(path))
+        if not weights_in_graph:
+            return compiled
+
+        def run(weights: list[torch.Tensor], caches: list[torch.Tensor], *inputs: Any) -> Any:
+            return compiled(caches, *inputs)
+
+        return run
 
 
 def annotated_graph(program: torch.export.ExportedProgram) -> str:

@@ -15,5 +15,5 @@ def nxdplug_compile_backends() -> Iterable[CompileBackend]:
         name="inductor",
         implementation="nxdplug.plugins.inductor_backend.backend:InductorBackend",
         priority=50,
-        description="torch.export + AOTInductor packages (.pt2), CPU or CUDA",
+        description="torch.export + AOTInductor packages (.pt2), CPU",
     )

@@ -87,7 +87,10 @@ class NeuronBackend:
         )
         torch.jit.save(traced, str(output))
 
-    def load_graph(self, path: Path) -> Callable[..., torch.Tensor]:
+    def embeds_weights(self, compiler_args: str | None) -> bool:
+        return False
+
+    def load_graph(self, path: Path, *, weights_in_graph: bool) -> Callable[..., torch.Tensor]:
         _torch_neuronx()  # registers the Neuron operators TorchScript needs to load the module
         module = torch.jit.load(str(path))
 
