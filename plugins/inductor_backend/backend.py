@@ -43,6 +43,9 @@ def torch_internal_warnings_silenced() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
         warnings.filterwarnings("ignore", message=r".*requires gradient.*", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"TypedStorage is deprecated", category=UserWarning
+        )
         yield
 
 
