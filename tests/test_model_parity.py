@@ -13,23 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nxdplug import NeuronConfig, from_pretrained
-from nxdplug.testing import LOGIT_TOLERANCES, check_accuracy
+from nxdplug.testing import LOGIT_TOLERANCES, check_accuracy, check_against_hf
+from nxdplug.testing import random_prompts as prompts
 
 NEW_TOKENS = 32
-
-
-def prompts(vocab_size: int, lengths: tuple[int, ...], seed: int = 1) -> tuple:
-    """Left-padded random prompts (ids 1.. to avoid the pad/eos id 0) and their mask."""
-    generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(
-            1, vocab_size, (length,), generator=generator
-        )
-        mask[row, width - length :] = 1
-    return input_ids, mask
 
 
 def load_pair(path, dtype: torch.dtype, **neuron_options):
@@ -158,3 +145,11 @@ def test_pycoder_tiny_generates_hf_tokens_and_readable_code() -> None:
     )
     assert report.passed, report.summary()
     assert tokenizer.decode(report.actual[0]).startswith(", *args):\n        self.args = args")
+
+
+def test_check_against_hf_is_one_call(tiny_checkpoint) -> None:
+    report = check_against_hf(str(tiny_checkpoint("qwen2")), max_new_tokens=16)
+    assert report.passed, report.summary()
+    assert report.actual.shape == (2, 16)
+    logits = check_against_hf(str(tiny_checkpoint("qwen2")), mode="logit-matching")
+    assert logits.passed and logits.max_logit_error < 1e-4
