@@ -11,11 +11,9 @@ are imported inside the commands that need them, so ``nxdplug plugins list`` sta
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 import warnings
-from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -33,9 +31,14 @@ from nxdplug.cli_inference import (
     run_run,
 )
 from nxdplug.cli_options import parse_key_value
+from nxdplug.cli_plugins import (
+    add_plugins_doctor_arguments,
+    add_plugins_list_arguments,
+    run_plugins_doctor,
+    run_plugins_hooks,
+    run_plugins_list,
+)
 from nxdplug.errors import NxdPlugError
-from nxdplug.manager import get_plugin_manager
-from nxdplug.registry import get_registry
 
 PROG = "nxdplug"
 
@@ -58,60 +61,6 @@ class UsageError(Exception):
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")
-
-
-# plugins list ---------------------------------------------------------------------------------
-
-
-def add_plugins_list_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print a JSON list of plugins")
-
-
-def run_plugins_list(args: argparse.Namespace) -> int:
-    rows = plugin_rows()
-    print(json.dumps(rows, indent=2) if args.json else format_plugin_table(rows))
-    return 0
-
-
-def plugin_rows() -> list[dict[str, Any]]:
-    """Every plugin seen (active, disabled or failed) and what each active one provides."""
-    registry = get_registry()
-    return [
-        {
-            "name": info.name,
-            "distribution": info.distribution,
-            "version": info.version,
-            "status": info.status,
-            "error": info.error,
-            "provides": registry.provided_by(info.name) if info.status == "active" else {},
-        }
-        for info in get_plugin_manager().plugin_infos()
-    ]
-
-
-def format_plugin_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Aligned columns; what a plugin provides (or its error) one kind per line."""
-    table = [("PLUGIN", "STATUS", "FROM", ["PROVIDES"])]
-    for row in rows:
-        origin = f"{row['distribution']} {row['version']}" if row["distribution"] else "in-process"
-        table.append((row["name"], row["status"], origin, _details(row)))
-    widths = [max(len(cells[i]) for cells in table) for i in range(3)]
-    lines = []
-    for *cells, (first, *rest) in table:
-        lines.append("".join(c.ljust(w + 2) for c, w in zip(cells, widths, strict=True)) + first)
-        lines.extend(" " * (sum(widths) + 6) + line for line in rest)
-    counts = Counter(row["status"] for row in rows)
-    summary = ", ".join(f"{counts[s]} {s}" for s in ("active", "disabled", "failed") if counts[s])
-    lines.append(f"\n{len(rows)} plugins: {summary or 'none installed'}")
-    return "\n".join(lines)
-
-
-def _details(row: dict[str, Any]) -> list[str]:
-    if row["status"] == "failed":
-        return [f"error: {row['error']}"]
-    if row["status"] == "disabled":
-        return ["(disabled by NXDPLUG_ALLOW_PLUGINS / NXDPLUG_DENY_PLUGINS)"]
-    return [f"{kind}: {', '.join(names)}" for kind, names in row["provides"].items()] or ["-"]
 
 
 # make-tiny-model ------------------------------------------------------------------------------
@@ -165,6 +114,18 @@ COMMANDS: tuple[Command, ...] = (
                 "list every plugin, its origin, status and what it provides",
                 run=run_plugins_list,
                 add_arguments=add_plugins_list_arguments,
+            ),
+            Command(
+                "doctor",
+                "check that every plugin loads, matches the hooks and clashes with none "
+                "(exit 1 on problems)",
+                run=run_plugins_doctor,
+                add_arguments=add_plugins_doctor_arguments,
+            ),
+            Command(
+                "hooks",
+                "print the hook reference (Markdown) generated from the hook specifications",
+                run=run_plugins_hooks,
             ),
         ),
     ),

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 
 PROJECT_NAME = "nxdplug"
 
+# The plugin API version. A plugin module may declare the version it was written for as
+# ``NXDPLUG_API_VERSION = 1``; one written for another version is refused, not loaded.
+API_VERSION = 1
+API_VERSION_ATTRIBUTE = "NXDPLUG_API_VERSION"
+
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 

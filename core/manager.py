@@ -8,8 +8,10 @@ comma-separated entry-point names.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as metadata
 import os
+import re
 import threading
 import warnings
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import attrs
 import pluggy
 
 from nxdplug.errors import PluginError
-from nxdplug.hookspecs import PROJECT_NAME, SPEC_CLASSES
+from nxdplug.hookspecs import API_VERSION, API_VERSION_ATTRIBUTE, PROJECT_NAME, SPEC_CLASSES
 
 ENTRY_POINT_GROUP = "nxdplug"
 STRICT_ENV = "NXDPLUG_STRICT_PLUGINS"
@@ -38,12 +40,34 @@ class PluginInfo:
     status: str  # "active", "disabled" or "failed"
     module: str | None = None
     error: str | None = None
+    api_version: int | None = None  # what the plugin declares it was written for
 
     @property
     def origin(self) -> str:
         if self.distribution is None:
             return "registered in-process"
         return f"{self.distribution} {self.version}"
+
+
+def _declared_api_version(plugin: Any, name: str, origin: str) -> int | None:
+    declared = getattr(plugin, API_VERSION_ATTRIBUTE, None)
+    if declared is None:
+        return None
+    try:
+        declared = int(declared)
+    except (TypeError, ValueError):
+        raise PluginError(
+            f"plugin {name!r} ({origin}) sets {API_VERSION_ATTRIBUTE}={declared!r}, which is not "
+            f"an integer; the current plugin API version is {API_VERSION}"
+        ) from None
+    if declared != API_VERSION:
+        newer = "a newer" if declared > API_VERSION else "an older"
+        raise PluginError(
+            f"plugin {name!r} ({origin}) was written for nxdplug plugin API {declared}, but this "
+            f"nxdplug provides API {API_VERSION} ({newer} API than installed); install a version "
+            "of that package made for this nxdplug, or an nxdplug that provides its API"
+        )
+    return declared
 
 
 def _names_from_env(variable: str) -> frozenset[str] | None:
@@ -94,23 +118,59 @@ class NxdPlugPluginManager(pluggy.PluginManager):
         distribution: str | None = None,
         version: str | None = None,
     ) -> None:
-        """Register ``plugin`` under ``name`` and record where it came from."""
+        """Register ``plugin`` under ``name`` and record where it came from.
+
+        A plugin written for another plugin API version, a hook implementation whose name
+        matches no hook, or whose arguments are not the hook's, is refused: nothing of it stays
+        registered, and the error says which package it is and what to do.
+        """
+        origin = f"{distribution} {version}" if distribution else "registered in-process"
         if self.has_plugin(name):
             existing = self._infos.get(name)
-            origin = existing.origin if existing else "unknown origin"
             raise PluginError(
-                f"a plugin named {name!r} is already registered ({origin}); "
-                "entry-point names must be unique across installed distributions"
+                f"a plugin named {name!r} is already registered "
+                f"({existing.origin if existing else 'unknown origin'}); entry-point names must "
+                f"be unique across installed distributions, so rename the one from {origin}"
             )
-        self.register(plugin, name=name)
+        declared = _declared_api_version(plugin, name, origin)
+        try:
+            self.register(plugin, name=name)
+            self.check_pending()
+        except pluggy.PluginValidationError as exc:
+            if self.has_plugin(name):
+                self.unregister(name=name)
+            raise PluginError(f"plugin {name!r} ({origin}): {self._explain(exc)}") from exc
         self._infos[name] = PluginInfo(
             name=name,
             distribution=distribution,
             version=version,
             status="active",
             module=getattr(plugin, "__name__", type(plugin).__name__),
+            api_version=declared,
         )
-        self.check_pending()
+
+    def _explain(self, exc: pluggy.PluginValidationError) -> str:
+        """pluggy's validation message in plain words, with what the hook expects."""
+        message = " ".join(str(exc).split())
+        hooks = sorted(
+            name
+            for name in dir(self.hook)
+            if name.startswith(f"{PROJECT_NAME}_") and getattr(self.hook, name).spec is not None
+        )
+        if message.startswith("unknown hook"):
+            hook = message.split("'")[1]
+            close = difflib.get_close_matches(hook, hooks, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the hooks are: {', '.join(hooks)}"
+            return f"hook implementation {hook!r} matches no nxdplug hook; {hint}"
+        hook = next((h for h in hooks if f"'{h}'" in message), None)
+        unknown = re.search(r"\{([^}]*)\} are declared in the hookimpl", message)
+        if hook is not None and unknown is not None:
+            expected = ", ".join(getattr(self.hook, hook).spec.argnames)
+            return (
+                f"its {hook} asks for {unknown.group(1)}, which the hook does not pass; the hook "
+                f"passes ({expected}): use those names, or a subset of them"
+            )
+        return message
 
     def unregister_plugin(self, name: str) -> None:
         """Remove a plugin registered with :meth:`register_plugin`."""
@@ -143,7 +203,9 @@ class NxdPlugPluginManager(pluggy.PluginManager):
             )
         except Exception as exc:
             message = (
-                f"plugin {entry_point.name!r} from {distribution} {version} "
+                str(exc)
+                if isinstance(exc, PluginError)
+                else f"plugin {entry_point.name!r} from {distribution} {version} "
                 f"({entry_point.value}) failed to load: {type(exc).__name__}: {exc}"
             )
             if self.strict:
@@ -153,7 +215,7 @@ class NxdPlugPluginManager(pluggy.PluginManager):
                 **base,
                 status="failed",
                 module=entry_point.value,
-                error=f"{type(exc).__name__}: {exc}",
+                error=str(exc) if isinstance(exc, PluginError) else f"{type(exc).__name__}: {exc}",
             )
 
     def _is_disabled(self, name: str) -> bool:

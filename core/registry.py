@@ -131,15 +131,20 @@ class Registry:
         self._raise_on_conflicts(_kind(kind), provided)
         return [item.record for item in provided]
 
-    @staticmethod
-    def _raise_on_conflicts(kind: Kind, provided: list[Provided]) -> None:
+    def _origin(self, plugin: str) -> str:
+        try:
+            return f"{plugin!r} ({self.manager.plugin_info(plugin).origin})"
+        except KeyError:
+            return repr(plugin)
+
+    def _raise_on_conflicts(self, kind: Kind, provided: list[Provided]) -> None:
         providers: dict[str, list[str]] = defaultdict(list)
         for item in provided:
             providers[item.record.name].append(item.plugin)
         clashes = {name: plugins for name, plugins in providers.items() if len(plugins) > 1}
         if clashes:
             details = "; ".join(
-                f"{name!r} is provided by {', '.join(repr(p) for p in plugins)}"
+                f"{name!r} is provided by {', '.join(self._origin(p) for p in plugins)}"
                 for name, plugins in sorted(clashes.items())
             )
             raise PluginError(

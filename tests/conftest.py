@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,8 +15,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture
-def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
-    """Install a fake distribution (a ``*.dist-info`` folder and a module) on ``sys.path``."""
+def fake_distribution(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., Path]]:
+    """Install a fake distribution (a ``*.dist-info`` folder and a module) on ``sys.path``.
+
+    The module is dropped from ``sys.modules`` before and after, so each test imports its own.
+    """
+    modules: list[str] = []
 
     def install(
         name: str, version: str, module_source: str, entry_point: str | None = None
@@ -23,6 +30,8 @@ def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callab
         root = tmp_path / f"site-{name}"
         root.mkdir()
         module = f"{name}_plugin"
+        modules.append(module)
+        sys.modules.pop(module, None)
         (root / f"{module}.py").write_text(textwrap.dedent(module_source))
         info = root / f"{name}-{version}.dist-info"
         info.mkdir()
@@ -31,7 +40,9 @@ def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callab
         monkeypatch.syspath_prepend(str(root))
         return root
 
-    return install
+    yield install
+    for module in modules:
+        sys.modules.pop(module, None)
 
 
 @pytest.fixture

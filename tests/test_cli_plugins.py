@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nxdplug import cli
+from nxdplug import cli_plugins
 from nxdplug.cli import main
 from nxdplug.cli_options import (
     add_neuron_config_options,
@@ -206,7 +206,7 @@ def test_unexpected_errors_keep_their_traceback(monkeypatch):
     def broken() -> list:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(cli, "plugin_rows", broken)
+    monkeypatch.setattr(cli_plugins, "plugin_rows", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["plugins", "list"])
 

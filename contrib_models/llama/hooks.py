@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from nxdplug.hookspecs import hookimpl
 from nxdplug.types import ModelArchitecture, StateDictConverter
 
+NXDPLUG_API_VERSION = 1
+
 MODULE = "nxdplug.contrib_models.llama.modeling_llama"
 
 

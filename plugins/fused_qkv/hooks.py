@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from nxdplug.hookspecs import hookimpl
 from nxdplug.types import Feature, StateDictConverter
 
+NXDPLUG_API_VERSION = 1
+
 
 @hookimpl
 def nxdplug_features() -> Iterable[Feature]:

@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from nxdplug.hookspecs import hookimpl
 from nxdplug.types import CompileBackend
 
+NXDPLUG_API_VERSION = 1
+
 
 @hookimpl
 def nxdplug_compile_backends() -> Iterable[CompileBackend]:

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from nxdplug.hookspecs import hookimpl
 from nxdplug.types import Sampler
 
+NXDPLUG_API_VERSION = 1
+
 
 @hookimpl
 def nxdplug_samplers() -> Iterable[Sampler]:

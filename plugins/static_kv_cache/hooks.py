@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from nxdplug.hookspecs import hookimpl
 from nxdplug.types import KVCacheStrategy
 
+NXDPLUG_API_VERSION = 1
+
 
 @hookimpl
 def nxdplug_kv_cache_strategies() -> Iterable[KVCacheStrategy]:
