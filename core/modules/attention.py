@@ -53,7 +53,11 @@ def attention_mask_4d(
 
 
 class NeuronAttentionBase(nn.Module):
-    """Q/K/V projections (fused or not), rotary, cache update, softmax(QK^T/sqrt(d))V, output."""
+    """Q/K/V projections (fused or not), rotary, cache update, softmax(QK^T/sqrt(d))V, output.
+
+    The rotary table decides how many dims of each head turn (all of them, or the first ones
+    for partial rotary); ``qkv_bias`` / ``o_bias`` add biases to the projections.
+    """
 
     def __init__(
         self,
@@ -61,6 +65,7 @@ class NeuronAttentionBase(nn.Module):
         layer_idx: int,
         *,
         qkv_bias: bool = False,
+        o_bias: bool = False,
         sliding_window: int | None = None,
     ) -> None:
         super().__init__()
@@ -82,7 +87,7 @@ class NeuronAttentionBase(nn.Module):
             self.k_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, **tp)
             self.v_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, **tp)
         self.o_proj = RowParallelLinear(
-            q_size, hidden, bias=False, reduce_dtype=neuron_config.rpl_reduce_dtype, **tp
+            q_size, hidden, bias=o_bias, reduce_dtype=neuron_config.rpl_reduce_dtype, **tp
         )
         self.sliding_window = sliding_window
         self.attention_dtype = neuron_config.attention_dtype

@@ -88,7 +88,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k ([batch, heads, seq, head_dim]) by their positions' angles."""
+    """Rotate q and k ([batch, heads, seq, head_dim]) by their positions' angles.
+
+    A table narrower than ``head_dim`` rotates only the first dims of each head and leaves the
+    rest as they are (partial rotary, as GPT-NeoX's ``rotary_pct``).
+    """
     cos = cos.unsqueeze(1).to(q.dtype)
     sin = sin.unsqueeze(1).to(q.dtype)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    dims = cos.shape[-1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        if dims == x.shape[-1]:
+            return x * cos + rotate_half(x) * sin
+        turned, kept = x[..., :dims], x[..., dims:]
+        return torch.cat((turned * cos + rotate_half(turned) * sin, kept), dim=-1)
+
+    return rotate(q), rotate(k)
