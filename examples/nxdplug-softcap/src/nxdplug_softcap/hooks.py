@@ -1,0 +1,76 @@
+"""The plugin: a ``logit-softcap`` feature, its config check and its model transform.
+
+``NeuronConfig(final_logit_softcapping=30.0)`` switches it on; unset (``None``) leaves it off,
+and then nxdplug calls none of the pipeline hooks below.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from nxdplug import hookimpl
+from nxdplug.errors import NotSupportedError
+from nxdplug.types import Feature
+
+from nxdplug_softcap.softcap import add_softcap
+
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig
+    from torch import nn
+
+NXDPLUG_API_VERSION = 1
+
+SETTING = "final_logit_softcapping"  # the name Gemma-2's HF config uses for the same cap
+
+
+class SetAttributeFeature(Feature):
+    """A feature switched on when its attribute is set (not ``None``) rather than truthy.
+
+    nxdplug selects a feature when an ``enabled_by`` attribute is truthy, so
+    ``final_logit_softcapping=0`` would silently mean "off" and never reach
+    :func:`nxdplug_validate_config`; here it switches the feature on and is reported instead.
+    """
+
+    def is_enabled_by(self, neuron_config: object) -> bool:
+        return any(getattr(neuron_config, name, None) is not None for name in self.enabled_by)
+
+
+@hookimpl
+def nxdplug_features() -> Iterable[Feature]:
+    yield SetAttributeFeature(
+        name="logit-softcap",
+        enabled_by=(SETTING,),
+        settings={SETTING: None},
+        description="cap final logits smoothly: cap * tanh(logits / cap) (Gemma-2)",
+    )
+
+
+def cap_problems(value: Any) -> list[str]:
+    """What is wrong with ``value`` as a soft-capping cap, in plain words (empty if fine)."""
+    is_number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if is_number and math.isfinite(value) and value > 0:
+        return []
+    return [
+        f"{SETTING}={value!r} is not a positive finite number; set it to the cap of "
+        f"cap * tanh(logits / cap), such as 30.0 (Gemma-2's value), or unset it to switch "
+        "logit soft-capping off"
+    ]
+
+
+@hookimpl
+def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
+    return cap_problems(getattr(config.neuron_config, SETTING, None))
+
+
+@hookimpl
+def nxdplug_transform_model(model: nn.Module, config: InferenceConfig) -> None:
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        raise NotSupportedError(
+            f"{SETTING} needs a model with an 'lm_head' module to cap, and "
+            f"{type(model).__name__} has none; unset {SETTING} for this model"
+        )
+    add_softcap(head, getattr(config.neuron_config, SETTING))
