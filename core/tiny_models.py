@@ -117,7 +117,11 @@ def _build_config(record: ModelArchitecture, overrides: Mapping[str, Any]) -> An
     problems = _override_problems(config_class, overrides)
     if problems:
         raise ConfigError(problems, source=f"overrides for {record.name!r}")
-    values = {**_TINY_CONFIG_DEFAULTS, **overrides}
+    # A default this config class does not declare (GPT-NeoX has no num_key_value_heads) would
+    # be kept as a stray attribute and mislead readers of config.json: leave it out.
+    declared = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    defaults = {k: v for k, v in _TINY_CONFIG_DEFAULTS.items() if k in declared}
+    values = {**defaults, **overrides}
     try:
         return config_class(**values)
     except Exception as exc:  # transformers' validation errors share no base class
