@@ -1,6 +1,7 @@
 """Helpers for nxdplug's tests and for third-party plugin authors.
 
 - :func:`fresh_plugin_manager` and :func:`temporary_plugin`: plugin isolation;
+- :func:`make_tiny_checkpoint`: a tiny random HF checkpoint of any registered architecture;
 - :func:`check_accuracy`: the oracle check of an nxdplug model against HF transformers on the same
   checkpoint, by token matching (greedy, exact) or logit matching (per step, with teacher
   forcing on HF's tokens, tolerances that fit the dtype).
@@ -16,6 +17,18 @@ import attrs
 import torch
 
 from nxdplug.manager import NxdPlugPluginManager, create_plugin_manager, use_plugin_manager
+from nxdplug.tiny_models import make_tiny_checkpoint
+
+__all__ = [
+    "AccuracyReport",
+    "check_accuracy",
+    "check_against_hf",
+    "fresh_plugin_manager",
+    "make_tiny_checkpoint",
+    "random_prompts",
+    "teacher_forced_logits",
+    "temporary_plugin",
+]
 
 ACCURACY_MODES = ("token-matching", "logit-matching", "skip")
 
