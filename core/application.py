@@ -19,6 +19,7 @@ from nxdplug.checkpoint import (
     PICKLE_SUFFIXES,
     load_into_module,
     load_state_dict,
+    load_tensor_file,
     replace_prefix,
     save_state_dict,
 )
@@ -141,10 +142,20 @@ class NeuronApplicationBase(nn.Module):
 
     @classmethod
     def get_state_dict(cls, model_path: str | Path, config: InferenceConfig) -> dict[str, Any]:
-        dtype = config.neuron_config.torch_dtype
-        if config.neuron_config.cast_type != "config":
-            dtype = None
-        state_dict = load_state_dict(model_path, dtype=dtype)
+        """The checkpoint converted for this model: the HF checkpoint at ``model_path``, or, with
+        ``quantized``, the quantized one at ``quantized_checkpoints_path`` (a folder or a
+        ``.pt``/``.bin`` file)."""
+        neuron_config = config.neuron_config
+        dtype = neuron_config.torch_dtype if neuron_config.cast_type == "config" else None
+        if neuron_config.quantized:
+            source = Path(neuron_config.quantized_checkpoints_path)
+            state_dict = (
+                load_state_dict(source, dtype=dtype)
+                if source.is_dir()
+                else load_tensor_file(source)
+            )
+        else:
+            state_dict = load_state_dict(model_path, dtype=dtype)
         state_dict = replace_prefix(
             state_dict, cls._STATE_DICT_MODEL_PREFIX, cls._NEW_STATE_DICT_MODEL_PREFIX
         )
@@ -179,6 +190,22 @@ class NeuronApplicationBase(nn.Module):
         quantizer = quantization_method(config).load("implementation")()
         state_dict = load_state_dict(model_path, dtype=torch.float32)
         return quantizer.quantize_state_dict(state_dict, config)
+
+    @classmethod
+    def prepare_quantized_state_dict(cls, hf_model_quant: nn.Module) -> dict[str, torch.Tensor]:
+        """The state dict of a model quantized with torch's qint8 tensors, as int8 tensors with
+        float32 ``<name>_scale`` tensors beside them (per tensor or per output channel)."""
+        prepared = {}
+        for name, tensor in hf_model_quant.state_dict().items():
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_quantized):
+                prepared[name] = tensor
+                continue
+            prepared[name] = tensor.int_repr()
+            if tensor.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+                prepared[f"{name}_scale"] = tensor.q_per_channel_scales().float()
+            else:
+                prepared[f"{name}_scale"] = torch.tensor([tensor.q_scale()], dtype=torch.float32)
+        return prepared
 
     @classmethod
     def save_quantized_state_dict(cls, model_path: str | Path, config: InferenceConfig) -> None:

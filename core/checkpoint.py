@@ -99,8 +99,17 @@ def iter_checkpoint_tensors(
             yield name, _cast(tensor, dtype)
 
 
+COMPUTE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def is_castable(dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` follows the model's torch_dtype: 16-64-bit floats do;
+    integers and 8-bit floats (quantized weights) keep their dtype."""
+    return dtype in COMPUTE_FLOATS
+
+
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if dtype is None or not tensor.is_floating_point():
+    if dtype is None or not is_castable(tensor.dtype):
         return tensor
     return tensor.to(dtype)
 
@@ -224,7 +233,7 @@ def load_into_module(
     current = module.state_dict()
     check_state_dict(state_dict, {name: tuple(t.shape) for name, t in current.items()}, source)
     assign = any(
-        t.is_meta or (dtype is not None and t.is_floating_point() and t.dtype != dtype)
+        t.is_meta or (dtype is not None and is_castable(t.dtype) and t.dtype != dtype)
         for t in current.values()
     )
     if assign:
@@ -238,7 +247,7 @@ def _to_module(
     tensor: torch.Tensor, current: torch.Tensor, dtype: torch.dtype | None
 ) -> torch.Tensor:
     device = tensor.device if current.is_meta else current.device
-    if tensor.is_floating_point():
+    if is_castable(tensor.dtype) and is_castable(current.dtype):
         return tensor.to(device=device, dtype=dtype or current.dtype)
     return tensor.to(device=device)
 

@@ -43,7 +43,7 @@ from nxdplug.artefacts import (
     store_folder,
     verify_files,
 )
-from nxdplug.checkpoint import check_state_dict, load_tensor_file, save_state_dict
+from nxdplug.checkpoint import check_state_dict, is_castable, load_tensor_file, save_state_dict
 from nxdplug.compile_backend import Backend, choose_backend, instantiate
 from nxdplug.errors import NotSupportedError
 from nxdplug.graph_function import GraphFunction
@@ -99,7 +99,7 @@ class Skeleton:
         result = {}
         for name in self.function.weight_names:
             param = params[name]
-            target = dtype if dtype is not None and param.is_floating_point() else param.dtype
+            target = dtype if dtype is not None and is_castable(param.dtype) else param.dtype
             result[name] = (param.shape, target)
         return result
 
