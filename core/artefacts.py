@@ -17,14 +17,13 @@ import hashlib
 import json
 import os
 import shutil
-import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from nxdplug.atomic_folders import staged_folder
 from nxdplug.errors import NxdPlugError
 
 MANIFEST = "manifest.json"
@@ -148,41 +147,6 @@ def verify_files(folder: Path, manifest: Manifest) -> None:
             f"compiled folder {folder} cannot be loaded: {'; '.join(problems)}. "
             "Compile again into a new folder."
         )
-
-
-@contextmanager
-def staged_folder(destination: Path) -> Iterator[Path]:
-    """A temporary folder beside ``destination`` that replaces it only if the block succeeds."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = destination.parent / f".{destination.name}.{uuid.uuid4().hex[:8]}.partial"
-    staging.mkdir()
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    replace_folder(staging, destination)
-
-
-def replace_folder(source: Path, destination: Path) -> None:
-    """Rename ``source`` to ``destination``; an existing destination is swapped out first."""
-    if not destination.exists():
-        os.replace(source, destination)
-        return
-    retired = destination.parent / f".{destination.name}.{uuid.uuid4().hex[:8]}.old"
-    os.replace(destination, retired)
-    try:
-        os.replace(source, destination)
-    except BaseException:
-        os.replace(retired, destination)
-        raise
-    shutil.rmtree(retired, ignore_errors=True)
-
-
-def save_text_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
 
 
 def store_folder() -> Path | None:

@@ -38,11 +38,10 @@ from nxdplug.artefacts import (
     file_digest,
     graph_shaping_config,
     publish_graphs,
-    save_text_atomically,
-    staged_folder,
     store_folder,
     verify_files,
 )
+from nxdplug.atomic_folders import save_text_atomically, staged_folder
 from nxdplug.checkpoint import check_state_dict, is_castable, load_tensor_file, save_state_dict
 from nxdplug.compile_backend import Backend, choose_backend, instantiate
 from nxdplug.errors import NotSupportedError

@@ -12,13 +12,11 @@ import difflib
 import json
 import math
 import os
-import shutil
-import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from nxdplug.atomic_folders import staged_folder
 from nxdplug.errors import ConfigError, PluginError
 from nxdplug.registry import get_registry
 from nxdplug.tokenizer_builder import build_tokenizer
@@ -67,10 +65,10 @@ def make_tiny_checkpoint(
     _check_output(output, force)
     record: ModelArchitecture = get_registry().get("model_architectures", architecture)
     config = _build_config(record, overrides or {})
-    with _staging_folder(output) as staging:
+    with staged_folder(output) as staging:
         build_tokenizer(staging, config.vocab_size, model_max_length=config.max_position_embeddings)
         _save_model(record, config, seed, staging)
-        _publish(staging, output, force)
+        _check_output(output, force)  # it may have been filled while we were building
     return output
 
 
@@ -200,36 +198,3 @@ def _save_model(record: ModelArchitecture, config: Any, seed: int, folder: Path)
     finally:
         if bar_was_enabled:
             hf_logging.enable_progress_bar()
-
-
-@contextmanager
-def _staging_folder(output: Path) -> Iterator[Path]:
-    """A fresh hidden sibling of ``output``, removed afterwards unless it was published."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.{uuid.uuid4().hex[:8]}.partial"
-    staging.mkdir()
-    try:
-        yield staging
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _publish(staging: Path, output: Path, force: bool) -> None:
-    """Move the finished ``staging`` folder to ``output``, replacing it when ``force``."""
-    _check_output(output, force)  # it may have been filled while we were building
-    if not output.exists():
-        staging.rename(output)
-        return
-    if not any(output.iterdir()):
-        output.rmdir()
-        staging.rename(output)
-        return
-    previous = output.parent / f".{output.name}.{uuid.uuid4().hex[:8]}.old"
-    output.rename(previous)
-    try:
-        staging.rename(output)
-    except BaseException:  # an error or Ctrl-C between the two renames: put the old one back
-        if not output.exists():
-            previous.rename(output)
-        raise
-    shutil.rmtree(previous, ignore_errors=True)
