@@ -44,13 +44,13 @@ def test_check_config_reports_every_problem_and_exits_1(capsys, llama_path) -> N
         "--neuron-config",
         "fused_qvk=true",
         "--neuron-config",
-        "kv_cache_quant=true",
+        "flash_decoding_enabled=true",
     )
     assert code == 1 and err == ""
     assert "3 problem(s)" in out
     assert "not divisible by tp_degree (3)" in out
     assert "did you mean 'fused_qkv'" in out
-    assert "kv_cache_quant=True is set, but no installed plugin implements it" in out
+    assert "flash_decoding_enabled=True is set, but no installed plugin implements it" in out
 
 
 @pytest.mark.parametrize("mode", ["token-matching", "logit-matching"])
