@@ -200,8 +200,7 @@ class QuantAndSpeculationPlugin:
     ("options", "attribute"),
     [
         ({"is_medusa": True}, "is_medusa"),
-        ({"kv_cache_quant": True}, "kv_cache_quant"),
-        ({"quantized": True, "quantized_checkpoints_path": "/tmp/q"}, "quantized"),
+        ({"flash_decoding_enabled": True}, "flash_decoding_enabled"),
         ({"speculation_length": 4, "trace_tokengen_model": False}, "speculation_length"),
     ],
 )
@@ -231,19 +230,27 @@ def test_speculation_mode_selected_by_its_attribute(plugin_manager, llama_config
     assert "quant-spec" in selection.plugins
 
 
-def test_quantized_state_dict_uses_the_named_method(plugin_manager, llama_config, tmp_path):
+def test_quantized_state_dict_uses_the_named_method(llama_config, tmp_path):
+    """The generic path through a quantization_methods record, with the built-in quantization
+    plugin denied so that a test plugin can provide the method."""
     from nxdplug.checkpoint import load_state_dict
     from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM
+    from nxdplug.testing import fresh_plugin_manager
 
+    with fresh_plugin_manager(deny=frozenset({"quantization"})):
+        check_quantization_method_path(llama_config, tmp_path, NeuronLlamaForCausalLM)
+        saved = load_state_dict(tmp_path / "quantized")
+    assert saved["model.layers.0.mlp.up_proj.weight"].dtype == torch.float16
+    assert saved["model.norm.weight"].dtype == torch.float32
+
+
+def check_quantization_method_path(llama_config, tmp_path, application) -> None:
     path, config = llama_config(
         quantization_dtype="int8",
         quantization_type="per_channel_symmetric",
         quantized_checkpoints_path=str(tmp_path / "quantized"),
     )
     with pytest.raises(UnknownNameError, match="quantization method 'int8-per_channel'"):
-        NeuronLlamaForCausalLM.save_quantized_state_dict(path, config)
+        application.save_quantized_state_dict(path, config)
     with temporary_plugin(QuantAndSpeculationPlugin(), "quant-spec"):
-        NeuronLlamaForCausalLM.save_quantized_state_dict(path, config)
-    saved = load_state_dict(tmp_path / "quantized")
-    assert saved["model.layers.0.mlp.up_proj.weight"].dtype == torch.float16
-    assert saved["model.norm.weight"].dtype == torch.float32
+        application.save_quantized_state_dict(path, config)

@@ -31,7 +31,7 @@ class FailingHook:
 
 def test_every_kind_has_builtin_records(plugin_manager) -> None:
     registry = get_registry()
-    expected_empty = {"quantization_methods", "speculation_modes"}  # later features
+    expected_empty = {"speculation_modes"}  # speculation comes with its own issue
     for kind in KINDS:
         assert bool(registry.records(kind)) == (kind not in expected_empty), kind
 

@@ -1,0 +1,73 @@
+"""The converter step for quantized checkpoints: scales in the layers' layout, dtypes checked.
+
+It runs after the layout steps (GQA replication, QKV fusion), which carry each
+``weight_scale`` along with its weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nxdplug.errors import CheckpointError
+from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES
+from nxdplug.plugins.quantization.targets import (
+    SCALE_SUFFIX,
+    has_row_scales,
+    is_quantized_module,
+)
+
+
+def fit_quantized_weights(
+    state_dict: dict[str, torch.Tensor], config: Any
+) -> dict[str, torch.Tensor]:
+    """Reshape scales to the layers' ``[1]`` or ``[out]`` and check every quantized weight.
+
+    Other tools write a per-tensor scale as a scalar and a per-channel one as ``[out, 1]``;
+    both are accepted. A projection left in full precision, a weight in another 8-bit dtype or
+    a scale of the other granularity is reported, all at once, with the setting that fits.
+    """
+    neuron_config = config.neuron_config
+    dtype_name = neuron_config.quantization_dtype
+    dtype = QUANTIZED_DTYPES[dtype_name]
+    granularity = neuron_config.quantization_type
+    per_channel = granularity == "per_channel_symmetric"
+    skip = neuron_config.modules_to_not_convert
+    fitted = dict(state_dict)
+    problems = []
+    for key, weight in state_dict.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf != "weight" or not is_quantized_module(module, skip):
+            continue
+        scale = state_dict.get(f"{key}{SCALE_SUFFIX}")
+        if scale is None:
+            problems.append(
+                f"{key} ({weight.dtype}) has no {key}{SCALE_SUFFIX}: the checkpoint leaves "
+                f"{module!r} unquantized; add it to modules_to_not_convert, or quantize the "
+                "checkpoint again with save_quantized_state_dict"
+            )
+            continue
+        if weight.dtype != dtype:
+            problems.append(
+                f"{key} is {weight.dtype}, but quantization_dtype={dtype_name!r} means {dtype}; "
+                "set quantization_dtype to the checkpoint's, or quantize it again"
+            )
+        row_scales = has_row_scales(module, per_channel)
+        rows = weight.shape[0] if row_scales else 1
+        if row_scales and not per_channel and scale.numel() == 1:
+            # A per-tensor scale of a projection the checkpoint already had fused.
+            scale = scale.reshape(1).expand(rows)
+        if scale.numel() != rows:
+            problems.append(
+                f"{key}{SCALE_SUFFIX} has {scale.numel()} element(s), but "
+                f"quantization_type={granularity!r} means {rows} for this weight; set "
+                "quantization_type to the checkpoint's granularity"
+            )
+        fitted[f"{key}{SCALE_SUFFIX}"] = scale.reshape(-1)
+    if problems:
+        raise CheckpointError(
+            f"the quantized checkpoint {neuron_config.quantized_checkpoints_path} does not fit "
+            "the config:\n" + "\n".join(f"  {p}" for p in problems)
+        )
+    return fitted

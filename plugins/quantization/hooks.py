@@ -1,0 +1,83 @@
+"""Weight quantization: int8, f8e4m3 and f8e5m2, per tensor or per output channel (symmetric).
+
+``NeuronConfig(quantized=True, quantized_checkpoints_path=..., quantization_dtype=...,
+quantization_type=...)`` switches it on. ``save_quantized_state_dict`` writes the checkpoint
+with the method record ``<dtype>-<per_tensor|per_channel>``; loading swaps the projections
+(:mod:`.targets` says which, less ``modules_to_not_convert``) for layers that keep the 8-bit
+weights in memory and dequantize them at each call. f8e4m3 needs ``XLA_HANDLE_SPECIAL_SCALAR=1``
+on Neuron only; on the CPU nothing is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from nxdplug.hookspecs import hookimpl
+from nxdplug.types import Feature, QuantizationMethod, StateDictConverter
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from nxdplug.config import InferenceConfig
+
+NXDPLUG_API_VERSION = 1
+
+PACKAGE = "nxdplug.plugins.quantization"
+
+# (dtype, granularity, class in methods.py)
+METHODS = (
+    ("int8", "per_tensor", "Int8PerTensor"),
+    ("int8", "per_channel", "Int8PerChannel"),
+    ("f8e4m3", "per_tensor", "F8e4m3PerTensor"),
+    ("f8e4m3", "per_channel", "F8e4m3PerChannel"),
+    ("f8e5m2", "per_tensor", "F8e5m2PerTensor"),
+    ("f8e5m2", "per_channel", "F8e5m2PerChannel"),
+)
+
+
+@hookimpl
+def nxdplug_quantization_methods() -> Iterable[QuantizationMethod]:
+    for dtype, granularity, implementation in METHODS:
+        yield QuantizationMethod(
+            name=f"{dtype}-{granularity}",
+            dtype=dtype,
+            granularity=granularity,
+            implementation=f"{PACKAGE}.methods:{implementation}",
+            description=f"symmetric {dtype} weights, one float32 scale "
+            + ("per output channel" if granularity == "per_channel" else "per tensor"),
+        )
+
+
+@hookimpl
+def nxdplug_features() -> Iterable[Feature]:
+    yield Feature(
+        name="weight-quantization",
+        enabled_by=("quantized",),
+        description="8-bit projection weights with float32 scales, dequantized per use",
+    )
+
+
+@hookimpl
+def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
+    yield StateDictConverter(
+        name="quantized-weights",
+        converter=f"{PACKAGE}.convert:fit_quantized_weights",
+        enabled_by=("quantized",),
+        order=200,
+        description="weight_scale to the layers' layout; 8-bit dtypes and granularity checked",
+    )
+
+
+@hookimpl
+def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
+    from nxdplug.plugins.quantization.validation import quantization_problems
+
+    return list(quantization_problems(config))
+
+
+@hookimpl
+def nxdplug_transform_model(model: nn.Module, config: InferenceConfig) -> None:
+    from nxdplug.plugins.quantization.layers import quantize_linear_layers
+
+    quantize_linear_layers(model, config)

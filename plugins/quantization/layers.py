@@ -1,0 +1,151 @@
+"""Linear layers that keep their weight in 8 bits and dequantize it at each call, and the model
+transform that puts them in place of the full-precision projections.
+
+The 8-bit ``weight`` and float32 ``weight_scale`` are parameters (``requires_grad=False``) under
+the checkpoint's own names, so checkpoint loading and the compiled graphs (which take every
+parameter as an input) handle them like any other weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxdplug.errors import ConfigError
+from nxdplug.modules.parallel_linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    all_gather_last_dim,
+    all_reduce_sum,
+    use_collectives,
+)
+from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight
+from nxdplug.plugins.quantization.targets import (
+    has_row_scales,
+    is_quantized_module,
+    names_module,
+)
+
+
+class QuantizedWeight:
+    """What the quantized layers add to their parallel linear base: the 8-bit weight, its scale
+    and the dequantization."""
+
+    weight: nn.Parameter
+    weight_scale: nn.Parameter
+
+    def _hold_quantized(self, dtype: torch.dtype, row_scales: bool) -> None:
+        shape, device = self.weight.shape, self.weight.device
+        self.weight = nn.Parameter(
+            torch.empty(shape, dtype=dtype, device=device), requires_grad=False
+        )
+        rows = shape[0] if row_scales else 1
+        self.weight_scale = nn.Parameter(
+            torch.ones(rows, dtype=torch.float32, device=device), requires_grad=False
+        )
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.weight_scale, dtype)
+
+
+class QuantizedColumnParallelLinear(QuantizedWeight, ColumnParallelLinear):
+    """ColumnParallelLinear with an 8-bit weight; ``weight_scale`` is [out] or [1]."""
+
+    @classmethod
+    def like(
+        cls, layer: ColumnParallelLinear, dtype: torch.dtype, row_scales: bool
+    ) -> QuantizedColumnParallelLinear:
+        """An unloaded quantized layer of ``layer``'s shape and sharding."""
+        quantized = cls(
+            layer.in_features,
+            layer.out_features,
+            bias=layer.bias is not None,
+            gather_output=layer.gather_output,
+            tp_degree=layer.tp_degree,
+            rank=layer.rank,
+            dtype=layer.weight.dtype,
+        )
+        quantized._hold_quantized(dtype, row_scales)
+        return quantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        if self.gather_output and use_collectives(self.tp_degree):
+            out = all_gather_last_dim(out)
+        return out
+
+
+class QuantizedRowParallelLinear(QuantizedWeight, RowParallelLinear):
+    """RowParallelLinear with an 8-bit weight; ``weight_scale`` ([out] or [1]) is whole on every
+    rank, since each rank holds all the output rows."""
+
+    @classmethod
+    def like(
+        cls, layer: RowParallelLinear, dtype: torch.dtype, row_scales: bool
+    ) -> QuantizedRowParallelLinear:
+        """An unloaded quantized layer of ``layer``'s shape and sharding."""
+        quantized = cls(
+            layer.in_features,
+            layer.out_features,
+            bias=layer.bias is not None,
+            input_is_parallel=layer.input_is_parallel,
+            tp_degree=layer.tp_degree,
+            rank=layer.rank,
+            reduce_dtype=layer.reduce_dtype,
+            dtype=layer.weight.dtype,
+        )
+        quantized._hold_quantized(dtype, row_scales)
+        return quantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = x.narrow(-1, self.rank * self.local_in, self.local_in)
+        out = F.linear(x, self.dequantized_weight(x.dtype))
+        if use_collectives(self.tp_degree):
+            dtype = out.dtype
+            out = all_reduce_sum(out.to(self.reduce_dtype or dtype)).to(dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+QUANTIZED_TWINS: dict[
+    type[nn.Module], type[QuantizedColumnParallelLinear] | type[QuantizedRowParallelLinear]
+] = {
+    ColumnParallelLinear: QuantizedColumnParallelLinear,
+    RowParallelLinear: QuantizedRowParallelLinear,
+}
+
+
+def quantize_linear_layers(model: nn.Module, config: Any) -> None:
+    """Put quantized layers in place of the projections the config quantizes, before the
+    weights are loaded.
+
+    An entry of ``modules_to_not_convert`` that names no module of the model is an error: a
+    typo would otherwise quantize the module it meant to keep.
+    """
+    neuron_config = config.neuron_config
+    dtype = QUANTIZED_DTYPES[neuron_config.quantization_dtype]
+    per_channel = neuron_config.quantization_type == "per_channel_symmetric"
+    skip = neuron_config.modules_to_not_convert
+    modules = dict(model.named_modules())
+    unknown = [e for e in skip or () if not any(names_module(e, name) for name in modules)]
+    if unknown:
+        examples = [name for name in modules if is_quantized_module(name, None)][:3]
+        raise ConfigError(
+            f"modules_to_not_convert entry {entry!r} names no module of "
+            f"{type(model).__name__}; give module names such as 'lm_head', "
+            f"'layers.0.self_attn' or {', '.join(map(repr, examples))} (without the "
+            "checkpoint's 'model.' prefix)"
+            for entry in unknown
+        )
+    for name, module in modules.items():
+        twin = QUANTIZED_TWINS.get(type(module))
+        if twin is None or not is_quantized_module(name, skip):
+            continue
+        parent, _, attribute = name.rpartition(".")
+        quantized = twin.like(module, dtype, has_row_scales(name, per_channel))
+        setattr(model.get_submodule(parent), attribute, quantized)

@@ -1,0 +1,58 @@
+"""The config checks of weight quantization (``quantized=True``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from nxdplug.checkpoint import find_checkpoint
+from nxdplug.compile_backend import requested_backend
+from nxdplug.errors import CheckpointError
+
+SPECIAL_SCALAR_ENV = "XLA_HANDLE_SPECIAL_SCALAR"
+
+
+def quantization_problems(config: Any) -> Iterator[str]:
+    """What stops a quantized config from loading; the missing path itself is a core rule."""
+    neuron_config = config.neuron_config
+    skip = neuron_config.modules_to_not_convert
+    if skip is not None and (
+        isinstance(skip, str) or not all(isinstance(entry, str) for entry in skip)
+    ):
+        yield (
+            f"modules_to_not_convert is {skip!r}; give a list of module names, such as "
+            "['lm_head', 'layers.0.self_attn']"
+        )
+    if neuron_config.quantized_checkpoints_path:
+        yield from _checkpoint_problems(Path(neuron_config.quantized_checkpoints_path))
+    if (
+        neuron_config.quantization_dtype == "f8e4m3"
+        and _targets_neuron(neuron_config)
+        and os.environ.get(SPECIAL_SCALAR_ENV) != "1"
+    ):
+        # Only the Neuron compiler needs it; CPU backends handle float8_e4m3fn as it is.
+        yield (
+            f"quantization_dtype='f8e4m3' on Neuron needs the environment variable "
+            f"{SPECIAL_SCALAR_ENV}=1; set it before compiling"
+        )
+
+
+def _checkpoint_problems(path: Path) -> Iterator[str]:
+    fix = "write it first with save_quantized_state_dict(model_path, config)"
+    if not path.exists():
+        yield f"quantized_checkpoints_path {path} does not exist; {fix}"
+    elif path.is_dir():
+        try:
+            find_checkpoint(path)
+        except CheckpointError as exc:
+            yield f"quantized_checkpoints_path: {exc} Or {fix}"
+
+
+def _targets_neuron(neuron_config: Any) -> bool:
+    requested = requested_backend(neuron_config)
+    if requested is not None:
+        return requested == "neuron"
+    return find_spec("torch_neuronx") is not None
