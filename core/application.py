@@ -8,6 +8,7 @@ positions, cache masks) so the sub-models see fixed shapes only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,18 @@ from nxdplug.pipeline import (
 )
 from nxdplug.registry import get_registry
 from nxdplug.types import ModelArchitecture
+
+
+@dataclass
+class CausalLMOutputWithTokens(CausalLMOutputWithPast):
+    """What NeuronBaseForCausalLM.forward returns.
+
+    ``logits`` [batch, 1, vocab]: each row's last-token logits; None with on-device sampling
+    unless ``output_logits`` is set. ``tokens`` [batch, 1]: the token the model sampled for
+    each row, with on-device sampling; None otherwise.
+    """
+
+    tokens: torch.LongTensor | None = None
 
 
 def quantization_method(config: InferenceConfig) -> Any:
@@ -257,8 +270,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         return model
 
     def reset(self) -> None:
-        """Start a new batch: the next call runs context encoding."""
+        """Start a new batch: the next call runs context encoding (and an on-device sampler's
+        generator is reseeded)."""
         self.kv_cache_populated = False
+        model = self.context_encoding_model.model
+        if model is not None and model.sampler is not None:
+            model.sampler.reset()
 
     def reset_kv_cache(self) -> None:
         """Zero the KV cache."""
@@ -282,12 +299,15 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         medusa_args: Any = None,
         return_dict: bool | None = None,
         input_capture_hook: Any = None,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithTokens:
         """Route to context encoding (a new prompt) or token generation (one more token).
 
         ``attention_mask`` follows the HF convention: [batch, tokens so far], 1 for real tokens,
-        padding on either side. Returned logits are those of each row's last token,
-        [batch, 1, vocab].
+        padding on either side. Returns each row's last-token logits, [batch, 1, vocab]; with
+        on-device sampling, the sampled ``tokens`` [batch, 1] instead (and the logits too when
+        ``output_logits``). ``sampling_params`` [batch, 3], one row (top_k, top_p,
+        temperature) per request, needs ``on_device_sampling_config`` with ``dynamic=True``;
+        without it the config's settings are used.
         """
         unsupported = {
             "inputs_embeds": inputs_embeds,
@@ -310,12 +330,24 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             seq_ids = torch.arange(batch, dtype=torch.long)
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask)[:, -input_ids.shape[1] :]
+        sampler = self._model.sampler
+        if sampler is None and sampling_params is not None:
+            raise NotSupportedError(
+                "sampling_params need on-device sampling: set NeuronConfig("
+                "on_device_sampling_config=OnDeviceSamplingConfig(dynamic=True))"
+            )
+        sampling = () if sampler is None else sampler.prepare(batch, sampling_params)
         if self._is_prefill(position_ids, attention_mask, input_ids):
-            logits = self._context_encoding(input_ids, attention_mask, position_ids, seq_ids)
+            outputs = self._context_encoding(
+                input_ids, attention_mask, position_ids, seq_ids, sampling
+            )
             self.kv_cache_populated = True
         else:
-            logits = self._token_generation(input_ids, position_ids, seq_ids)
-        return CausalLMOutputWithPast(logits=logits)
+            outputs = self._token_generation(input_ids, position_ids, seq_ids, sampling)
+        if sampler is None:
+            return CausalLMOutputWithTokens(logits=outputs)
+        tokens, *logits = outputs
+        return CausalLMOutputWithTokens(logits=logits[0] if logits else None, tokens=tokens)
 
     def _is_prefill(
         self, position_ids: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor
@@ -331,16 +363,21 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
-    ) -> torch.Tensor:
+        sampling: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         tokens, mask, positions = compact_left(input_ids, attention_mask, position_ids)
-        return self.context_encoding_model(tokens, mask, positions, seq_ids)
+        return self.context_encoding_model(tokens, mask, positions, seq_ids, *sampling)
 
     def _token_generation(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_ids: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        sampling: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         width = int(position_ids.max()) + 1
         cache_mask = (torch.arange(width) <= position_ids[:, -1:]).long()
-        return self.token_generation_model(input_ids, cache_mask, position_ids, seq_ids)
+        return self.token_generation_model(input_ids, cache_mask, position_ids, seq_ids, *sampling)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

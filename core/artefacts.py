@@ -62,11 +62,24 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# On-device sampling settings the host turns into graph inputs (sampling_params, the noise).
+SAMPLING_INPUT_SETTINGS = frozenset({"top_k", "top_p", "temperature", "deterministic"})
+
+
 def graph_shaping_config(config_dict: Mapping[str, Any]) -> dict[str, Any]:
     """The parts of a config (as ``to_dict()`` gives it) that shape the compiled graphs."""
     shaping = {k: v for k, v in config_dict.items() if k not in PROVENANCE_ATTRIBUTES}
-    neuron = dict(shaping.get("neuron_config", {}))
-    shaping["neuron_config"] = {k: v for k, v in neuron.items() if k not in RUNTIME_ONLY_ATTRIBUTES}
+    neuron = {
+        k: v
+        for k, v in dict(shaping.get("neuron_config", {})).items()
+        if k not in RUNTIME_ONLY_ATTRIBUTES
+    }
+    sampling = neuron.get("on_device_sampling_config")
+    if isinstance(sampling, Mapping):
+        neuron["on_device_sampling_config"] = {
+            k: v for k, v in sampling.items() if k not in SAMPLING_INPUT_SETTINGS
+        }
+    shaping["neuron_config"] = neuron
     return shaping
 
 

@@ -62,11 +62,13 @@ class CompiledSubModel:
         weights: list[torch.Tensor],
         caches: list[torch.Tensor],
         kv_mgr: nn.Module,
+        sampler: nn.Module | None,
     ) -> None:
         self.graphs = graphs
         self.weights = weights
         self.caches = caches
         self.kv_mgr = kv_mgr
+        self.sampler = sampler  # its host side: the draw itself is in the graphs
 
     def __call__(
         self,
@@ -74,10 +76,10 @@ class CompiledSubModel:
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
-        sampling_params: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        *sampling: torch.Tensor,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         graph = self.graphs[attention_mask.shape[-1]]
-        inputs = (input_ids, attention_mask, position_ids, seq_ids)
+        inputs = (input_ids, attention_mask, position_ids, seq_ids, *sampling)
         return graph(self.weights, self.caches, *(t.contiguous() for t in inputs))
 
 
@@ -268,7 +270,7 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
         if wrapper.tag not in loaded:
             raise ArtefactError(f"{path} has no graphs for {wrapper.tag}; compile again")
         wrapper.model = CompiledSubModel(
-            loaded[wrapper.tag], weights, caches, skeleton.model.kv_mgr
+            loaded[wrapper.tag], weights, caches, skeleton.model.kv_mgr, skeleton.model.sampler
         )
     if not app.neuron_config.skip_warmup:
         warm_up(app)

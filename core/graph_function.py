@@ -21,7 +21,8 @@ def cache_names(model: nn.Module) -> list[str]:
 
 
 class GraphFunction(nn.Module):
-    """``forward(weights, caches, input_ids, attention_mask, position_ids, seq_ids)``.
+    """``forward(weights, caches, input_ids, attention_mask, position_ids, seq_ids, *sampling)``,
+    where ``sampling`` is ``(sampling_params, sampling_noise)`` with on-device sampling.
 
     The model is held outside the module's registered state, so exporting this module lifts
     no parameter or cache of its own: the weights and caches exist only as the graph's inputs
@@ -42,9 +43,10 @@ class GraphFunction(nn.Module):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
-    ) -> torch.Tensor:
+        *sampling: torch.Tensor,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         tensors = dict(zip(self.weight_names, weights, strict=True))
         tensors |= dict(zip(self.cache_names, caches, strict=True))
         return functional_call(
-            self.model, tensors, (input_ids, attention_mask, position_ids, seq_ids)
+            self.model, tensors, (input_ids, attention_mask, position_ids, seq_ids, *sampling)
         )

@@ -7,7 +7,9 @@ run with that phase's fixed input shapes; nothing inside branches on the data. T
 - ``attention_mask`` [batch, keys]: which cache positions 0..keys-1 hold valid tokens once this
   step's tokens are written (its width is the bucket, so it fixes how much cache is read);
 - ``position_ids`` [batch, seq]: the cache position of each token;
-- ``seq_ids`` [batch]: the cache row of each batch entry.
+- ``seq_ids`` [batch]: the cache row of each batch entry;
+- with on-device sampling, ``sampling_params`` [batch, 3] and ``sampling_noise``
+  [batch, global_topk] (see :mod:`nxdplug.sampling`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class NeuronBaseModel(nn.Module):
         self.neuron_config = config.neuron_config
         self.sequence_dimension = 1
         self.kv_mgr: KVCacheManager | None = None
+        # The sampler to use for on-device sampling (an nxdplug.sampling.OnDeviceSampler), set
+        # by the plugin that on_device_sampling_config enables; None returns logits.
         self.sampler: Any = None
         self.setup_attr_for_model(config)
         self.init_model(config)
@@ -91,8 +95,13 @@ class NeuronBaseModel(nn.Module):
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
         sampling_params: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits of the last token of each row, [batch, 1, vocab] in float32."""
+        sampling_noise: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Logits of the last token of each row, [batch, 1, vocab] in float32.
+
+        With a ``sampler``: a tuple, the sampled tokens [batch, 1] first, then the logits when
+        ``output_logits`` is set.
+        """
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(position_ids)
         masks = self.attention_masks(attention_mask, position_ids)
@@ -103,4 +112,8 @@ class NeuronBaseModel(nn.Module):
         x = self.norm(x)
         if x.shape[1] > 1:
             x = last_token_states(x, attention_mask)
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.sampler is None:
+            return logits
+        tokens = self.sampler(logits[:, -1], sampling_params, sampling_noise)[:, None]
+        return (tokens, logits) if self.neuron_config.output_logits else (tokens,)

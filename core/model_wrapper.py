@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
+from nxdplug.sampling import example_sampling_inputs
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
@@ -59,17 +60,23 @@ class ModelWrapper(nn.Module):
         return bucket if self.is_context_encoding else 1
 
     def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
-        """Example inputs, one tuple per bucket, in forward's argument order (for tracing)."""
+        """Example inputs, one tuple per bucket, in forward's argument order (for tracing);
+        with on-device sampling, the sampling inputs close each tuple."""
+        sampling_config = self.neuron_config.on_device_sampling_config
+        batch = self.batch_size
+        sampling = ()
+        if sampling_config is not None:
+            sampling = example_sampling_inputs(batch, sampling_config)
         inputs = []
         for bucket in self.buckets:
             length = self.input_length(bucket)
-            batch = self.batch_size
             inputs.append(
                 (
                     torch.zeros(batch, length, dtype=torch.long),
                     torch.ones(batch, bucket, dtype=torch.long),
                     torch.arange(length, dtype=torch.long).expand(batch, length).contiguous(),
                     torch.arange(batch, dtype=torch.long),
+                    *sampling,
                 )
             )
         return inputs
@@ -93,8 +100,12 @@ class ModelWrapper(nn.Module):
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
         sampling_params: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Pad to a bucket and to the batch size, run the model, drop the padding."""
+        sampling_noise: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Pad to a bucket and to the batch size, run the model, drop the padding.
+
+        The sampling inputs, given with on-device sampling, are padded like the other rows.
+        """
         if self.model is None:
             raise NxdPlugError(
                 f"{self.tag} is not loaded: call to_cpu() (or compile() then load()) first"
@@ -112,8 +123,14 @@ class ModelWrapper(nn.Module):
         input_ids, attention_mask, position_ids = self._pad_to_bucket(
             bucket, input_ids, attention_mask, position_ids
         )
-        args = self._pad_batch(rows, input_ids, attention_mask, position_ids, seq_ids)
-        return self.model(*args, sampling_params=sampling_params)[:rows]
+        sampling = tuple(t for t in (sampling_params, sampling_noise) if t is not None)
+        seq_ids, (input_ids, attention_mask, position_ids, *sampling) = self._pad_batch(
+            rows, seq_ids, (input_ids, attention_mask, position_ids, *sampling)
+        )
+        outputs = self.model(input_ids, attention_mask, position_ids, seq_ids, *sampling)
+        if isinstance(outputs, torch.Tensor):
+            return outputs[:rows]
+        return tuple(output[:rows] for output in outputs)
 
     def _pad_to_bucket(
         self,
@@ -133,16 +150,12 @@ class ModelWrapper(nn.Module):
         return input_ids, attention_mask, position_ids
 
     def _pad_batch(
-        self,
-        rows: int,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
+        self, rows: int, seq_ids: torch.Tensor, per_row: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """``seq_ids`` and the ``per_row`` inputs padded to the batch size."""
         missing = self.batch_size - rows
         if missing == 0:
-            return input_ids, attention_mask, position_ids, seq_ids
+            return seq_ids, per_row
         # Padding rows repeat row 0's inputs and write to cache rows no real sequence uses.
         taken = set(seq_ids.tolist())
         free_rows = [r for r in range(self.neuron_config.max_batch_size) if r not in taken]
@@ -156,9 +169,4 @@ class ModelWrapper(nn.Module):
         def pad(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t, t[:1].expand(missing, *t.shape[1:])])
 
-        return (
-            pad(input_ids),
-            pad(attention_mask),
-            pad(position_ids),
-            torch.cat([seq_ids, pad_seq_ids]),
-        )
+        return torch.cat([seq_ids, pad_seq_ids]), tuple(pad(t) for t in per_row)

@@ -350,3 +350,15 @@ def test_bad_compiler_args_are_a_config_error(compiled, tmp_path) -> None:
     app.compiler_args = "freezing"
     with pytest.raises(ConfigError, match="not KEY=VALUE"):
         app.compile(tmp_path / "bad", quiet=True)
+
+
+def test_sampling_settings_fed_as_inputs_do_not_shape_the_graphs() -> None:
+    from nxdplug.artefacts import graph_shaping_config
+
+    def config(**sampling):
+        return {"neuron_config": {"batch_size": 1, "on_device_sampling_config": sampling}}
+
+    base = graph_shaping_config(config(do_sample=True, top_k=5, temperature=0.7, global_topk=64))
+    other = graph_shaping_config(config(do_sample=True, top_k=9, temperature=1.3, global_topk=64))
+    assert base == other
+    assert base != graph_shaping_config(config(do_sample=True, top_k=5, global_topk=32))

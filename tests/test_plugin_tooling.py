@@ -141,7 +141,12 @@ def test_plugins_list_by_hook(capsys) -> None:
     assert main(["plugins", "list", "--hook", "nxdplug_samplers", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [row["name"] for row in rows] == ["sampling"]
-    assert rows[0]["hooks"] == ["nxdplug_samplers"]
+    assert rows[0]["hooks"] == [
+        "nxdplug_features",
+        "nxdplug_samplers",
+        "nxdplug_transform_model",
+        "nxdplug_validate_config",
+    ]
     assert main(["plugins", "list", "--hook", "nxdplug_samplrs"]) == 1
     assert "'nxdplug_samplrs' is not a hook" in capsys.readouterr().err
 
