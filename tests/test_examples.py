@@ -35,3 +35,15 @@ def test_nxdi_generate_script_prints_hf_greedy_text(tiny_checkpoint) -> None:
     )
     expected_lines = "\n".join(f"Output {i}: {t}" for i, t in enumerate(texts)).splitlines()
     assert printed == expected_lines
+
+
+def test_nxdi_quantize_script_runs(tiny_checkpoint, tmp_path) -> None:
+    path = tiny_checkpoint("llama", seed=5)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "nxdi_quantize.py"), str(path), str(tmp_path / "q")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "MiB held, against" in result.stdout
+    assert (tmp_path / "q" / "model.safetensors").is_file()
