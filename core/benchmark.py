@@ -161,8 +161,11 @@ def _run_nxdplug(model: Any, input_ids: torch.Tensor, new_tokens: int) -> RunTim
     stamps = []
     start = time.perf_counter()
     for _ in range(new_tokens):
-        logits = model(input_ids=step_input, attention_mask=mask).logits
-        step_input = logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        outputs = model(input_ids=step_input, attention_mask=mask)
+        # A model that samples on device returns its tokens; otherwise take the greedy one here.
+        step_input = outputs.tokens
+        if step_input is None:
+            step_input = outputs.logits[:, -1, :].argmax(dim=-1, keepdim=True)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
         stamps.append(time.perf_counter())
     return RunTimes(start=start, tokens=tuple(stamps), end=stamps[-1])

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import torch
 
+from nxdplug.errors import NxdPlugError
 from nxdplug.manager import NxdPlugPluginManager, create_plugin_manager, use_plugin_manager
 from nxdplug.tiny_models import make_tiny_checkpoint
 
@@ -206,7 +207,13 @@ def teacher_forced_logits(
     step_input = input_ids
     with torch.inference_mode():
         for step in range(forced.shape[1]):
-            logits.append(model(input_ids=step_input, attention_mask=mask).logits[:, -1])
+            step_logits = model(input_ids=step_input, attention_mask=mask).logits
+            if step_logits is None:
+                raise NxdPlugError(
+                    "logit matching needs the model's logits, and this model samples on device "
+                    "without returning them: set NeuronConfig(output_logits=True)"
+                )
+            logits.append(step_logits[:, -1])
             step_input = forced[:, step : step + 1]
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
     return torch.stack(logits, dim=1)

@@ -345,3 +345,26 @@ def test_compiled_graphs_sample_and_give_the_eager_tokens(checkpoint, tmp_path, 
     expected = generate(eager, **sampling)
     torch.manual_seed(11)
     assert torch.equal(generate(compiled, **sampling), expected)
+
+
+def test_benchmark_and_logit_check_work_with_on_device_sampling(tmp_path) -> None:
+    from nxdplug import NeuronConfig, OnDeviceSamplingConfig, from_pretrained
+    from nxdplug.benchmark import measure_nxdplug
+    from nxdplug.errors import NxdPlugError
+    from nxdplug.testing import make_tiny_checkpoint, random_prompts, teacher_forced_logits
+
+    path = make_tiny_checkpoint("llama", tmp_path / "ckpt", seed=2)
+    app = from_pretrained(
+        path,
+        NeuronConfig(
+            torch_dtype="float32",
+            seq_len=32,
+            on_device_sampling_config=OnDeviceSamplingConfig(),
+        ),
+    )
+    app.to_cpu()
+    ids, _ = random_prompts(app.config.vocab_size, (6,))
+    (run,) = measure_nxdplug(app, ids, new_tokens=4, runs=1, warmup=0)
+    assert len(run.tokens) == 4
+    with pytest.raises(NxdPlugError, match=r"output_logits=True"):
+        teacher_forced_logits(app, ids, torch.ones_like(ids), ids[:, :2])
