@@ -40,6 +40,7 @@ PLUGIN_PROVIDED_ATTRIBUTES = (
     "flash_decoding_enabled",
     "async_mode",
     "qk_layernorm",
+    "draft_model_modules_to_not_convert",
 )
 
 DEFAULT_KV_CACHE_STRATEGY = "static"

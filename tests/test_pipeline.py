@@ -201,6 +201,7 @@ class QuantAndSpeculationPlugin:
     [
         ({"is_medusa": True}, "is_medusa"),
         ({"flash_decoding_enabled": True}, "flash_decoding_enabled"),
+        ({"draft_model_modules_to_not_convert": ["lm_head"]}, "draft_model_modules_to_not_convert"),
         ({"speculation_length": 4, "trace_tokengen_model": False}, "speculation_length"),
     ],
 )
