@@ -50,6 +50,19 @@ class KVCacheManager(nn.Module, ABC):
         """Forget every stored position."""
 
 
+def write_positions(
+    cache: torch.Tensor, seq_ids: torch.Tensor, position_ids: torch.Tensor, new: torch.Tensor
+) -> None:
+    """BHSD layout: ``cache[row, :, position, :] = new[b, :, t, :]`` for every (b, t), rows
+    ``seq_ids[b]`` and positions ``position_ids[b, t]``."""
+    cache[seq_ids[:, None], :, position_ids] = new.transpose(1, 2).to(cache.dtype)
+
+
+def read_prefix(cache: torch.Tensor, seq_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of rows ``seq_ids``: [batch, heads, length, dim]."""
+    return cache[seq_ids, :, :length]
+
+
 @attrs.frozen
 class CacheSlot:
     """Where one layer's keys and values go in this step."""

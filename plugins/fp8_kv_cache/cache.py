@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager
+from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager, read_prefix, write_positions
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity
@@ -73,12 +73,11 @@ class Fp8KVCache(KVCacheManager):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k_cache, v_cache = getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")
         k_scale, v_scale = self.k_scales[layer], self.v_scales[layer]
-        rows = seq_ids[:, None]
-        # cache[row, :, position, :] = new[b, :, t, :], a [batch, seq, heads, dim] block
-        k_cache[rows, :, position_ids] = quantize(key.transpose(1, 2), k_scale[:, None])
-        v_cache[rows, :, position_ids] = quantize(value.transpose(1, 2), v_scale[:, None])
-        keys = dequantize(k_cache[seq_ids, :, :length], k_scale[:, None, None], key.dtype)
-        values = dequantize(v_cache[seq_ids, :, :length], v_scale[:, None, None], value.dtype)
+        per_head_k, per_head_v = k_scale[:, None, None], v_scale[:, None, None]
+        write_positions(k_cache, seq_ids, position_ids, quantize(key, per_head_k))
+        write_positions(v_cache, seq_ids, position_ids, quantize(value, per_head_v))
+        keys = dequantize(read_prefix(k_cache, seq_ids, length), per_head_k, key.dtype)
+        values = dequantize(read_prefix(v_cache, seq_ids, length), per_head_v, value.dtype)
         # This step's own keys and values are used as computed, the earlier ones as stored: as in
         # NxD Inference, only what comes back from the cache is quantized. Every position is
         # below ``length``, since a query must see its own key.

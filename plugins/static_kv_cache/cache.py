@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager
+from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager, read_prefix, write_positions
 
 
 class StaticKVCache(KVCacheManager):
@@ -25,12 +25,10 @@ class StaticKVCache(KVCacheManager):
         length: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         k_cache, v_cache = getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")
-        rows = seq_ids[:, None]
-        # cache[row, :, position, :] = new[b, :, t, :] for every (b, t)
-        k_cache[rows, :, position_ids] = key.transpose(1, 2).to(k_cache.dtype)
-        v_cache[rows, :, position_ids] = value.transpose(1, 2).to(v_cache.dtype)
-        keys = k_cache[seq_ids, :, :length].to(key.dtype)
-        values = v_cache[seq_ids, :, :length].to(value.dtype)
+        write_positions(k_cache, seq_ids, position_ids, key)
+        write_positions(v_cache, seq_ids, position_ids, value)
+        keys = read_prefix(k_cache, seq_ids, length).to(key.dtype)
+        values = read_prefix(v_cache, seq_ids, length).to(value.dtype)
         return keys, values
 
     def reset(self) -> None:
