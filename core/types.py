@@ -65,14 +65,20 @@ class SelectableRecord(PluginRecord):
     """A record a config switches on through NxD Inference attributes.
 
     ``enabled_by`` names NeuronConfig attributes; the record is selected when any of them is
-    truthy (``is_medusa``, ``kv_cache_quant``, ...). An empty tuple means it is never switched on
-    by an attribute and must be chosen by name or be the default of its kind.
+    truthy (``is_medusa``, ``kv_cache_quant``, ...), or, with ``enabled_when_set``, when any is
+    set to something other than None (so that a numeric setting of 0 is seen, and checked). An
+    empty tuple means it is never switched on by an attribute and must be chosen by name or be
+    the default of its kind.
     """
 
     enabled_by: tuple[str, ...] = _names_field()
+    enabled_when_set: bool = False
 
     def is_enabled_by(self, neuron_config: object) -> bool:
-        return any(bool(getattr(neuron_config, attr, False)) for attr in self.enabled_by)
+        values = [getattr(neuron_config, attr, None) for attr in self.enabled_by]
+        if self.enabled_when_set:
+            return any(value is not None for value in values)
+        return any(bool(value) for value in values)
 
 
 @attrs.frozen(kw_only=True)

@@ -255,3 +255,27 @@ def check_quantization_method_path(llama_config, tmp_path, application) -> None:
         application.save_quantized_state_dict(path, config)
     with temporary_plugin(QuantAndSpeculationPlugin(), "quant-spec"):
         application.save_quantized_state_dict(path, config)
+
+
+def test_feature_enabled_when_set_sees_a_zero(plugin_manager, llama_config) -> None:
+    class Threshold:
+        @hookimpl
+        def nxdplug_features(self):
+            yield Feature(
+                name="threshold",
+                enabled_by=("threshold",),
+                enabled_when_set=True,
+                settings={"threshold": None},
+            )
+
+        @hookimpl
+        def nxdplug_validate_config(self, config):
+            if config.neuron_config.threshold <= 0:
+                yield "threshold must be positive"
+
+    with temporary_plugin(Threshold(), "threshold-plugin"):
+        _, unset = llama_config()
+        assert config_problems(unset) == []
+        _, zero = llama_config(threshold=0)
+        assert [f.name for f in select_plugins(zero).features] == ["threshold"]
+        assert config_problems(zero) == ["threshold must be positive"]

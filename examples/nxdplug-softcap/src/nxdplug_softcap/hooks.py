@@ -26,23 +26,13 @@ NXDPLUG_API_VERSION = 1
 SETTING = "final_logit_softcapping"  # the name Gemma-2's HF config uses for the same cap
 
 
-class SetAttributeFeature(Feature):
-    """A feature switched on when its attribute is set (not ``None``) rather than truthy.
-
-    nxdplug selects a feature when an ``enabled_by`` attribute is truthy, so
-    ``final_logit_softcapping=0`` would silently mean "off" and never reach
-    :func:`nxdplug_validate_config`; here it switches the feature on and is reported instead.
-    """
-
-    def is_enabled_by(self, neuron_config: object) -> bool:
-        return any(getattr(neuron_config, name, None) is not None for name in self.enabled_by)
-
-
 @hookimpl
 def nxdplug_features() -> Iterable[Feature]:
-    yield SetAttributeFeature(
+    yield Feature(
         name="logit-softcap",
         enabled_by=(SETTING,),
+        # Set, not truthy: final_logit_softcapping=0 switches the feature on and is refused.
+        enabled_when_set=True,
         settings={SETTING: None},
         description="cap final logits smoothly: cap * tanh(logits / cap) (Gemma-2)",
     )
