@@ -130,8 +130,13 @@ class ColumnParallelLinear(nn.Module):
         """This layer's ``weight`` (and ``bias``) for ``rank`` from a full ``nn.Linear``'s."""
         return {name: shard_tensor(t, 0, tp_degree, rank) for name, t in full.items()}
 
+    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight to multiply inputs of ``dtype`` by; layers storing another form of the
+        weight (quantized, say) override this, not ``forward``."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight_for(x.dtype), self.bias)
         if self.gather_output and use_collectives(self.tp_degree):
             out = all_gather_last_dim(out)
         return out
@@ -188,10 +193,14 @@ class RowParallelLinear(nn.Module):
             sharded["bias"] = full["bias"]
         return sharded
 
+    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight to multiply inputs of ``dtype`` by (see ColumnParallelLinear.weight_for)."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = x.narrow(-1, self.rank * self.local_in, self.local_in)
-        out = F.linear(x, self.weight)
+        out = F.linear(x, self.weight_for(x.dtype))
         if use_collectives(self.tp_degree):
             dtype = out.dtype
             out = all_reduce_sum(out.to(self.reduce_dtype or dtype)).to(dtype)

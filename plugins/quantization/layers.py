@@ -11,16 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nxdplug.errors import ConfigError
 from nxdplug.modules.parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
-    all_gather_last_dim,
-    all_reduce_sum,
-    use_collectives,
 )
 from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight
 from nxdplug.plugins.quantization.targets import (
@@ -47,7 +43,8 @@ class QuantizedWeight:
             torch.ones(rows, dtype=torch.float32, device=device), requires_grad=False
         )
 
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The 8-bit weight dequantized for this call; the base layer's forward does the rest."""
         return dequantize_weight(self.weight, self.weight_scale, dtype)
 
 
@@ -71,12 +68,6 @@ class QuantizedColumnParallelLinear(QuantizedWeight, ColumnParallelLinear):
         quantized._hold_quantized(dtype, row_scales)
         return quantized
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.dequantized_weight(x.dtype), self.bias)
-        if self.gather_output and use_collectives(self.tp_degree):
-            out = all_gather_last_dim(out)
-        return out
-
 
 class QuantizedRowParallelLinear(QuantizedWeight, RowParallelLinear):
     """RowParallelLinear with an 8-bit weight; ``weight_scale`` ([out] or [1]) is whole on every
@@ -99,17 +90,6 @@ class QuantizedRowParallelLinear(QuantizedWeight, RowParallelLinear):
         )
         quantized._hold_quantized(dtype, row_scales)
         return quantized
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = x.narrow(-1, self.rank * self.local_in, self.local_in)
-        out = F.linear(x, self.dequantized_weight(x.dtype))
-        if use_collectives(self.tp_degree):
-            dtype = out.dtype
-            out = all_reduce_sum(out.to(self.reduce_dtype or dtype)).to(dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out
 
 
 QUANTIZED_TWINS: dict[
