@@ -46,6 +46,7 @@ from nxdplug.pipeline import (
     validate,
 )
 from nxdplug.registry import get_registry
+from nxdplug.speculation import AcceptanceStats
 from nxdplug.types import ModelArchitecture
 
 
@@ -149,7 +150,7 @@ class NeuronApplicationBase(nn.Module):
         backend = get_registry().get("compile_backends", DEFAULT_BACKEND).load("implementation")
         model = backend().prepare(self.build_model())
         for wrapper in self.models:
-            wrapper.model = model
+            wrapper.model = wrapper.phase_module(model)
         self.backend_name = DEFAULT_BACKEND
         self.reset()
 
@@ -242,6 +243,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kv_cache_populated = False
+        # What the last speculative generate() measured (its speculator replaces it).
+        self.speculation_stats = AcceptanceStats()
         self.enable_context_encoding()
         if self.neuron_config.trace_tokengen_model:
             self.enable_token_generation()
@@ -278,8 +281,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             model.sampler.reset()
 
     def reset_kv_cache(self) -> None:
-        """Zero the KV cache."""
-        self._model.kv_mgr.reset()
+        """Zero the KV caches."""
+        for manager in self._model.kv_managers:
+            manager.reset()
         self.kv_cache_populated = False
 
     def forward(
@@ -343,16 +347,24 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             )
             self.kv_cache_populated = True
         else:
-            outputs = self._token_generation(input_ids, position_ids, seq_ids, sampling)
+            outputs = self._decode(input_ids, position_ids, seq_ids, sampling)
         if sampler is None:
             return CausalLMOutputWithTokens(logits=outputs)
         tokens, *logits = outputs
         return CausalLMOutputWithTokens(logits=logits[0] if logits else None, tokens=tokens)
 
+    def decode_model(self, tokens_per_step: int) -> ModelWrapper | None:
+        """The sub-model that takes ``tokens_per_step`` new tokens per row after the prompt:
+        token generation for 1, a speculation sub-model for k+1."""
+        for wrapper in self.models:
+            if not wrapper.is_context_encoding and wrapper.tokens_per_step == tokens_per_step:
+                return wrapper
+        return None
+
     def _is_prefill(
         self, position_ids: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor
     ) -> bool:
-        if not self.kv_cache_populated or not hasattr(self, "token_generation_model"):
+        if not self.kv_cache_populated or self.decode_model(input_ids.shape[1]) is None:
             return True
         real = attention_mask[:, -input_ids.shape[1] :].bool()
         return bool((position_ids[real] == 0).any())
@@ -368,16 +380,19 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         tokens, mask, positions = compact_left(input_ids, attention_mask, position_ids)
         return self.context_encoding_model(tokens, mask, positions, seq_ids, *sampling)
 
-    def _token_generation(
+    def _decode(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
         sampling: tuple[torch.Tensor, ...],
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Token generation (one token per row) or speculation (k+1): each row's tokens are
+        written at ``position_ids`` and see the row's cache up to its last position."""
         width = int(position_ids.max()) + 1
         cache_mask = (torch.arange(width) <= position_ids[:, -1:]).long()
-        return self.token_generation_model(input_ids, cache_mask, position_ids, seq_ids, *sampling)
+        wrapper = self.decode_model(input_ids.shape[1])
+        return wrapper(input_ids, cache_mask, position_ids, seq_ids, *sampling)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

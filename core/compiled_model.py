@@ -47,6 +47,7 @@ from nxdplug.compile_backend import Backend, choose_backend, instantiate
 from nxdplug.errors import NotSupportedError
 from nxdplug.graph_function import GraphFunction
 from nxdplug.manager import get_plugin_manager
+from nxdplug.modules.kv_cache import kv_cache_managers
 from nxdplug.pipeline import select_plugins, validate
 from nxdplug.registry import get_registry
 
@@ -61,25 +62,20 @@ class CompiledSubModel:
         graphs: dict[int, Callable[..., torch.Tensor]],
         weights: list[torch.Tensor],
         caches: list[torch.Tensor],
-        kv_mgr: nn.Module,
-        sampler: nn.Module | None,
+        model: nn.Module,
     ) -> None:
+        """``model``: the skeleton, whose KV-cache buffers are ``caches``."""
         self.graphs = graphs
         self.weights = weights
         self.caches = caches
-        self.kv_mgr = kv_mgr
-        self.sampler = sampler  # its host side: the draw itself is in the graphs
+        self.kv_mgr = model.kv_mgr
+        self.kv_managers = kv_cache_managers(model)
+        self.sampler = model.sampler  # its host side: the draw itself is in the graphs
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-        *sampling: torch.Tensor,
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        graph = self.graphs[attention_mask.shape[-1]]
-        inputs = (input_ids, attention_mask, position_ids, seq_ids, *sampling)
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The phase's inputs in order: input_ids, attention_mask (whose width picks the
+        bucket), position_ids, seq_ids, then any the phase adds (sampling, ...)."""
+        graph = self.graphs[inputs[1].shape[-1]]
         return graph(self.weights, self.caches, *(t.contiguous() for t in inputs))
 
 
@@ -160,6 +156,10 @@ def _graph_plan(app: Any, suffix: str) -> Iterator[tuple[Any, int, tuple, str]]:
             yield wrapper, bucket, example, f"{GRAPHS}/{wrapper.tag}-{bucket}{suffix}"
 
 
+def _phase_function(skeleton: Skeleton, wrapper: Any) -> GraphFunction:
+    return GraphFunction(skeleton.model, wrapper.phase_module(skeleton.model))
+
+
 def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: bool = False) -> None:
     record, backend = choose_backend(app.neuron_config)
     config = _config_for_backend(app, record.name)
@@ -195,7 +195,7 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
         ):
             if not from_store:
                 backend.compile_graph(
-                    skeleton.function,
+                    _phase_function(skeleton, wrapper),
                     (example_weights, skeleton.caches, *example),
                     staging / relative,
                     debug=debug,
@@ -269,9 +269,7 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
     for wrapper in app.models:
         if wrapper.tag not in loaded:
             raise ArtefactError(f"{path} has no graphs for {wrapper.tag}; compile again")
-        wrapper.model = CompiledSubModel(
-            loaded[wrapper.tag], weights, caches, skeleton.model.kv_mgr, skeleton.model.sampler
-        )
+        wrapper.model = CompiledSubModel(loaded[wrapper.tag], weights, caches, skeleton.model)
     if not app.neuron_config.skip_warmup:
         warm_up(app)
     app.is_loaded_to_neuron = True
@@ -313,7 +311,8 @@ def warm_up(app: Any) -> None:
     for wrapper in app.models:
         for example in wrapper.input_generator():
             wrapper.model(*example)
-    app.context_encoding_model.model.kv_mgr.reset()
+    for manager in app.context_encoding_model.model.kv_managers:
+        manager.reset()
 
 
 def _refuse_frozen(manifest: Manifest, path: Path) -> None:

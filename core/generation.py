@@ -20,6 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from nxdplug.errors import NotSupportedError, NxdPlugError
 from nxdplug.registry import get_registry
 from nxdplug.sampling import SamplingParams, sampling_params_tensor
+from nxdplug.speculation import SpeculativeRequest, TokenChoice
 
 # transformers' own fallbacks for settings neither the model nor the caller gives.
 HF_DEFAULTS = {"max_length": 20, "top_k": 50, "top_p": 1.0, "temperature": 1.0, "do_sample": False}
@@ -44,7 +45,6 @@ UNSUPPORTED_SETTINGS = {
     "forced_eos_token_id": None,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
-    "prompt_lookup_num_tokens": None,
 }
 
 
@@ -194,10 +194,22 @@ class HuggingFaceGenerationAdapter:
         one row per request; otherwise it samples with its config's settings, and
         ``generate()`` arguments asking for other ones are refused.
         """
+        assistant_model = kwargs.pop("assistant_model", None)
         config = self.resolve_generation_config(generation_config, **kwargs)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         new_tokens = self._new_token_budget(config, input_ids.shape[1])
+        speculation_mode = self.neuron_model.plugins.speculation_mode
+        if speculation_mode is not None or assistant_model is not None:
+            return self._speculate(
+                speculation_mode, config, input_ids, attention_mask, new_tokens, assistant_model
+            )
+        if config.prompt_lookup_num_tokens:
+            raise NotSupportedError(
+                "prompt_lookup_num_tokens verifies the looked-up tokens in one target call: "
+                "the model needs NeuronConfig(speculation_length=k, trace_tokengen_model=False)"
+                " with k >= prompt_lookup_num_tokens"
+            )
         sampling = self._sampling(config, input_ids.shape[0], sampling_params, kwargs)
         keep_scores = config.return_dict_in_generate and config.output_scores
         eos = torch.tensor(_token_ids(config.eos_token_id), dtype=input_ids.dtype)
@@ -236,6 +248,40 @@ class HuggingFaceGenerationAdapter:
             scores=tuple(all_scores) if config.output_scores else None,
             logits=tuple(all_logits) if config.output_logits else None,
         )
+
+    def _speculate(
+        self,
+        speculation_mode: Any,
+        config: GenerationConfig,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        new_tokens: int,
+        assistant_model: Any,
+    ) -> torch.Tensor:
+        """Hand the generation to the speculation mode's speculator."""
+        if speculation_mode is None:
+            raise NotSupportedError(
+                "assistant_model needs a target that verifies several tokens per call: build "
+                "it with NeuronConfig(speculation_length=k, trace_tokengen_model=False)"
+            )
+        if config.return_dict_in_generate:
+            raise NotSupportedError(
+                "return_dict_in_generate is not supported with speculative decoding; the "
+                "tokens are returned, and the acceptance is in model.speculation_stats"
+            )
+        host = HostSampling(config)
+        request = SpeculativeRequest(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=new_tokens,
+            choice=TokenChoice(host.sampler, host.params, bool(config.do_sample)),
+            eos_token_ids=torch.tensor(_token_ids(config.eos_token_id), dtype=torch.long),
+            pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
+            assistant_model=assistant_model,
+            prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
+        )
+        speculator = speculation_mode.load("implementation")(self.neuron_model)
+        return speculator.generate(request)
 
     def _sampling(
         self,

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from nxdplug.modules.kv_cache import KVCacheManager
+
 
 def weight_names(model: nn.Module) -> list[str]:
     """Parameter names, each tied parameter once (under its first name)."""
@@ -17,36 +19,41 @@ def weight_names(model: nn.Module) -> list[str]:
 
 
 def cache_names(model: nn.Module) -> list[str]:
-    return [f"kv_mgr.{name}" for name, _ in model.kv_mgr.named_buffers()]
+    """The buffers of every KV-cache manager in the model (a fused draft brings its own)."""
+    return [
+        f"{prefix}.{name}"
+        for prefix, module in model.named_modules()
+        if isinstance(module, KVCacheManager)
+        for name, _ in module.named_buffers()
+    ]
 
 
 class GraphFunction(nn.Module):
-    """``forward(weights, caches, input_ids, attention_mask, position_ids, seq_ids, *sampling)``,
-    where ``sampling`` is ``(sampling_params, sampling_noise)`` with on-device sampling.
+    """``forward(weights, caches, *inputs)``: the phase's inputs (input_ids, attention_mask,
+    position_ids, seq_ids, then ``(sampling_params, sampling_noise)`` with on-device sampling,
+    or whatever a speculation phase adds).
 
     The model is held outside the module's registered state, so exporting this module lifts
     no parameter or cache of its own: the weights and caches exist only as the graph's inputs
     (small computed buffers, such as rotary tables, become constants of the graph).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, phase: nn.Module | None = None) -> None:
+        """``phase``: the module a phase runs (see ``ModelWrapper.phase_module``), holding
+        ``model`` as its ``model`` attribute; the model itself by default."""
         super().__init__()
-        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "model", model if phase is None else phase)
         self.weight_names = weight_names(model)
         self.cache_names = cache_names(model)
+        self.prefix = "" if phase is None or phase is model else "model."
 
     def forward(
         self,
         weights: list[torch.Tensor],
         caches: list[torch.Tensor],
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-        *sampling: torch.Tensor,
+        *inputs: torch.Tensor,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         tensors = dict(zip(self.weight_names, weights, strict=True))
         tensors |= dict(zip(self.cache_names, caches, strict=True))
-        return functional_call(
-            self.model, tensors, (input_ids, attention_mask, position_ids, seq_ids, *sampling)
-        )
+        tensors = {self.prefix + name: tensor for name, tensor in tensors.items()}
+        return functional_call(self.model, tensors, inputs)

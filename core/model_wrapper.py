@@ -17,6 +17,7 @@ from nxdplug.sampling import example_sampling_inputs
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
+SPECULATION_MODEL_TAG = "speculation_model"
 
 
 class ModelWrapper(nn.Module):
@@ -26,7 +27,10 @@ class ModelWrapper(nn.Module):
         model_cls: type[nn.Module],
         tag: str = "",
         compiler_args: str | None = None,
+        tokens_per_step: int = 1,
     ) -> None:
+        """``tokens_per_step``: the tokens each row feeds per call outside context encoding (1
+        for token generation, k+1 to verify k speculated tokens)."""
         super().__init__()
         self.config = config
         self.neuron_config = config.neuron_config
@@ -35,6 +39,7 @@ class ModelWrapper(nn.Module):
         self.compiler_args = compiler_args
         self.model: nn.Module | None = None
         self.is_context_encoding = tag == CONTEXT_ENCODING_MODEL_TAG
+        self.tokens_per_step = tokens_per_step
         self.buckets = self._buckets()
         self.batch_size = (
             self.neuron_config.ctx_batch_size
@@ -56,8 +61,16 @@ class ModelWrapper(nn.Module):
         return [largest]
 
     def input_length(self, bucket: int) -> int:
-        """Tokens per row in this phase's inputs: the bucket for context encoding, else 1."""
-        return bucket if self.is_context_encoding else 1
+        """Tokens per row in this phase's inputs: the bucket for context encoding, else
+        ``tokens_per_step``."""
+        return bucket if self.is_context_encoding else self.tokens_per_step
+
+    def phase_module(self, model: nn.Module) -> nn.Module:
+        """What this phase runs, given the application's model: the model itself here; a
+        speculation plugin's wrapper may return a module that calls it differently (its own
+        outputs, extra heads). Such a module keeps the model as its ``model`` attribute and
+        adds no parameters or buffers of its own: every phase shares the model's weights."""
+        return model
 
     def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
         """Example inputs, one tuple per bucket, in forward's argument order (for tracing);
@@ -74,7 +87,9 @@ class ModelWrapper(nn.Module):
                 (
                     torch.zeros(batch, length, dtype=torch.long),
                     torch.ones(batch, bucket, dtype=torch.long),
-                    torch.arange(length, dtype=torch.long).expand(batch, length).contiguous(),
+                    torch.arange(bucket - length, bucket, dtype=torch.long)
+                    .expand(batch, length)
+                    .contiguous(),
                     torch.arange(batch, dtype=torch.long),
                     *sampling,
                 )

@@ -68,13 +68,18 @@ class SelectableRecord(PluginRecord):
     truthy (``is_medusa``, ``kv_cache_quant``, ...), or, with ``enabled_when_set``, when any is
     set to something other than None (so that a numeric setting of 0 is seen, and checked). An
     empty tuple means it is never switched on by an attribute and must be chosen by name or be
-    the default of its kind.
+    the default of its kind. ``disabled_by`` names attributes that, when truthy, hand the
+    config to another record (``speculation_length`` selects draft-model speculation unless
+    ``enable_fused_speculation`` asks for the fused kind).
     """
 
     enabled_by: tuple[str, ...] = _names_field()
     enabled_when_set: bool = False
+    disabled_by: tuple[str, ...] = _names_field()
 
     def is_enabled_by(self, neuron_config: object) -> bool:
+        if any(getattr(neuron_config, attr, None) for attr in self.disabled_by):
+            return False
         values = [getattr(neuron_config, attr, None) for attr in self.enabled_by]
         if self.enabled_when_set:
             return any(value is not None for value in values)
@@ -163,7 +168,11 @@ class KVCacheStrategy(SelectableRecord):
 
 @attrs.frozen(kw_only=True)
 class SpeculationMode(SelectableRecord):
-    """A speculative-decoding mode (draft model, Medusa, EAGLE)."""
+    """A speculative-decoding mode (draft model, Medusa, EAGLE).
+
+    ``implementation`` is a class built with the application whose ``generate(request)``
+    follows :class:`nxdplug.speculation.Speculator`.
+    """
 
     implementation: str = _ref_field()
 

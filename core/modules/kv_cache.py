@@ -49,6 +49,28 @@ class KVCacheManager(nn.Module, ABC):
     def reset(self) -> None:
         """Forget every stored position."""
 
+    def position_buffers(self) -> list[torch.Tensor]:
+        """The buffers indexed [batch row, head, position, ...] (keys and values, not scales)."""
+        layout = self.layout
+        rows = (layout.max_batch_size, layout.num_kv_heads, layout.max_length)
+        return [b for b in self.buffers() if b.dim() >= 3 and tuple(b.shape[:3]) == rows]
+
+    def move_positions(
+        self, seq_ids: torch.Tensor, source: torch.Tensor, destination: torch.Tensor
+    ) -> None:
+        """Copy what rows ``seq_ids`` ([batch]) hold at positions ``source`` ([batch, n]) to
+        ``destination`` ([batch, n]) in every layer: speculation keeps the accepted branch of a
+        tree this way. All sources are read before anything is written."""
+        rows = seq_ids[:, None]
+        for buffer in self.position_buffers():
+            moved = buffer[rows, :, source]
+            buffer[rows, :, destination] = moved
+
+
+def kv_cache_managers(model: nn.Module) -> list[KVCacheManager]:
+    """Every KV-cache manager in ``model`` (the model's own, and a fused draft's)."""
+    return [module for module in model.modules() if isinstance(module, KVCacheManager)]
+
 
 def write_positions(
     cache: torch.Tensor, seq_ids: torch.Tensor, position_ids: torch.Tensor, new: torch.Tensor

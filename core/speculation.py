@@ -1,0 +1,244 @@
+"""What every speculation mode shares: the request, acceptance rules, statistics, row outputs.
+
+A speculation-mode plugin's implementation is a :class:`Speculator`: built with the target
+application, it runs a whole generation for ``HuggingFaceGenerationAdapter.generate``. Each
+step a proposer (a draft model, prompt lookup, Medusa heads, an EAGLE draft) offers k tokens per
+row; the target scores them in one call; the rules below keep the leading tokens the target
+agrees with and add one token of the target's own, so the output is the target's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from nxdplug.sampling import SamplingParams
+
+
+@attrs.frozen
+class TokenChoice:
+    """How tokens are chosen from logits: greedily, or sampled with ``params``.
+
+    ``scores(logits)`` is the sampler plugin's processed scores (temperature, top-k, top-p).
+    """
+
+    sampler: Any
+    params: SamplingParams
+    do_sample: bool
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution tokens are drawn from, over the last dimension, in float32."""
+        return self.sampler.scores(logits.float(), self.params).softmax(dim=-1)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of [batch, vocab] logits."""
+        return self.sampler(logits, self.params)
+
+
+@attrs.frozen
+class SpeculativeRequest:
+    """One ``generate()`` call handed to a speculator.
+
+    ``input_ids`` / ``attention_mask`` [batch, prompt] (padding on either side);
+    ``assistant_model``: a draft application, for draft-model speculation;
+    ``prompt_lookup_num_tokens``: propose by n-gram lookup in the sequence instead.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    max_new_tokens: int
+    choice: TokenChoice
+    eos_token_ids: torch.Tensor
+    pad_token_id: int
+    assistant_model: Any = None
+    prompt_lookup_num_tokens: int | None = None
+
+
+class Speculator(Protocol):
+    """The implementation of a SpeculationMode record."""
+
+    def __init__(self, application: Any) -> None: ...
+
+    def generate(self, request: SpeculativeRequest) -> torch.Tensor:
+        """Prompt plus new tokens, [batch, prompt + generated], finished rows padded; updates
+        ``application.speculation_stats``."""
+
+
+@attrs.define
+class AcceptanceStats:
+    """Counts over target calls that verify speculated tokens, summed over the rows.
+
+    ``row_calls``: (target call, row) pairs; ``drafted``: tokens proposed; ``accepted``: those
+    the target kept; ``emitted``: tokens produced (accepted plus the target's own).
+    """
+
+    row_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def record(self, drafted: int, accepted: torch.Tensor, emitted: torch.Tensor) -> None:
+        """One target call: ``drafted`` tokens offered per row, ``accepted`` / ``emitted``
+        per active row ([rows])."""
+        self.row_calls += len(accepted)
+        self.drafted += drafted * len(accepted)
+        self.accepted += int(accepted.sum())
+        self.emitted += int(emitted.sum())
+
+    @property
+    def mean_accepted(self) -> float:
+        """Speculated tokens the target accepted, per target call and row."""
+        return self.accepted / self.row_calls if self.row_calls else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Tokens produced per target call and row (accepted ones plus the target's own)."""
+        return self.emitted / self.row_calls if self.row_calls else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "target_calls_per_row": self.row_calls,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "mean_accepted_per_call": round(self.mean_accepted, 4),
+            "tokens_per_call": round(self.tokens_per_call, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+        }
+
+    def summary(self) -> str:
+        return (
+            f"speculation: {self.mean_accepted:.2f} accepted tokens per target call "
+            f"({self.tokens_per_call:.2f} tokens per call), acceptance rate "
+            f"{self.acceptance_rate:.1%} over {self.row_calls} calls"
+        )
+
+
+def leading_matches(drafts: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[batch] count of leading positions where ``drafts`` equals ``targets`` ([batch, k])."""
+    return (drafts == targets).long().cumprod(dim=-1).sum(dim=-1)
+
+
+def greedy_acceptance(
+    drafts: torch.Tensor, target_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the drafts the target's argmax agrees with, then the target's next token.
+
+    ``drafts`` [batch, k], ``target_logits`` [batch, k+1, vocab] (position i scores the token
+    after draft i-1). Returns ``(tokens [batch, k+1], counts [batch])``: the first ``counts``
+    tokens of each row are its output (accepted drafts, then the target's token).
+    """
+    targets = target_logits.argmax(dim=-1)
+    accepted = leading_matches(drafts, targets[:, :-1])
+    return targets, accepted + 1
+
+
+def rejection_acceptance(
+    drafts: torch.Tensor,
+    draft_probabilities: torch.Tensor | None,
+    target_probabilities: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling: the output is distributed as if sampled from the target alone.
+
+    Draft i is kept with probability ``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection
+    a token is drawn from ``max(p_i - q_i, 0)`` renormalised; when all k are kept, one more is
+    drawn from ``p_k``. ``draft_probabilities`` [batch, k, vocab] is None for a deterministic
+    proposer (prompt lookup), whose q is one-hot on its token. ``target_probabilities``
+    [batch, k+1, vocab]. Returns ``(tokens [batch, k+1], counts [batch])`` as
+    :func:`greedy_acceptance` does.
+    """
+    batch, k = drafts.shape
+    p = target_probabilities.float()
+    if draft_probabilities is None:
+        q = torch.nn.functional.one_hot(drafts, p.shape[-1]).float()
+    else:
+        q = draft_probabilities.float()
+    p_draft = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
+    q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
+    uniform = torch.rand(batch, k, generator=generator)
+    keep = uniform * q_draft < p_draft  # u < p/q without dividing by a zero q
+    accepted = keep.long().cumprod(dim=-1).sum(dim=-1)
+
+    rows = torch.arange(batch)
+    residual = torch.cat([(p[:, :k] - q).clamp(min=0), p[:, k:]], dim=1)[rows, accepted]
+    # A residual of zero everywhere (p == q) cannot be reached by a rejection; guard anyway.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, p[rows, accepted], residual)
+    last = torch.multinomial(residual, 1, generator=generator).squeeze(-1)
+
+    tokens = torch.cat([drafts, drafts[:, :1]], dim=1).clone()
+    tokens[rows, accepted] = last
+    return tokens, accepted + 1
+
+
+def accept(
+    choice: TokenChoice,
+    drafts: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    target_logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance rule for ``choice``: greedy matching, or rejection sampling (with the
+    draft's logits, or None for a proposer without a distribution)."""
+    if not choice.do_sample:
+        return greedy_acceptance(drafts, target_logits)
+    draft_probabilities = None if draft_logits is None else choice.probabilities(draft_logits)
+    return rejection_acceptance(drafts, draft_probabilities, choice.probabilities(target_logits))
+
+
+class GeneratedRows:
+    """The new tokens of each row, committed a variable number at a time.
+
+    A row stops at its first end-of-sequence token or at ``budget`` tokens; what a call
+    produces past that is dropped. :meth:`sequences` pads finished rows with ``pad``, as
+    HF transformers' ``generate()`` does.
+    """
+
+    def __init__(self, batch: int, budget: int, eos: torch.Tensor, pad: int) -> None:
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.finished = [False] * batch
+        self.budget = budget
+        self.eos = set(eos.tolist())
+        self.pad = pad
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    @property
+    def active(self) -> torch.Tensor:
+        """[batch] bool: rows still generating."""
+        return torch.tensor([not f for f in self.finished])
+
+    def commit(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Append the first ``counts[b]`` of ``tokens[b]`` to each active row; returns how
+        many each row actually took ([batch], 0 for finished rows)."""
+        taken = torch.zeros(len(self.tokens), dtype=torch.long)
+        rows = zip(tokens.tolist(), counts.tolist(), strict=True)
+        for row, (row_tokens, count) in enumerate(rows):
+            if self.finished[row]:
+                continue
+            for token in row_tokens[:count]:
+                self.tokens[row].append(token)
+                taken[row] += 1
+                if token in self.eos or len(self.tokens[row]) >= self.budget:
+                    self.finished[row] = True
+                    break
+        return taken
+
+    def last_tokens(self) -> torch.Tensor:
+        """[batch] each row's newest token (the pad for a row with none)."""
+        return torch.tensor([row[-1] if row else self.pad for row in self.tokens])
+
+    def sequences(self, prompt: torch.Tensor) -> torch.Tensor:
+        """``prompt`` [batch, length] followed by each row's tokens, padded to the longest."""
+        width = max(len(row) for row in self.tokens)
+        new = torch.full((len(self.tokens), width), self.pad, dtype=prompt.dtype)
+        for row, row_tokens in enumerate(self.tokens):
+            new[row, : len(row_tokens)] = torch.tensor(row_tokens, dtype=prompt.dtype)
+        return torch.cat([prompt, new], dim=1)
