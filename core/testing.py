@@ -9,8 +9,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -24,6 +27,8 @@ __all__ = [
     "AccuracyReport",
     "check_accuracy",
     "check_against_hf",
+    "chi_square_p_value",
+    "derived_checkpoint",
     "fresh_plugin_manager",
     "make_tiny_checkpoint",
     "random_prompts",
@@ -271,3 +276,58 @@ def random_prompts(
         )
         mask[row, width - length :] = 1
     return input_ids, mask
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probabilities: torch.Tensor) -> float:
+    """P-value of Pearson's chi-square test of ``counts`` against the probabilities, over the
+    tokens they keep (bins expecting fewer than 5 draws merged into one); 0 when a token they
+    filter out was drawn."""
+    kept = expected_probabilities > 0
+    if counts[~kept].any():
+        return 0.0
+    expected = expected_probabilities[kept].double() * counts.sum()
+    observed = counts[kept].double()
+    small = expected < 5
+    if small.any():
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+        observed = torch.cat([observed[~small], observed[small].sum()[None]])
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    degrees = torch.tensor(len(expected) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(degrees / 2, statistic / 2))
+
+
+def derived_checkpoint(
+    source: str | Path,
+    output: str | Path,
+    *,
+    num_layers: int | None = None,
+    edit: Callable[[dict[str, torch.Tensor]], None] | None = None,
+) -> Path:
+    """A checkpoint made from ``source``'s weights: its first ``num_layers`` layers (with its
+    embeddings, final norm and LM head), and/or tensors changed in place by ``edit``.
+
+    Speculation tests use it to build drafts that agree with a target often (its first layers,
+    or the target itself) or never (an LM head edited to always pick one token).
+    """
+    from safetensors.torch import load_file, save_file
+
+    source, output = Path(source), Path(output)
+    output.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.name not in ("config.json", "model.safetensors"):
+            shutil.copy(item, output / item.name)
+    config = json.loads((source / "config.json").read_text())
+    tensors = load_file(source / "model.safetensors")
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+        kept = {f"model.layers.{i}." for i in range(num_layers)}
+        tensors = {
+            name: tensor
+            for name, tensor in tensors.items()
+            if not name.startswith("model.layers.") or any(name.startswith(k) for k in kept)
+        }
+    if edit is not None:
+        edit(tensors)
+    (output / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({name: t.contiguous() for name, t in tensors.items()}, output / "model.safetensors")
+    return output

@@ -33,6 +33,7 @@ from nxdplug.plugins.sampling.on_device import (
     SamplingParamsError,
     candidate_scores,
 )
+from nxdplug.testing import chi_square_p_value
 
 SETTINGS = {"batch_size": 2, "seq_len": 64, "max_context_length": 16, "torch_dtype": "float32"}
 PROMPTS = torch.tensor([[0, 0, 11, 42, 7, 99], [3, 14, 15, 92, 65, 35]])
@@ -172,24 +173,6 @@ def test_candidate_probabilities_equal_hf_warpers(top_k, top_p, temperature, see
     expected = hf_probabilities(logits, top_k, top_p, temperature)
     assert torch.equal(ours > 0, expected > 0)
     torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)
-
-
-def chi_square_p_value(counts: torch.Tensor, expected_probabilities: torch.Tensor) -> float:
-    """P-value of Pearson's chi-square test of ``counts`` against the probabilities, over the
-    tokens they keep (bins expecting fewer than 5 draws merged into one); 0 when a token they
-    filter out was drawn."""
-    kept = expected_probabilities > 0
-    if counts[~kept].any():
-        return 0.0
-    expected = expected_probabilities[kept].double() * counts.sum()
-    observed = counts[kept].double()
-    small = expected < 5
-    if small.any():
-        expected = torch.cat([expected[~small], expected[small].sum()[None]])
-        observed = torch.cat([observed[~small], observed[small].sum()[None]])
-    statistic = ((observed - expected) ** 2 / expected).sum()
-    degrees = torch.tensor(len(expected) - 1, dtype=torch.float64)
-    return float(torch.special.gammaincc(degrees / 2, statistic / 2))
 
 
 LOGITS = torch.randn(40, generator=torch.Generator().manual_seed(0)) * 2
