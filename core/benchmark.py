@@ -458,3 +458,89 @@ class BenchmarkReport:
             f"{b.kv_cache / 1e6:.2f} MB KV cache ({self.mean_positions:g} positions on average)",
             f"ceiling         {self.ceiling_tokens_per_s:.1f} decode tok/s",
         ]
+
+
+@attrs.frozen
+class SpeculationReport:
+    """Whole generations with and without speculation on the same target and prompts.
+
+    Tokens/s are medians over runs of ``generate()`` (context encoding included); the
+    acceptance is summed over the speculative runs.
+    """
+
+    config: dict[str, Any]
+    plain_seconds: tuple[float, ...]
+    speculative_seconds: tuple[float, ...]
+    acceptance: dict[str, float]
+
+    def tokens_per_s(self, seconds: Sequence[float]) -> float:
+        tokens = self.config["batch_size"] * self.config["new_tokens"]
+        return tokens / statistics.median(seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        plain = self.tokens_per_s(self.plain_seconds)
+        speculative = self.tokens_per_s(self.speculative_seconds)
+        return {
+            "config": dict(self.config),
+            "plain_tokens_per_s": plain,
+            "speculative_tokens_per_s": speculative,
+            "speedup": speculative / plain,
+            "acceptance": dict(self.acceptance),
+        }
+
+    def format_table(self) -> str:
+        report, c = self.to_dict(), self.config
+        a = report["acceptance"]
+        return "\n".join(
+            [
+                f"model        {c['model']}",
+                f"speculation  {c['mode']}, {c['proposer']}",
+                f"dtype        {c['dtype']}, batch {c['batch_size']}, prompt {c['prompt_length']} "
+                f"+ {c['new_tokens']} new tokens, {c['runs']} timed run(s) each after 1 warm-up",
+                f"backend      {c['backend']}, torch {c['torch']}, {c['threads']} thread(s)",
+                "",
+                f"without speculation  {report['plain_tokens_per_s']:.1f} tok/s",
+                f"with speculation     {report['speculative_tokens_per_s']:.1f} tok/s",
+                f"speedup              x{report['speedup']:.2f}",
+                f"acceptance           {a['mean_accepted_per_call']:.2f} accepted tokens per "
+                f"target call ({a['tokens_per_call']:.2f} tokens per call), acceptance rate "
+                f"{a['acceptance_rate']:.1%}",
+            ]
+        )
+
+
+def _time_generate(model: Any, input_ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> float:
+    from nxdplug.generation import HuggingFaceGenerationAdapter
+
+    adapter = HuggingFaceGenerationAdapter(model)
+    start = time.perf_counter()
+    adapter.generate(
+        input_ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, **kwargs
+    )
+    return time.perf_counter() - start
+
+
+def measure_speculation(
+    plain: Any,
+    speculative: Any,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    runs: int,
+    generate_kwargs: dict[str, Any],
+) -> tuple[tuple[float, ...], tuple[float, ...], Any]:
+    """Seconds per greedy generation of exactly ``new_tokens`` tokens, the two models in turn
+    (after one warm-up each), and the speculative runs' summed acceptance statistics."""
+    from nxdplug.speculation import AcceptanceStats
+
+    total = AcceptanceStats()
+    plain_times, speculative_times = [], []
+    with torch.inference_mode():
+        _time_generate(plain, input_ids, new_tokens)
+        _time_generate(speculative, input_ids, new_tokens, **generate_kwargs)
+        for _ in range(runs):
+            plain_times.append(_time_generate(plain, input_ids, new_tokens))
+            speculative_times.append(
+                _time_generate(speculative, input_ids, new_tokens, **generate_kwargs)
+            )
+            total.add(speculative.speculation_stats)
+    return tuple(plain_times), tuple(speculative_times), total

@@ -16,6 +16,12 @@ from typing import Any
 
 from nxdplug.cli_inference import add_compiled_model_options, inference_config, load_model
 from nxdplug.cli_options import add_neuron_config_options, neuron_config_kwargs, positive_int
+from nxdplug.cli_speculation import (
+    add_speculation_options,
+    generate_keywords,
+    plain_application,
+    prepare_speculation,
+)
 from nxdplug.errors import NxdPlugError
 
 
@@ -41,7 +47,23 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
         help="also time HF transformers' generate() on the same prompts and print the ratios",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    parser.add_argument(
+        "--prompt-file",
+        type=Path,
+        default=None,
+        metavar="JSONL",
+        help="prompts as JSON lines with an input_ids list each (the first --batch-size "
+        "entries, cut to --prompt-length); default: random token ids",
+    )
+    parser.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --speculation-length: speculate by n-gram lookup instead of a draft model",
+    )
     add_compiled_model_options(parser, required=False)
+    add_speculation_options(parser)
     add_neuron_config_options(parser)
 
 
@@ -55,7 +77,9 @@ def benchmark_options(args: argparse.Namespace) -> dict[str, Any]:
     options = neuron_config_kwargs(args)
     if "seq_len" not in options and "max_context_length" not in options:
         options["max_context_length"] = args.prompt_length
-    options.setdefault("seq_len", args.prompt_length + args.max_new_tokens)
+    # Speculation writes its proposed tokens past the last committed one.
+    room = max(options.get("speculation_length", 0), options.get("medusa_speculation_length", 0))
+    options.setdefault("seq_len", args.prompt_length + args.max_new_tokens + room)
     return options
 
 
@@ -108,9 +132,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
     dtype_name = str(dtype).removeprefix("torch.")
 
     progress(f"loading {args.model_path} ({dtype_name}, batch {batch_size})")
+    prepare_speculation(args, config)
     model = load_model(args, config)
 
-    input_ids = benchmark.random_prompt_ids(config.vocab_size, batch_size, args.prompt_length)
+    input_ids = _prompts(args, config.vocab_size, batch_size)
+    if model.plugins.speculation_mode is not None:
+        return _benchmark_speculation(args, model, input_ids, progress)
     new_tokens, runs = args.max_new_tokens, args.runs
     hf_stats = None
     if args.compare_hf:
@@ -144,6 +171,79 @@ def run_benchmark(args: argparse.Namespace) -> int:
         read_gb_per_s=benchmark.measure_read_bandwidth(),
         bytes_per_step=benchmark.decode_bytes_per_step(model, batch_size, positions),
         mean_positions=positions,
+    )
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
+    return 0
+
+
+def _prompts(args: argparse.Namespace, vocab_size: int, batch_size: int) -> Any:
+    """[batch, prompt_length] ids: from --prompt-file, or seeded random ones."""
+    import torch
+
+    from nxdplug import benchmark
+
+    if args.prompt_file is None:
+        return benchmark.random_prompt_ids(vocab_size, batch_size, args.prompt_length)
+    try:
+        lines = args.prompt_file.read_text(encoding="utf-8").splitlines()
+        rows = [json.loads(line)["input_ids"] for line in lines if line.strip()]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise NxdPlugError(
+            f"--prompt-file {args.prompt_file}: expected JSON lines with an input_ids list "
+            f"each ({type(exc).__name__}: {exc})"
+        ) from exc
+    usable = [row[: args.prompt_length] for row in rows if len(row) >= args.prompt_length]
+    if len(usable) < batch_size:
+        raise NxdPlugError(
+            f"--prompt-file {args.prompt_file} has {len(usable)} prompt(s) of at least "
+            f"{args.prompt_length} tokens; the batch needs {batch_size}: lower --prompt-length "
+            "or --batch-size"
+        )
+    return torch.tensor(usable[:batch_size])
+
+
+def _benchmark_speculation(
+    args: argparse.Namespace, model: Any, input_ids: Any, progress: Any
+) -> int:
+    """Whole generations with the config's speculation mode and without it, in turn."""
+    import torch
+
+    from nxdplug import benchmark
+
+    kwargs = generate_keywords(args, model)
+    if args.prompt_lookup_num_tokens:
+        kwargs["prompt_lookup_num_tokens"] = args.prompt_lookup_num_tokens
+    proposer = (
+        "draft model " + str(args.draft_model_path)
+        if "assistant_model" in kwargs
+        else f"prompt lookup of {args.prompt_lookup_num_tokens} token(s)"
+        if args.prompt_lookup_num_tokens
+        else "its own draft (fused or heads)"
+    )
+    progress("loading the same target without speculation")
+    plain = plain_application(args, model.config)
+    progress(f"timing with and without speculation in turn: 1 warm-up + {args.runs} run(s)")
+    plain_seconds, speculative_seconds, acceptance = benchmark.measure_speculation(
+        plain, model, input_ids, args.max_new_tokens, args.runs, kwargs
+    )
+    neuron_config = model.neuron_config
+    report = benchmark.SpeculationReport(
+        config={
+            "model": str(args.model_path),
+            "mode": model.plugins.speculation_mode.name,
+            "proposer": proposer,
+            "dtype": str(neuron_config.torch_dtype).removeprefix("torch."),
+            "batch_size": neuron_config.batch_size,
+            "prompt_length": args.prompt_length,
+            "new_tokens": args.max_new_tokens,
+            "runs": args.runs,
+            "backend": model.backend_name,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        },
+        plain_seconds=plain_seconds,
+        speculative_seconds=speculative_seconds,
+        acceptance=acceptance.as_dict(),
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
     return 0

@@ -18,6 +18,12 @@ from nxdplug.cli_options import (
     neuron_config_kwargs,
     sampling_kwargs,
 )
+from nxdplug.cli_speculation import (
+    acceptance_line,
+    add_speculation_options,
+    generate_keywords,
+    prepare_speculation,
+)
 from nxdplug.errors import NxdPlugError
 
 
@@ -102,6 +108,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="compare with HF transformers on the same checkpoint",
     )
     add_compiled_model_options(parser, required=False)
+    add_speculation_options(parser)
     add_neuron_config_options(parser)
     add_sampling_options(parser)
 
@@ -194,7 +201,9 @@ def run_run(args: argparse.Namespace) -> int:
     if seed is not None:
         torch.manual_seed(seed)
 
+    prepare_speculation(args, config)
     model = load_model(args, config)
+    generation |= generate_keywords(args, model)
     tokenizer = _tokenizer(args.model_path, config.neuron_config.padding_side)
     batch = tokenizer(args.prompts, return_tensors="pt", padding=True)
 
@@ -214,15 +223,33 @@ def run_run(args: argparse.Namespace) -> int:
     count = new_tokens.numel()
     rate = f"{count / seconds:.1f} tokens/s"
     print(f"\n{count} new tokens in {seconds:.2f} s ({rate}, {model.backend_name} backend)")
+    acceptance = acceptance_line(model)
+    if acceptance is not None:
+        print(acceptance)
 
     if args.check_accuracy_mode == "skip":
         return 0
-    return _check_accuracy(args, model, batch, new_tokens.shape[1])
+    speculation = {key: generation[key] for key in SPECULATION_KEYWORDS if key in generation}
+    return _check_accuracy(args, model, batch, new_tokens.shape[1], speculation)
 
 
-def _check_accuracy(args: argparse.Namespace, model: Any, batch: Any, new_tokens: int) -> int:
+SPECULATION_KEYWORDS = ("assistant_model", "prompt_lookup_num_tokens")
+
+
+def _check_accuracy(
+    args: argparse.Namespace,
+    model: Any,
+    batch: Any,
+    new_tokens: int,
+    speculation: dict[str, Any],
+) -> int:
     from nxdplug.testing import check_accuracy
 
+    if args.check_accuracy_mode == "logit-matching" and model.plugins.speculation_mode:
+        raise NxdPlugError(
+            "--check-accuracy-mode logit-matching compares one token per step, which a "
+            "speculating model does not compute; use token-matching"
+        )
     hf_model = model.load_hf_model(args.model_path, dtype=model.neuron_config.torch_dtype).eval()
     report = check_accuracy(
         model,
@@ -231,6 +258,7 @@ def _check_accuracy(args: argparse.Namespace, model: Any, batch: Any, new_tokens
         batch.attention_mask,
         max_new_tokens=new_tokens,
         mode=args.check_accuracy_mode,
+        generate_kwargs=speculation,
     )
     print(report.summary())
     return 0 if report.passed else 1

@@ -96,6 +96,11 @@ _NEURON_CONFIG_OPTIONS: tuple[tuple[str, dict[str, Any], str], ...] = (
         "compile backend (see `nxdplug plugins list`); default: the best available",
     ),
     ("--output-logits", _FLAG, "return the logits along with the tokens"),
+    (
+        "--speculation-length",
+        {"type": positive_int},
+        "tokens speculated per step (draft model, prompt lookup, EAGLE)",
+    ),
 )
 
 # (flag, argparse keywords, help). The flag's dest is the generate() keyword.
@@ -107,6 +112,11 @@ _SAMPLING_OPTIONS: tuple[tuple[str, dict[str, Any], str], ...] = (
     ("--seed", {"type": int}, "random seed for sampling (not a generate() keyword)"),
     ("--max-new-tokens", {"type": positive_int}, "most tokens to generate per prompt"),
     ("--max-length", {"type": positive_int}, "most tokens per sequence, prompt included"),
+    (
+        "--prompt-lookup-num-tokens",
+        {"type": positive_int},
+        "speculate by n-gram lookup in the sequence (needs --speculation-length)",
+    ),
 )
 
 

@@ -87,6 +87,13 @@ class AcceptanceStats:
         self.accepted += int(accepted.sum())
         self.emitted += int(emitted.sum())
 
+    def add(self, other: AcceptanceStats) -> None:
+        """Count ``other``'s calls too (to sum several generations)."""
+        self.row_calls += other.row_calls
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.emitted += other.emitted
+
     @property
     def mean_accepted(self) -> float:
         """Speculated tokens the target accepted, per target call and row."""

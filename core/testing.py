@@ -160,8 +160,12 @@ def check_accuracy(
     max_new_tokens: int,
     mode: str = "token-matching",
     tolerance: tuple[float, float] | None = None,
+    generate_kwargs: dict[str, Any] | None = None,
 ) -> AccuracyReport:
-    """Compare ``model`` (an nxdplug causal LM, loaded) with ``hf_model`` on the same prompts."""
+    """Compare ``model`` (an nxdplug causal LM, loaded) with ``hf_model`` on the same prompts.
+
+    ``generate_kwargs`` go to the model's ``generate()`` in token matching (e.g. the
+    ``assistant_model`` of a speculating model)."""
     from nxdplug.generation import HuggingFaceGenerationAdapter
 
     if mode not in ACCURACY_MODES[:2]:
@@ -181,6 +185,7 @@ def check_accuracy(
                 do_sample=False,
                 eos_token_id=hf_model.generation_config.eos_token_id,
                 pad_token_id=hf_model.generation_config.pad_token_id or 0,
+                **(generate_kwargs or {}),
             )[:, prompt:]
         mismatch = _first_mismatch(expected, actual)
         return AccuracyReport(mode, mismatch is None, expected, actual, mismatch)

@@ -284,3 +284,94 @@ def test_trained_draft_speeds_up_pycoder_losslessly() -> None:
     actual = greedy(speculating, prompts, mask, max_new_tokens=64, prompt_lookup_num_tokens=4)
     assert torch.equal(actual, expected)
     assert speculating.speculation_stats.tokens_per_call > 1.2
+
+
+SPECULATING = ["--speculation-length", "3", "--neuron-config", "trace_tokengen_model=false"]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from nxdplug.cli import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+def test_run_reports_acceptance_and_matches_hf(capsys, checkpoints, proposer) -> None:
+    source = (
+        ["--draft-model-path", str(checkpoints["perturbed"])]
+        if proposer == "draft"
+        else ["--prompt-lookup-num-tokens", "2"]
+    )
+    code, out, err = run_cli(
+        capsys,
+        "run",
+        "--model-path",
+        str(checkpoints["target"]),
+        "--prompt",
+        "def f(x): return x",
+        "--prompt",
+        "import os",
+        "--max-new-tokens",
+        "12",
+        "--torch-dtype",
+        "float32",
+        "--check-accuracy-mode",
+        "token-matching",
+        *SPECULATING,
+        *source,
+    )
+    assert code == 0, out + err
+    assert "speculation: " in out and "accepted tokens per target call" in out
+    assert "token matching: PASS" in out
+
+
+def test_run_refuses_a_draft_without_speculation(capsys, checkpoints) -> None:
+    code, _, err = run_cli(
+        capsys,
+        "run",
+        "--model-path",
+        str(checkpoints["target"]),
+        "--prompt",
+        "x",
+        "--draft-model-path",
+        str(checkpoints["perturbed"]),
+    )
+    assert code != 0
+    assert "--draft-model-path needs --speculation-length" in err
+    assert "Traceback" not in err
+
+
+def test_benchmark_compares_with_and_without_speculation(capsys, checkpoints, tmp_path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"input_ids": [5 + i] * 10}) for i in range(3)))
+    code, out, err = run_cli(
+        capsys,
+        "benchmark",
+        "--model-path",
+        str(checkpoints["target"]),
+        "--draft-model-path",
+        str(checkpoints["perturbed"]),
+        "--prompt-file",
+        str(prompts),
+        "--batch-size",
+        "2",
+        "--prompt-length",
+        "8",
+        "--max-new-tokens",
+        "6",
+        "--runs",
+        "1",
+        "--json",
+        "--quiet",
+        *SPECULATING,
+    )
+    assert code == 0, out + err
+    report = json.loads(out)
+    assert report["config"]["mode"] == "draft-model"
+    assert report["speedup"] == pytest.approx(
+        report["speculative_tokens_per_s"] / report["plain_tokens_per_s"]
+    )
+    assert report["acceptance"]["target_calls_per_row"] > 0
+    assert 0 <= report["acceptance"]["acceptance_rate"] <= 1
