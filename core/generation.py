@@ -23,7 +23,9 @@ from nxdplug.sampling import SamplingParams, sampling_params_tensor
 from nxdplug.speculation import SpeculativeRequest, TokenChoice
 
 # transformers' own fallbacks for settings neither the model nor the caller gives.
-HF_DEFAULTS = {"max_length": 20, "top_k": 50, "top_p": 1.0, "temperature": 1.0, "do_sample": False}
+HF_DEFAULTS = {"top_k": 50, "top_p": 1.0, "temperature": 1.0, "do_sample": False}
+# transformers 5 generates this many new tokens when neither max_new_tokens nor max_length is set.
+HF_DEFAULT_NEW_TOKENS = 20
 
 # GenerationConfig settings that on-device sampling takes as sampling_params.
 SAMPLING_SETTINGS = ("do_sample", "top_k", "top_p", "temperature")
@@ -162,6 +164,8 @@ class HuggingFaceGenerationAdapter:
             prompt_length + config.max_new_tokens
             if config.max_new_tokens is not None
             else config.max_length
+            if config.max_length is not None
+            else prompt_length + HF_DEFAULT_NEW_TOKENS
         )
         seq_len = self.neuron_model.neuron_config.seq_len
         if total > seq_len:

@@ -47,3 +47,28 @@ def test_nxdi_quantize_script_runs(tiny_checkpoint, tmp_path) -> None:
     )
     assert "MiB held, against" in result.stdout
     assert (tmp_path / "q" / "model.safetensors").is_file()
+
+
+def test_nxdi_speculative_script_prints_hf_greedy_text(tiny_checkpoint) -> None:
+    target = tiny_checkpoint("llama", seed=5)
+    draft = tiny_checkpoint("llama", seed=5, num_hidden_layers=1)
+    prompt = "def fibonacci(n):"
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "nxdi_speculative.py"), str(target), str(draft), prompt],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    printed = result.stdout.split("Generated outputs:\n", 1)[1]
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = hf.generate(
+            **tokenizer([prompt], return_tensors="pt"),
+            generation_config=GenerationConfig.from_pretrained(target),
+        )
+    text = tokenizer.decode(
+        expected[0], skip_special_tokens=True, clean_up_tokenization_spaces=False
+    )
+    assert printed.startswith(f"Output 0: {text}\nspeculation: "), printed
