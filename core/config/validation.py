@@ -255,6 +255,11 @@ def _speculation(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
     length = nc.speculation_length
     if nc.enable_eagle_speculation and _is_int(length) and length < 1:
         yield f"enable_eagle_speculation=True needs speculation_length 1 or more (it is {length})"
+    if nc.enable_eagle_speculation and not nc.enable_fused_speculation and not nc.is_eagle_draft:
+        yield (
+            "enable_eagle_speculation=True needs enable_fused_speculation=True: the EAGLE draft "
+            "runs fused with the target (leave enable_fused_speculation at its default)"
+        )
 
 
 def _sampling(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:

@@ -1,0 +1,1 @@
+"""EAGLE speculative decoding with fused speculation (see :mod:`.hooks`)."""

@@ -1,0 +1,87 @@
+"""The EAGLE-1 draft model (SafeAILab/EAGLE ``cnets1.Model``, flat chain, no tree).
+
+One draft step at draft position t takes the pair ``(x_{t+1}, f_t)``: the embedding of the next
+token and the target's feature at t (its final norm's output, the LM head's input), and
+predicts the feature ``f_{t+1}``; ``lm_head(prediction)`` (no norm) scores the token after.
+
+    h = fc(cat(embed(x_{t+1}), f_t))           # [2h] -> [h], with bias
+    h = h + attn(input_norm(h))                 # input_norm is the identity unless
+    h = h + mlp(post_attention_norm(h))         #   enable_eagle_draft_input_norm
+    return h                                    # no final norm
+
+Rotary positions run 0..n-1 over the draft's own sequence of pairs; the draft keeps its own
+KV cache (a second cache manager in the fused model, reset and compiled with the target's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaDecoderLayer
+from nxdplug.modules.attention import attention_mask_4d, head_dim_of
+from nxdplug.modules.kv_cache import CacheLayout, CacheSlot, KVCacheManager
+from nxdplug.modules.parallel_linear import ColumnParallelLinear, ParallelEmbedding
+from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
+
+
+class EagleDraftModel(nn.Module):
+    """Embedding, ``fc``, decoder layers (the first without input norm by default), LM head.
+
+    ``config`` is the draft's InferenceConfig (``fused_spec_config.draft_config``);
+    ``target_config`` gives the cache shape (rows and length are the target's, so that one
+    ``seq_ids`` / position addresses both caches) and ``enable_eagle_draft_input_norm``.
+    """
+
+    def __init__(self, config: Any, target_config: Any) -> None:
+        super().__init__()
+        from nxdplug.pipeline import select_plugins
+
+        hidden = config.hidden_size
+        self.embed_tokens = ParallelEmbedding(config.vocab_size, hidden)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=bool(getattr(config, "bias", True)))
+        self.layers = nn.ModuleList(
+            NeuronLlamaDecoderLayer(config, index) for index in range(config.num_hidden_layers)
+        )
+        if not target_config.neuron_config.enable_eagle_draft_input_norm:
+            self.layers[0].input_layernorm = nn.Identity()
+        self.lm_head = ColumnParallelLinear(hidden, config.vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
+        target = target_config.neuron_config
+        attention = self.layers[0].self_attn
+        layout = CacheLayout(
+            num_layers=len(self.layers),
+            max_batch_size=target.max_batch_size,
+            num_kv_heads=attention.num_kv_heads,
+            max_length=target.seq_len,
+            head_dim=attention.head_dim,
+            dtype=target.torch_dtype,
+        )
+        strategy = select_plugins(target_config).kv_cache_strategy
+        self.kv_mgr: KVCacheManager = strategy.load("implementation")(layout)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Predicted features [batch, seq, hidden] for the pairs ``(input_ids, features)``.
+
+        ``input_ids`` [batch, seq] are the tokens x_{t+1}, ``features`` [batch, seq, hidden]
+        the features f_t, ``position_ids`` [batch, seq] the draft positions t (where the pairs'
+        keys and values are written), ``attention_mask`` [batch, keys] the valid cache
+        positions; a pair sees the cached pairs at positions up to its own.
+        """
+        x = self.embed_tokens(input_ids)
+        x = self.fc(torch.cat((x, features.to(x.dtype)), dim=-1))
+        rope = self.rotary_emb(position_ids)
+        mask = attention_mask_4d(attention_mask, position_ids, None)
+        length = attention_mask.shape[-1]
+        for index, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, CacheSlot(self.kv_mgr, index, position_ids, seq_ids, length))
+        return x

@@ -1,0 +1,250 @@
+"""The fused sub-models: target and EAGLE draft in one graph per phase.
+
+Two phases are compiled (besides the core's target-only context encoding):
+
+- ``eagle_context_encoding_model`` (:class:`EagleContextPhase`): the target encodes the prompt
+  and returns the last token's logits and feature; in the same graph the draft encodes the
+  prompt's pairs ``(x_{t+1}, f_t)`` for t = 0..P-2 into its cache.
+- ``eagle_speculation_model`` (:class:`EagleSpeculationPhase`): (1) the draft encodes the
+  *pending pairs* (up to k+1 pairs whose real target features the previous call produced;
+  the rest are masked out by their positions and later overwritten), (2) drafts k tokens
+  autoregressively on its own predicted features, (3) the target verifies
+  ``[last committed token, d_1..d_k]`` and returns its logits and features.
+
+Every shape is fixed (k, the bucket, the batch), the per-row counts are gathered, never
+branched on, so each phase exports as one graph. Drafting picks
+``argmax(logits * inv_temperature + noise)``: with zero noise that is the draft's greedy
+token, with Gumbel noise an exact draw from ``softmax(logits * inv_temperature)`` (the q of
+the rejection rule).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nxdplug.errors import NxdPlugError
+from nxdplug.model_base import last_token_states
+from nxdplug.model_wrapper import ModelWrapper
+
+EAGLE_CONTEXT_TAG = "eagle_context_encoding_model"
+EAGLE_SPECULATION_TAG = "eagle_speculation_model"
+
+
+def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[b, index[b]]`` for [batch, seq, ...] values and [batch] indices, keeping a
+    length-1 seq dimension."""
+    shape = (values.shape[0], 1, *values.shape[2:])
+    expanded = index.view(-1, *([1] * (values.dim() - 1))).expand(shape)
+    return values.gather(1, expanded)
+
+
+class EagleContextPhase(nn.Module):
+    """Target context encoding plus the draft's own context encoding, one graph."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts compacted to the left ([batch, bucket], positions 0..). Returns the last
+        real token's logits [batch, 1, vocab] (float32) and feature [batch, 1, hidden]."""
+        features = self.model.hidden_states(input_ids, attention_mask, position_ids, seq_ids)
+        last = last_token_states(features, attention_mask)
+        # Pair t = (x_{t+1}, f_t); the pair at each row's last position has no next token yet
+        # (it is written with a placeholder and rewritten as the first pending pair).
+        next_tokens = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+        self.model.eagle_draft(next_tokens, features, attention_mask, position_ids, seq_ids)
+        return self.model.lm_head(last).float(), last
+
+
+class EagleSpeculationPhase(nn.Module):
+    """Re-encode the pending pairs, draft k tokens, verify them with the target: one graph."""
+
+    def __init__(self, model: nn.Module, speculation_length: int) -> None:
+        super().__init__()
+        self.model = model
+        self.speculation_length = speculation_length
+
+    def forward(
+        self,
+        pending_tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        pending_positions: torch.Tensor,
+        seq_ids: torch.Tensor,
+        pending_features: torch.Tensor,
+        pending_count: torch.Tensor,
+        noise: torch.Tensor,
+        inv_temperature: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One speculation step.
+
+        ``pending_tokens`` / ``pending_positions`` [batch, k+1], ``pending_features``
+        [batch, k+1, hidden], ``pending_count`` [batch] (1..k+1): the pairs
+        ``(x_{t+1}, f_t)`` at draft positions t whose real features are new; the last of
+        them holds each row's newest token x_{L-1} at t = L-2. ``attention_mask``
+        [batch, keys] (all ones: positions order what each token sees), ``noise``
+        [batch, k, vocab] and ``inv_temperature`` [batch, 1] choose the drafts.
+
+        Returns ``drafts`` [batch, k], ``draft_logits`` [batch, k, vocab],
+        ``target_logits`` [batch, k+1, vocab] (float32) and the target's features
+        [batch, k+1, hidden] of ``[x_{L-1}, d_1..d_k]`` at positions L-1..L-1+k.
+        """
+        draft = self.model.eagle_draft
+        last = pending_count - 1
+        predicted = draft(
+            pending_tokens, pending_features, attention_mask, pending_positions, seq_ids
+        )
+        hidden = gather_rows(predicted, last)  # the prediction of f_{L-1}
+        base = pending_positions.gather(1, last[:, None])  # t = L-2
+        drafts, draft_logits = [], []
+        for step in range(self.speculation_length):
+            logits = draft.lm_head(hidden).float()
+            scores = logits * inv_temperature[:, :, None] + noise[:, step : step + 1]
+            token = scores.argmax(dim=-1)
+            drafts.append(token)
+            draft_logits.append(logits)
+            if step + 1 < self.speculation_length:
+                hidden = draft(token, hidden, attention_mask, base + step + 1, seq_ids)
+        drafts_tensor = torch.cat(drafts, dim=1)
+        newest = pending_tokens.gather(1, last[:, None])
+        tokens = torch.cat([newest, drafts_tensor], dim=1)
+        offsets = torch.arange(1, self.speculation_length + 2, device=base.device)
+        features = self.model.hidden_states(tokens, attention_mask, base + offsets, seq_ids)
+        target_logits = self.model.lm_head(features).float()
+        return drafts_tensor, torch.cat(draft_logits, dim=1), target_logits, features
+
+
+class FusedWrapper(ModelWrapper):
+    """A fused sub-model: its phase takes its own inputs, which the speculator passes.
+
+    ``tokens_per_step`` is 0, so ``application.forward`` never routes a call to it.
+    """
+
+    def _check_loaded(self, rows: int) -> None:
+        if self.model is None:
+            raise NxdPlugError(
+                f"{self.tag} is not loaded: call to_cpu() (or compile() then load()) first"
+            )
+        if rows > self.batch_size:
+            raise NxdPlugError(
+                f"{rows} sequences were given but {self.tag} runs batches of at most "
+                f"{self.batch_size}; raise batch_size"
+            )
+
+    def _run(
+        self, rows: int, seq_ids: torch.Tensor, *per_row: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Pad the batch, run the phase with ``(per_row[0], per_row[1], ..., seq_ids after
+        the third)``, drop the padding rows."""
+        seq_ids, padded = self._pad_batch(rows, seq_ids, per_row)
+        inputs = (*padded[:3], seq_ids, *padded[3:])
+        return tuple(output[:rows] for output in self.model(*inputs))
+
+
+class EagleContextWrapper(FusedWrapper):
+    """The fused context-encoding sub-model (context buckets, ctx batch size)."""
+
+    def __init__(self, config: Any, model_cls: type[nn.Module]) -> None:
+        super().__init__(config, model_cls, tag=EAGLE_CONTEXT_TAG, tokens_per_step=0)
+        self.is_context_encoding = True
+        self.buckets = self._buckets()
+        self.batch_size = self.neuron_config.ctx_batch_size
+
+    def phase_module(self, model: nn.Module) -> nn.Module:
+        return EagleContextPhase(model)
+
+    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
+        batch = self.batch_size
+        return [
+            (
+                torch.zeros(batch, bucket, dtype=torch.long),
+                torch.ones(batch, bucket, dtype=torch.long),
+                torch.arange(bucket).expand(batch, bucket).contiguous(),
+                torch.arange(batch, dtype=torch.long),
+            )
+            for bucket in self.buckets
+        ]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Left-compacted prompts; padded to the bucket and the batch size here."""
+        self._check_loaded(input_ids.shape[0])
+        bucket = self.bucket_for(input_ids.shape[1])
+        input_ids, attention_mask, position_ids = self._pad_to_bucket(
+            bucket, input_ids, attention_mask, position_ids
+        )
+        return self._run(input_ids.shape[0], seq_ids, input_ids, attention_mask, position_ids)
+
+
+class EagleSpeculationWrapper(FusedWrapper):
+    """The fused speculation sub-model (token-generation buckets, tkg batch size)."""
+
+    def __init__(self, config: Any, model_cls: type[nn.Module]) -> None:
+        super().__init__(config, model_cls, tag=EAGLE_SPECULATION_TAG, tokens_per_step=0)
+        self.speculation_length = self.neuron_config.speculation_length
+
+    def phase_module(self, model: nn.Module) -> nn.Module:
+        return EagleSpeculationPhase(model, self.speculation_length)
+
+    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
+        batch, k = self.batch_size, self.speculation_length
+        hidden, vocab = self.config.hidden_size, self.config.vocab_size
+        dtype = self.neuron_config.torch_dtype
+        return [
+            (
+                torch.zeros(batch, k + 1, dtype=torch.long),
+                torch.ones(batch, bucket, dtype=torch.long),
+                torch.arange(k + 1).expand(batch, k + 1).contiguous(),
+                torch.arange(batch, dtype=torch.long),
+                torch.zeros(batch, k + 1, hidden, dtype=dtype),
+                torch.ones(batch, dtype=torch.long),
+                torch.zeros(batch, k, vocab),
+                torch.ones(batch, 1),
+            )
+            for bucket in self.buckets
+        ]
+
+    def forward(  # type: ignore[override]  # the speculator's inputs, not the core's
+        self,
+        pending_tokens: torch.Tensor,
+        pending_positions: torch.Tensor,
+        seq_ids: torch.Tensor,
+        pending_features: torch.Tensor,
+        pending_count: torch.Tensor,
+        noise: torch.Tensor,
+        inv_temperature: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """One speculation step (see :meth:`EagleSpeculationPhase.forward`); the key width is
+        the smallest bucket holding every position this step writes."""
+        rows = pending_tokens.shape[0]
+        self._check_loaded(rows)
+        k_plus_two = self.speculation_length + 2  # the target writes up to base + k + 1
+        base = pending_positions.gather(1, (pending_count - 1)[:, None])
+        needed = int(torch.maximum(pending_positions[:, -1:] + 1, base + k_plus_two).max())
+        bucket = self.bucket_for(needed)
+        mask = torch.ones(rows, bucket, dtype=torch.long)
+        return self._run(
+            rows,
+            seq_ids,
+            pending_tokens,
+            mask,
+            pending_positions,
+            pending_features,
+            pending_count,
+            noise,
+            inv_temperature,
+        )

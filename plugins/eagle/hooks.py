@@ -1,0 +1,96 @@
+"""EAGLE speculative decoding (EAGLE-1, flat chain) with fused speculation.
+
+``enable_eagle_speculation=True`` (which turns ``enable_fused_speculation`` on) and
+``speculation_length=k`` select the ``eagle`` speculation mode: the EAGLE draft named by
+``config.fused_spec_config`` becomes the target model's ``eagle_draft`` submodule (its
+checkpoint merged under ``eagle_draft.``, its own KV cache beside the target's), and two fused
+sub-models draft and verify in one graph each (:mod:`nxdplug.plugins.eagle.fused`).
+``HuggingFaceGenerationAdapter.generate`` then runs :class:`EagleSpeculator`, greedy or
+sampled, whose output is the target's. The ``eagle-draft`` feature only declares
+``is_eagle_draft``, which the feature guide sets on the draft's own config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from nxdplug.hookspecs import hookimpl
+from nxdplug.types import Feature, SpeculationMode, StateDictConverter
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from nxdplug.config import InferenceConfig
+    from nxdplug.model_wrapper import ModelWrapper
+
+NXDPLUG_API_VERSION = 1
+
+ENABLED_BY = ("enable_fused_speculation", "enable_eagle_speculation")
+DRAFT = ("is_eagle_draft",)
+
+
+def _is_target(config: InferenceConfig) -> bool:
+    return not config.neuron_config.is_eagle_draft
+
+
+@hookimpl
+def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
+    yield SpeculationMode(
+        name="eagle",
+        implementation="nxdplug.plugins.eagle.speculator:EagleSpeculator",
+        enabled_by=ENABLED_BY,
+        disabled_by=DRAFT,
+        description="EAGLE-1 draft fused with the target: k drafts and their check in one graph",
+    )
+
+
+@hookimpl
+def nxdplug_features() -> Iterable[Feature]:
+    yield Feature(
+        name="eagle-draft",
+        enabled_by=DRAFT,
+        description="marks the draft config inside fused_spec_config (is_eagle_draft)",
+    )
+
+
+@hookimpl
+def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
+    yield StateDictConverter(
+        name="eagle-draft-weights",
+        converter="nxdplug.plugins.eagle.checkpoint:merge_draft_state_dict",
+        enabled_by=("enable_eagle_speculation",),
+        disabled_by=DRAFT,
+        order=50,
+        description="the EAGLE draft checkpoint, under eagle_draft.",
+    )
+
+
+# The pipeline hooks below run only for configs that enable eagle or eagle-draft.
+
+
+@hookimpl
+def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
+    from nxdplug.plugins.eagle.validation import eagle_config_problems
+
+    return list(eagle_config_problems(config)) if _is_target(config) else []
+
+
+@hookimpl
+def nxdplug_transform_model(model: nn.Module, config: InferenceConfig) -> None:
+    from nxdplug.plugins.eagle.draft import EagleDraftModel
+
+    if _is_target(config):
+        model.eagle_draft = EagleDraftModel(config.fused_spec_config.draft_config, config)
+
+
+@hookimpl
+def nxdplug_add_submodels(application: Any, config: InferenceConfig) -> Iterable[ModelWrapper]:
+    from nxdplug.plugins.eagle.fused import EagleContextWrapper, EagleSpeculationWrapper
+
+    if not _is_target(config):
+        return []
+    return [
+        EagleContextWrapper(config, application._model_cls),
+        EagleSpeculationWrapper(config, application._model_cls),
+    ]

@@ -1,0 +1,155 @@
+"""EagleSpeculator: a whole ``generate()`` with fused EAGLE speculation.
+
+Per row, with L committed tokens x_0..x_{L-1} (prompt compacted to positions 0..P-1):
+
+- the target's cache holds x_0..x_{L-2} (the newest token has not been fed yet);
+- the draft's cache holds the pairs (x_{t+1}, f_t) with real features for t < L-2 - a, and
+  the *pending* pairs t = L-2-a..L-2 (a = drafts accepted by the last call, so 1..k+1 of
+  them) are handed to the next call with the features that call's target computed.
+
+Context call (``eagle_context_encoding_model``): target over the prompt (f_0..f_{P-1}, logits
+of x_P), draft over the pairs t = 0..P-2. The host picks x_P; the pending pair is
+(x_P, f_{P-1}) at t = P-1.
+
+Each speculation call (``eagle_speculation_model``) re-encodes the pending pairs, drafts
+d_1..d_k, and the target scores [x_{L-1}, d_1..d_k] at positions L-1..L-1+k. The host keeps
+the leading drafts the rule accepts plus one target token (greedy: the target's argmax;
+sampling: speculative sampling with q the draft's ``softmax(logits / T)``, so the output is
+distributed as the target's), and the next pending pairs are those tokens with the target's
+features of the positions before them: (tokens[i], features[i]) at t = L-1+i, i <= a.
+Finished rows keep their inputs; their outputs are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nxdplug.application import compact_left, positions_from_mask
+from nxdplug.errors import NxdPlugError
+from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG, EAGLE_SPECULATION_TAG
+from nxdplug.speculation import (
+    AcceptanceStats,
+    GeneratedRows,
+    SpeculativeRequest,
+    TokenChoice,
+    greedy_acceptance,
+    rejection_acceptance,
+)
+
+
+def wrapper_with_tag(application: Any, tag: str) -> Any:
+    for wrapper in application.models:
+        if wrapper.tag == tag:
+            return wrapper
+    raise NxdPlugError(f"the application has no {tag}; build it with enable_eagle_speculation")
+
+
+def gumbel_noise(shape: tuple[int, ...]) -> torch.Tensor:
+    """-log(-log(U)): ``argmax(log q + noise)`` is an exact draw from q."""
+    uniform = torch.rand(shape).clamp(min=torch.finfo(torch.float32).tiny)
+    return -torch.log(-torch.log(uniform))
+
+
+class EagleSpeculator:
+    """The ``implementation`` of the ``eagle`` speculation mode."""
+
+    def __init__(self, application: Any) -> None:
+        self.application = application
+        self.context = wrapper_with_tag(application, EAGLE_CONTEXT_TAG)
+        self.speculation = wrapper_with_tag(application, EAGLE_SPECULATION_TAG)
+        self.k = application.neuron_config.speculation_length
+
+    def generate(self, request: SpeculativeRequest) -> torch.Tensor:
+        app, k = self.application, self.k
+        if request.assistant_model is not None or request.prompt_lookup_num_tokens:
+            raise NxdPlugError(
+                "EAGLE drafts with its fused draft model; do not pass assistant_model or "
+                "prompt_lookup_num_tokens"
+            )
+        app.reset()
+        stats = app.speculation_stats = AcceptanceStats()
+        tokens, mask, positions = compact_left(
+            request.input_ids, request.attention_mask, positions_from_mask(request.attention_mask)
+        )
+        lengths = mask.sum(dim=-1)
+        self._check_length(int(lengths.max()), request.max_new_tokens)
+        batch = tokens.shape[0]
+        seq_ids = torch.arange(batch)
+        rows = GeneratedRows(
+            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id
+        )
+        if request.max_new_tokens <= 0:
+            return rows.sequences(request.input_ids)
+
+        logits, feature = self.context(tokens, mask, positions, seq_ids)
+        first = request.choice.choose(logits[:, -1])
+        rows.commit(first[:, None], torch.ones(batch, dtype=torch.long))
+
+        offsets = torch.arange(k + 1)
+        pending_tokens = torch.full((batch, k + 1), request.pad_token_id, dtype=torch.long)
+        pending_tokens[:, 0] = first
+        pending_features = feature.new_zeros(batch, k + 1, feature.shape[-1])
+        pending_features[:, :1] = feature
+        pending_positions = (lengths - 1)[:, None] + offsets
+        pending_count = torch.ones(batch, dtype=torch.long)
+        inv_temperature = self._inv_temperature(request.choice, batch)
+        while not rows.done:
+            noise_shape = (batch, k, app.config.vocab_size)
+            noise = (
+                gumbel_noise(noise_shape) if request.choice.do_sample else torch.zeros(noise_shape)
+            )
+            drafts, draft_logits, target_logits, features = self.speculation(
+                pending_tokens,
+                pending_positions,
+                seq_ids,
+                pending_features,
+                pending_count,
+                noise,
+                inv_temperature,
+            )
+            new_tokens, counts = self._accept(
+                request.choice, drafts, draft_logits, target_logits, inv_temperature
+            )
+            active = rows.active
+            rows.commit(new_tokens, counts)
+            stats.record(k, (counts - 1)[active], counts[active])
+
+            base = pending_positions.gather(1, (pending_count - 1)[:, None])
+            keep = active[:, None]
+            pending_tokens = torch.where(keep, new_tokens, pending_tokens)
+            pending_features = torch.where(keep[..., None], features, pending_features)
+            pending_positions = torch.where(keep, base + 1 + offsets, pending_positions)
+            pending_count = torch.where(active, counts, pending_count)
+        return rows.sequences(request.input_ids)
+
+    def _check_length(self, prompt: int, new_tokens: int) -> None:
+        seq_len = self.application.neuron_config.seq_len
+        needed = prompt + new_tokens + self.k - 1
+        if needed > seq_len:
+            raise NxdPlugError(
+                f"EAGLE with speculation_length={self.k} writes up to {needed} cache positions "
+                f"for a {prompt}-token prompt and {new_tokens} new tokens, but seq_len is "
+                f"{seq_len}; raise seq_len or ask for fewer new tokens"
+            )
+
+    @staticmethod
+    def _inv_temperature(choice: TokenChoice, batch: int) -> torch.Tensor:
+        temperature = choice.params.temperature if choice.do_sample else 1.0
+        return torch.full((batch, 1), 1.0 / temperature)
+
+    @staticmethod
+    def _accept(
+        choice: TokenChoice,
+        drafts: torch.Tensor,
+        draft_logits: torch.Tensor,
+        target_logits: torch.Tensor,
+        inv_temperature: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy matching, or speculative sampling with q the distribution the graph drew
+        the drafts from (``softmax(logits / T)``), p the target's processed distribution."""
+        if not choice.do_sample:
+            return greedy_acceptance(drafts, target_logits)
+        q = (draft_logits * inv_temperature[:, :, None]).softmax(dim=-1)
+        return rejection_acceptance(drafts, q, choice.probabilities(target_logits))
