@@ -10,7 +10,7 @@ from nxdplug.config import InferenceConfig, load_pretrained_config
 from nxdplug.errors import ConfigError, UnknownNameError
 from nxdplug.model_wrapper import ModelWrapper
 from nxdplug.pipeline import config_problems, select_plugins, validate
-from nxdplug.testing import temporary_plugin
+from nxdplug.testing import fresh_plugin_manager, temporary_plugin
 from nxdplug.types import (
     CompileBackend,
     Feature,
@@ -196,6 +196,10 @@ class QuantAndSpeculationPlugin:
         yield SpeculationMode(name="medusa", implementation="x.y:Medusa", enabled_by=("is_medusa",))
 
 
+# The built-in speculation plugins, denied where a test needs speculation without them.
+SPECULATION_PLUGINS = frozenset({"draft_speculation", "medusa", "eagle"})
+
+
 @pytest.mark.parametrize(
     ("options", "attribute"),
     [
@@ -206,12 +210,13 @@ class QuantAndSpeculationPlugin:
     ],
 )
 def test_attributes_without_an_installed_plugin_are_problems(
-    plugin_manager, llama_config, options, attribute
+    llama_config, options, attribute
 ) -> None:
     _, config = llama_config(**options)
+    with fresh_plugin_manager(deny=SPECULATION_PLUGINS):
+        problems = config_problems(config)
     assert any(
-        p.startswith(f"{attribute}=") and "no installed plugin implements it" in p
-        for p in config_problems(config)
+        p.startswith(f"{attribute}=") and "no installed plugin implements it" in p for p in problems
     )
 
 
@@ -220,11 +225,14 @@ def test_trace_tokengen_model_false_needs_speculation(plugin_manager, llama_conf
     assert any("leaves no sub-model to generate tokens" in p for p in config_problems(config))
 
 
-def test_speculation_mode_selected_by_its_attribute(plugin_manager, llama_config) -> None:
+def test_speculation_mode_selected_by_its_attribute(llama_config) -> None:
     _, config = llama_config(
         is_medusa=True, num_medusa_heads=4, medusa_speculation_length=4, trace_tokengen_model=False
     )
-    with temporary_plugin(QuantAndSpeculationPlugin(), "quant-spec"):
+    with (
+        fresh_plugin_manager(deny=SPECULATION_PLUGINS),
+        temporary_plugin(QuantAndSpeculationPlugin(), "quant-spec"),
+    ):
         assert config_problems(config) == []
         selection = select_plugins(config)
     assert selection.speculation_mode.name == "medusa"

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.model_wrapper import SPECULATION_MODEL_TAG, ModelWrapper
 from nxdplug.types import SpeculationMode
 
 if TYPE_CHECKING:
     from nxdplug.config import InferenceConfig
+    from nxdplug.model_wrapper import ModelWrapper
 
 NXDPLUG_API_VERSION = 1
 
@@ -45,6 +45,8 @@ def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
 
 @hookimpl
 def nxdplug_add_submodels(application: Any, config: InferenceConfig) -> Iterable[ModelWrapper]:
+    from nxdplug.model_wrapper import SPECULATION_MODEL_TAG, ModelWrapper
+
     tokens = config.neuron_config.speculation_length + 1
     application.speculation_model = ModelWrapper(
         config, application._model_cls, tag=SPECULATION_MODEL_TAG, tokens_per_step=tokens

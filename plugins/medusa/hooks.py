@@ -1,0 +1,112 @@
+"""Medusa speculative decoding (``is_medusa=True``), with NxD Inference's attributes.
+
+``num_medusa_heads`` heads on the target's last hidden state propose the next tokens; the
+``medusa_tree`` says which combinations of their top-k are verified, all in one target call,
+and ``medusa_speculation_length`` is the tree's size (its paths plus the root). The heads come
+from the heads file beside the checkpoint (see :mod:`nxdplug.plugins.medusa.heads`), and are
+modules of the model, so every phase and the compiled graphs share them with the target.
+
+The plugin adds two sub-models (a context encoding that also runs the heads, and the tree
+verifier; see :mod:`nxdplug.plugins.medusa.submodels`) and a speculator
+(:mod:`nxdplug.plugins.medusa.speculator`) that ``HuggingFaceGenerationAdapter.generate``
+hands greedy generation to. The core token-generation model is neither needed nor used, so
+``trace_tokengen_model`` may be either value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from nxdplug.hookspecs import hookimpl
+from nxdplug.types import Feature, SpeculationMode, StateDictConverter
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from nxdplug.config import InferenceConfig
+
+NXDPLUG_API_VERSION = 1
+
+ENABLED_BY = ("is_medusa",)
+# ResBlocks per head: not an NxD Inference attribute (its heads have one, as Medusa-1 releases).
+LAYERS_SETTING = "medusa_num_layers"
+DEFAULT_LAYERS = 1
+
+
+@hookimpl
+def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
+    yield SpeculationMode(
+        name="medusa",
+        implementation="nxdplug.plugins.medusa.speculator:MedusaSpeculator",
+        enabled_by=ENABLED_BY,
+        description="Medusa heads propose a tree of tokens; the target verifies it in one call",
+    )
+
+
+@hookimpl
+def nxdplug_features() -> Iterable[Feature]:
+    yield Feature(
+        name="medusa-heads",
+        enabled_by=ENABLED_BY,
+        settings={LAYERS_SETTING: DEFAULT_LAYERS},
+        description="ResBlocks per Medusa head (medusa_num_layers, 1 in Medusa-1 releases)",
+    )
+
+
+@hookimpl
+def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
+    yield StateDictConverter(
+        name="medusa-heads",
+        converter="nxdplug.plugins.medusa.heads:add_medusa_heads",
+        enabled_by=ENABLED_BY,
+        order=90,
+        description="add the Medusa heads file beside the checkpoint as medusa_head.{i}.*",
+    )
+
+
+# The pipeline hooks below run only for configs that enable Medusa.
+
+
+@hookimpl
+def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
+    from nxdplug.plugins.medusa.tree import tree_problems
+
+    neuron_config = config.neuron_config
+    problems = tree_problems(
+        neuron_config.medusa_tree,
+        neuron_config.num_medusa_heads,
+        neuron_config.medusa_speculation_length,
+        getattr(config, "vocab_size", None),
+    )
+    layers = getattr(neuron_config, LAYERS_SETTING, DEFAULT_LAYERS)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 0:
+        problems.append(f"{LAYERS_SETTING} is {layers!r}; give the ResBlocks per head (>= 0)")
+    return problems
+
+
+@hookimpl
+def nxdplug_transform_model(model: nn.Module, config: InferenceConfig) -> None:
+    """Give the model its heads (``model.medusa_head``), filled from the state dict."""
+    from nxdplug.plugins.medusa.heads import HEADS_ATTRIBUTE, medusa_heads, num_layers
+
+    heads = medusa_heads(
+        config.neuron_config.num_medusa_heads,
+        num_layers(config),
+        config.hidden_size,
+        config.vocab_size,
+    )
+    setattr(model, HEADS_ATTRIBUTE, heads)
+
+
+@hookimpl
+def nxdplug_add_submodels(application: Any, config: InferenceConfig) -> Iterable[Any]:
+    from nxdplug.plugins.medusa.submodels import MedusaContextWrapper, MedusaTreeWrapper
+    from nxdplug.plugins.medusa.tree import MedusaTree
+
+    tree = MedusaTree(config.neuron_config.medusa_tree)
+    model_cls = application._model_cls
+    return [
+        MedusaContextWrapper(config, model_cls, tree),
+        MedusaTreeWrapper(config, model_cls, tree),
+    ]

@@ -1,0 +1,109 @@
+"""Medusa decoding: one target call per step verifies a whole tree of head proposals.
+
+Per row, the cache holds the committed tokens at positions ``0..length-1``; the root (the
+target's own next token) is known but not yet in the cache. A step:
+
+1. tree tokens: the root, then each node's token from the heads' top-k at the last committed
+   token (head i proposes depth i+1, i.e. token t+i+2);
+2. one call of the tree verifier writes node j at slot ``length + j`` (rotary position
+   ``length + depth``), each node seeing the committed prefix, its ancestors and itself;
+3. greedy acceptance: the deepest node whose path agrees, node by node, with the target's
+   argmax at the parent; the root and the accepted nodes are emitted, and the target's argmax at
+   the last accepted node is the next root (so the output is exactly the target's greedy one);
+4. the accepted path's K/V move to ``length..length+accepted`` (``move_positions``), and the
+   next tree comes from the heads at the last accepted node.
+
+Rows keep their own lengths; finished rows leave the batch (the wrapper pads it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nxdplug.application import compact_left, positions_from_mask
+from nxdplug.errors import NotSupportedError, NxdPlugError
+from nxdplug.model_wrapper import ModelWrapper
+from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_SPECULATION_TAG
+from nxdplug.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest
+
+
+def _wrapper(application: Any, tag: str) -> ModelWrapper:
+    for wrapper in application.models:
+        if wrapper.tag == tag:
+            return wrapper
+    raise NxdPlugError(f"the application has no {tag}: build it with NeuronConfig(is_medusa=True)")
+
+
+class MedusaSpeculator:
+    """The ``medusa`` speculation mode (greedy)."""
+
+    def __init__(self, application: Any) -> None:
+        self.application = application
+        self.context = _wrapper(application, MEDUSA_CONTEXT_TAG)
+        self.verifier = _wrapper(application, MEDUSA_SPECULATION_TAG)
+        self.tree = self.verifier.tree
+
+    def _check(self, request: SpeculativeRequest, prompt_length: int) -> None:
+        if request.choice.do_sample:
+            raise NotSupportedError(
+                "Medusa decoding is greedy here: lossless sampling over a tree of candidates "
+                "is not implemented; use do_sample=False, or a model without is_medusa"
+            )
+        if request.assistant_model is not None or request.prompt_lookup_num_tokens:
+            raise NotSupportedError(
+                "a Medusa model proposes with its own heads: drop assistant_model and "
+                "prompt_lookup_num_tokens"
+            )
+        seq_len = self.verifier.buckets[-1]
+        needed = prompt_length + request.max_new_tokens + self.tree.size - 1
+        if needed > seq_len:
+            raise NxdPlugError(
+                f"Medusa writes the whole tree ({self.tree.size} tokens) after the last "
+                f"committed token: a prompt of {prompt_length} tokens with max_new_tokens="
+                f"{request.max_new_tokens} needs seq_len >= {needed} (it is {seq_len}); raise "
+                "seq_len or generate fewer tokens"
+            )
+
+    def generate(self, request: SpeculativeRequest) -> torch.Tensor:
+        app, tree = self.application, self.tree
+        tokens, mask, positions = compact_left(
+            request.input_ids, request.attention_mask, positions_from_mask(request.attention_mask)
+        )
+        lengths = mask.sum(dim=-1)
+        self._check(request, int(lengths.max()))
+        stats = app.speculation_stats = AcceptanceStats()
+        app.reset()
+        batch = tokens.shape[0]
+        seq_ids = torch.arange(batch)
+        base_logits, top = self.context(tokens, mask, positions, seq_ids)
+        roots, top = base_logits[:, -1].argmax(dim=-1), top[:, -1]
+        rows = GeneratedRows(
+            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id
+        )
+        kv_mgr = app._model.kv_mgr
+        steps = torch.arange(tree.max_depth + 1)
+        while not rows.done:
+            active = rows.active.nonzero().squeeze(-1)
+            prefix = lengths[active]
+            candidates = tree.candidates(roots[active], top[active])
+            tree_mask = tree.attention_mask(prefix, int(prefix.max()) + tree.size)
+            slots = prefix[:, None] + torch.arange(tree.size)
+            logits, node_top = self.verifier(candidates, tree_mask, slots, seq_ids[active])
+            targets = logits.argmax(dim=-1)
+            best, accepted = tree.accept(candidates, targets)
+            path = tree.paths[best]
+            emitted = torch.zeros(batch, tree.max_depth + 1, dtype=tokens.dtype)
+            counts = torch.zeros(batch, dtype=torch.long)
+            emitted[active] = candidates.gather(1, path).to(tokens.dtype)
+            counts[active] = accepted + 1
+            taken = rows.commit(emitted, counts)[active]
+            stats.record(tree.num_nodes, torch.minimum(accepted, taken - 1).clamp(min=0), taken)
+            kv_mgr.move_positions(seq_ids[active], prefix[:, None] + path, prefix[:, None] + steps)
+            picked = torch.arange(len(active))
+            lengths[active] = prefix + accepted + 1
+            roots[active] = targets[picked, best]
+            top[active] = node_top[picked, best]
+        app.reset()
+        return rows.sequences(request.input_ids)

@@ -1,0 +1,121 @@
+"""The two sub-models Medusa adds: a context encoding that also runs the heads, and the tree
+verifier.
+
+Both return, besides the base LM head's logits, the token ids of each head's top-k (k: the
+widest rank the tree uses), computed in the graph so that only ``[rows, tokens, heads, k]``
+ids leave it rather than ``heads x vocab`` logits per token.
+
+- Context encoding (``medusa_context_encoding_model``): the prompt, as the core context
+  encoding runs it; returns the last token's base logits (the first new token) and its heads'
+  candidates (the first tree). Medusa needs the heads at the prompt's last token, which the
+  core context encoding does not give, hence this phase rather than a wasted first tree step.
+- Verification (``medusa_speculation_model``): the root and the tree's nodes with the 3-D tree
+  mask; returns base logits and head candidates at every node, since the next step starts from
+  whichever node is accepted last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from nxdplug.model_base import last_token_states
+from nxdplug.model_wrapper import ModelWrapper
+from nxdplug.plugins.medusa.tree import MedusaTree
+
+MEDUSA_CONTEXT_TAG = "medusa_context_encoding_model"
+MEDUSA_SPECULATION_TAG = "medusa_speculation_model"
+
+
+def head_candidates(model: nn.Module, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[batch, seq, heads, top_k] ids of each head's best tokens at ``hidden`` [batch, seq, h]."""
+    logits = torch.stack([head(hidden) for head in model.medusa_head], dim=2)
+    return logits.topk(top_k, dim=-1).indices
+
+
+class MedusaContextPhase(nn.Module):
+    """Prompt in; the last token's base logits [batch, 1, vocab] (float32) and head candidates
+    [batch, 1, heads, top_k] out."""
+
+    def __init__(self, model: nn.Module, top_k: int) -> None:
+        super().__init__()
+        self.model = model
+        self.top_k = top_k
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.hidden_states(input_ids, attention_mask, position_ids, seq_ids)
+        last = last_token_states(hidden, attention_mask)
+        return self.model.lm_head(last).float(), head_candidates(self.model, last, self.top_k)
+
+
+class MedusaTreePhase(nn.Module):
+    """Tree nodes in (3-D mask); base logits [batch, n, vocab] (float32) and head candidates
+    [batch, n, heads, top_k] at every node out."""
+
+    def __init__(self, model: nn.Module, top_k: int) -> None:
+        super().__init__()
+        self.model = model
+        self.top_k = top_k
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.model.hidden_states(input_ids, attention_mask, position_ids, seq_ids)
+        return self.model.lm_head(hidden).float(), head_candidates(self.model, hidden, self.top_k)
+
+
+class MedusaContextWrapper(ModelWrapper):
+    """Context-encoding buckets and batch size (``max_context_length``, ``ctx_batch_size``)
+    under its own tag, so it compiles beside the core context encoding."""
+
+    def __init__(self, config: Any, model_cls: type[nn.Module], tree: MedusaTree) -> None:
+        super().__init__(config, model_cls, tag=MEDUSA_CONTEXT_TAG)
+        self.tree = tree
+        self.is_context_encoding = True
+        self.buckets = self._buckets()
+        self.batch_size = self.neuron_config.ctx_batch_size
+
+    def phase_module(self, model: nn.Module) -> nn.Module:
+        return MedusaContextPhase(model, self.tree.top_k)
+
+    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
+        """The core's example prompts, without sampling inputs (Medusa chooses on the host)."""
+        return [example[:4] for example in super().input_generator()]
+
+
+class MedusaTreeWrapper(ModelWrapper):
+    """Verifies ``tree.size`` tokens per row with a [batch, n, bucket] mask."""
+
+    def __init__(self, config: Any, model_cls: type[nn.Module], tree: MedusaTree) -> None:
+        super().__init__(config, model_cls, tag=MEDUSA_SPECULATION_TAG, tokens_per_step=tree.size)
+        self.tree = tree
+
+    def phase_module(self, model: nn.Module) -> nn.Module:
+        return MedusaTreePhase(model, self.tree.top_k)
+
+    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
+        batch, n = self.batch_size, self.tree.size
+        inputs = []
+        for bucket in self.buckets:
+            prefix = torch.full((batch,), bucket - n)
+            inputs.append(
+                (
+                    torch.zeros(batch, n, dtype=torch.long),
+                    self.tree.attention_mask(prefix, bucket),
+                    (prefix[:, None] + torch.arange(n)).contiguous(),
+                    torch.arange(batch, dtype=torch.long),
+                )
+            )
+        return inputs
