@@ -353,6 +353,17 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         tokens, *logits = outputs
         return CausalLMOutputWithTokens(logits=logits[0] if logits else None, tokens=tokens)
 
+    def submodel(self, tag: str) -> ModelWrapper:
+        """The sub-model with this tag (a plugin's, e.g. a speculation phase)."""
+        for wrapper in self.models:
+            if wrapper.tag == tag:
+                return wrapper
+        tags = ", ".join(w.tag for w in self.models)
+        raise NxdPlugError(
+            f"{type(self).__name__} has no {tag}; its sub-models are {tags} (the config "
+            "selects which a plugin adds)"
+        )
+
     def decode_model(self, tokens_per_step: int) -> ModelWrapper | None:
         """The sub-model that takes ``tokens_per_step`` new tokens per row after the prompt:
         token generation for 1, a speculation sub-model for k+1."""

@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.config import InferenceConfig, load_pretrained_config
-from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError
+from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdPlugError
 from nxdplug.pipeline import config_problems, select_plugins
 from nxdplug.plugins.medusa.heads import add_medusa_heads
 from nxdplug.plugins.medusa.tree import MedusaTree
@@ -172,8 +172,18 @@ def test_random_model_output_is_the_targets(tiny: Path) -> None:
         expected = generate(plain, input_ids, mask, 24)
         assert len(set(expected[:, -24:].flatten().tolist())) > 8  # a varied greedy output
         assert torch.equal(generate(medusa, input_ids, mask, 24), expected), lengths
-        stats.row_calls += medusa.speculation_stats.row_calls
-        stats.accepted += medusa.speculation_stats.accepted
+        stats.add(medusa.speculation_stats)
+    # NxD Inference's way: the Medusa model passed as its own assistant_model
+    as_assistant = HuggingFaceGenerationAdapter(medusa).generate(
+        input_ids,
+        attention_mask=mask,
+        max_new_tokens=24,
+        do_sample=False,
+        eos_token_id=0,
+        pad_token_id=0,
+        assistant_model=medusa,
+    )
+    assert torch.equal(as_assistant, expected)
     # the lm_head-like heads are right now and then: accepted branches were moved into place
     assert 0 < stats.accepted < stats.row_calls * 3
 
@@ -304,8 +314,12 @@ def test_sampling_and_too_short_sequences_are_refused(tiny: Path) -> None:
         HuggingFaceGenerationAdapter(medusa).generate(
             input_ids, attention_mask=mask, max_new_tokens=4, do_sample=True
         )
-    with pytest.raises(Exception, match="needs seq_len >= 68"):
+    with pytest.raises(NxdPlugError, match="needs seq_len >= 68"):
         generate(medusa, input_ids, mask, 56)
+    with pytest.raises(NotSupportedError, match="its own heads"):
+        HuggingFaceGenerationAdapter(medusa).generate(
+            input_ids, attention_mask=mask, max_new_tokens=4, assistant_model=load(tiny)
+        )
 
 
 # Compiled

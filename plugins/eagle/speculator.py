@@ -39,13 +39,6 @@ from nxdplug.speculation import (
 )
 
 
-def wrapper_with_tag(application: Any, tag: str) -> Any:
-    for wrapper in application.models:
-        if wrapper.tag == tag:
-            return wrapper
-    raise NxdPlugError(f"the application has no {tag}; build it with enable_eagle_speculation")
-
-
 def gumbel_noise(shape: tuple[int, ...]) -> torch.Tensor:
     """-log(-log(U)): ``argmax(log q + noise)`` is an exact draw from q."""
     uniform = torch.rand(shape).clamp(min=torch.finfo(torch.float32).tiny)
@@ -57,8 +50,8 @@ class EagleSpeculator:
 
     def __init__(self, application: Any) -> None:
         self.application = application
-        self.context = wrapper_with_tag(application, EAGLE_CONTEXT_TAG)
-        self.speculation = wrapper_with_tag(application, EAGLE_SPECULATION_TAG)
+        self.context = application.submodel(EAGLE_CONTEXT_TAG)
+        self.speculation = application.submodel(EAGLE_SPECULATION_TAG)
         self.k = application.neuron_config.speculation_length
 
     def generate(self, request: SpeculativeRequest) -> torch.Tensor:

@@ -24,16 +24,8 @@ import torch
 
 from nxdplug.application import compact_left, positions_from_mask
 from nxdplug.errors import NotSupportedError, NxdPlugError
-from nxdplug.model_wrapper import ModelWrapper
 from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_SPECULATION_TAG
 from nxdplug.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest
-
-
-def _wrapper(application: Any, tag: str) -> ModelWrapper:
-    for wrapper in application.models:
-        if wrapper.tag == tag:
-            return wrapper
-    raise NxdPlugError(f"the application has no {tag}: build it with NeuronConfig(is_medusa=True)")
 
 
 class MedusaSpeculator:
@@ -41,8 +33,8 @@ class MedusaSpeculator:
 
     def __init__(self, application: Any) -> None:
         self.application = application
-        self.context = _wrapper(application, MEDUSA_CONTEXT_TAG)
-        self.verifier = _wrapper(application, MEDUSA_SPECULATION_TAG)
+        self.context = application.submodel(MEDUSA_CONTEXT_TAG)
+        self.verifier = application.submodel(MEDUSA_SPECULATION_TAG)
         self.tree = self.verifier.tree
 
     def _check(self, request: SpeculativeRequest, prompt_length: int) -> None:
@@ -51,10 +43,12 @@ class MedusaSpeculator:
                 "Medusa decoding is greedy here: lossless sampling over a tree of candidates "
                 "is not implemented; use do_sample=False, or a model without is_medusa"
             )
-        if request.assistant_model is not None or request.prompt_lookup_num_tokens:
+        # The feature guide passes the Medusa model itself as assistant_model.
+        own = request.assistant_model in (None, self.application)
+        if not own or request.prompt_lookup_num_tokens:
             raise NotSupportedError(
-                "a Medusa model proposes with its own heads: drop assistant_model and "
-                "prompt_lookup_num_tokens"
+                "a Medusa model proposes with its own heads: drop assistant_model (or pass the "
+                "model itself, as NxD Inference does) and prompt_lookup_num_tokens"
             )
         seq_len = self.verifier.buckets[-1]
         needed = prompt_length + request.max_new_tokens + self.tree.size - 1
