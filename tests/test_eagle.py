@@ -365,6 +365,18 @@ def test_draft_without_lm_head_is_explained(target, tmp_path):
         eagle_app(target, headless)
 
 
+@pytest.mark.parametrize(("lengths", "seed"), [((10, 4), 5), ((12, 12), 4)])
+def test_rows_that_finish_early_stay_inside_the_cache(target, draft, lengths, seed):
+    """Batch 2 filling seq_len exactly: the row that reaches its budget first (these seeds
+    make one overshoot it within a call) must not move its positions on while the other row
+    still runs."""
+    ids, mask = random_prompts(512, lengths, seed=seed)
+    new = 64 - max(lengths) - 3 + 1  # prompt + new tokens + k - 1 == seq_len
+    expected = speculate(plain_app(target), ids, mask, new, eos_token_id=None)
+    app = eagle_app(target, draft, k=3, batch_size=2)
+    assert torch.equal(speculate(app, ids, mask, new, eos_token_id=None), expected)
+
+
 def test_too_long_generation_is_refused(target, draft):
     app = eagle_app(target, draft, k=3)
     ids, mask = random_prompts(512, (10,), seed=1)

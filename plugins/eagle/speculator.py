@@ -17,7 +17,8 @@ the leading drafts the rule accepts plus one target token (greedy: the target's 
 sampling: speculative sampling with q the draft's ``softmax(logits / T)``, so the output is
 distributed as the target's), and the next pending pairs are those tokens with the target's
 features of the positions before them: (tokens[i], features[i]) at t = L-1+i, i <= a.
-Finished rows keep their inputs; their outputs are ignored.
+Finished rows (including those that finish in a call) keep their inputs; their outputs are
+ignored.
 """
 
 from __future__ import annotations
@@ -109,12 +110,15 @@ class EagleSpeculator:
             rows.commit(new_tokens, counts)
             stats.record(k, (counts - 1)[active], counts[active])
 
+            # A row that finished in this call keeps its inputs too: its new positions could
+            # run past the cache (it may have produced more than its budget).
+            going_on = rows.active
             base = pending_positions.gather(1, (pending_count - 1)[:, None])
-            keep = active[:, None]
+            keep = going_on[:, None]
             pending_tokens = torch.where(keep, new_tokens, pending_tokens)
             pending_features = torch.where(keep[..., None], features, pending_features)
             pending_positions = torch.where(keep, base + 1 + offsets, pending_positions)
-            pending_count = torch.where(active, counts, pending_count)
+            pending_count = torch.where(going_on, counts, pending_count)
         return rows.sequences(request.input_ids)
 
     def _check_length(self, prompt: int, new_tokens: int) -> None:
