@@ -29,6 +29,7 @@ __all__ = [
     "check_against_hf",
     "chi_square_p_value",
     "derived_checkpoint",
+    "exact_top_k_marginals",
     "fresh_plugin_manager",
     "make_tiny_checkpoint",
     "random_prompts",
@@ -336,3 +337,35 @@ def derived_checkpoint(
     (output / "config.json").write_text(json.dumps(config, indent=2))
     save_file({name: t.contiguous() for name, t in tensors.items()}, output / "model.safetensors")
     return output
+
+
+def exact_top_k_marginals(
+    checkpoint: str | Path, prompt: torch.Tensor, steps: int, top_k: int
+) -> list[torch.Tensor]:
+    """P(t_1), ..., P(t_steps) [vocab] of top-k sampling at temperature 1 after ``prompt``
+    ([length]), computed with HF transformers over every path of ``steps`` tokens (top_k**steps
+    of them): the reference that sampled speculation is tested against."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    paths: dict[tuple[int, ...], float] = {(): 1.0}
+    marginals = []
+    with torch.no_grad():
+        for _ in range(steps):
+            prefixes = list(paths)
+            inputs = torch.stack(
+                [torch.cat([prompt, torch.tensor(p, dtype=torch.long)]) for p in prefixes]
+            )
+            logits = hf(inputs).logits[:, -1]
+            kth = logits.topk(top_k, dim=-1).values[..., -1:]
+            probabilities = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+            marginal = torch.zeros(probabilities.shape[-1], dtype=torch.float64)
+            longer = {}
+            for prefix, row in zip(prefixes, probabilities, strict=True):
+                for token in row.nonzero().flatten().tolist():
+                    weight = paths[prefix] * float(row[token])
+                    marginal[token] += weight
+                    longer[(*prefix, token)] = weight
+            marginals.append(marginal)
+            paths = longer
+    return marginals

@@ -14,13 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
 from nxdplug.pipeline import select_plugins
 from nxdplug.speculation import greedy_acceptance, rejection_acceptance
-from nxdplug.testing import chi_square_p_value, derived_checkpoint, random_prompts
+from nxdplug.testing import (
+    chi_square_p_value,
+    derived_checkpoint,
+    exact_top_k_marginals,
+    random_prompts,
+)
 
 ALPHA = 1e-3
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
@@ -150,36 +154,6 @@ def test_rejection_acceptance_outputs_the_target_distribution(deterministic_draf
     assert chi_square_p_value(first, wrong) < ALPHA
 
 
-def top_k_probabilities(logits: torch.Tensor, top_k: int) -> torch.Tensor:
-    kth = logits.topk(top_k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
-
-
-def exact_marginals(path: Path, prompt: torch.Tensor, top_k: int) -> list[torch.Tensor]:
-    """P(t1), P(t2), P(t3) of top-k sampling at temperature 1, computed with HF transformers
-    over every path of the three tokens."""
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    paths = {(): 1.0}
-    marginals = []
-    with torch.no_grad():
-        for _ in range(3):
-            prefixes = list(paths)
-            inputs = torch.stack(
-                [torch.cat([prompt, torch.tensor(p, dtype=torch.long)]) for p in prefixes]
-            )
-            probabilities = top_k_probabilities(hf(inputs).logits[:, -1], top_k)
-            marginal = torch.zeros(probabilities.shape[-1], dtype=torch.float64)
-            longer = {}
-            for prefix, row in zip(prefixes, probabilities, strict=True):
-                for token in row.nonzero().flatten().tolist():
-                    weight = paths[prefix] * float(row[token])
-                    marginal[token] += weight
-                    longer[(*prefix, token)] = weight
-            marginals.append(marginal)
-            paths = longer
-    return marginals
-
-
 def test_sampled_speculation_follows_the_target_distribution(tmp_path, tiny_checkpoint) -> None:
     rows, calls, top_k = 64, 40, 4
     main = tiny_checkpoint("llama", seed=5, num_hidden_layers=3, initializer_range=0.3)
@@ -206,9 +180,9 @@ def test_sampled_speculation_follows_the_target_distribution(tmp_path, tiny_chec
         accepted += speculating.speculation_stats.accepted
         drafted += speculating.speculation_stats.drafted
     assert 0 < accepted < drafted, "both acceptance and rejection must happen"
-    for position, marginal in enumerate(exact_marginals(main, prompt, top_k)):
+    for position, marginal in enumerate(exact_top_k_marginals(main, prompt, 3, top_k)):
         assert chi_square_p_value(counts[position], marginal) > ALPHA, position
-    draft_marginals = exact_marginals(draft_path, prompt, top_k)
+    draft_marginals = exact_top_k_marginals(draft_path, prompt, 3, top_k)
     assert chi_square_p_value(counts[2], draft_marginals[2]) < ALPHA
 
 

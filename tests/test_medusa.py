@@ -29,7 +29,12 @@ from nxdplug.pipeline import config_problems, select_plugins
 from nxdplug.plugins.medusa.heads import add_medusa_heads
 from nxdplug.plugins.medusa.tree import MedusaTree
 from nxdplug.speculation import AcceptanceStats
-from nxdplug.testing import make_tiny_checkpoint, random_prompts
+from nxdplug.testing import (
+    chi_square_p_value,
+    exact_top_k_marginals,
+    make_tiny_checkpoint,
+    random_prompts,
+)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
 PYCODER = SHARED / "pycoder-tiny"
@@ -307,13 +312,35 @@ def test_config_problems_say_what_to_set(tiny: Path) -> None:
         )
 
 
-def test_sampling_and_too_short_sequences_are_refused(tiny: Path) -> None:
+def test_sampled_medusa_follows_the_target_distribution(tiny: Path) -> None:
+    """Top-k sampling through the tree: the first three new tokens against their exact
+    marginals (HF transformers over every path)."""
+    rows, calls, top_k = 64, 30, 4
+    medusa = load(tiny, batch_size=rows, **medusa_options(WIDE))
+    prompt = torch.tensor([3, 9, 4, 17, 5])
+    adapter = HuggingFaceGenerationAdapter(medusa)
+    torch.manual_seed(0)
+    counts = torch.zeros(3, medusa.config.vocab_size, dtype=torch.long)
+    stats = AcceptanceStats()
+    for _ in range(calls):
+        out = adapter.generate(
+            prompt.expand(rows, -1),
+            do_sample=True,
+            top_k=top_k,
+            max_new_tokens=3,
+            eos_token_id=None,
+        )
+        for position in range(3):
+            counts[position] += torch.bincount(out[:, 5 + position], minlength=len(counts[0]))
+        stats.add(medusa.speculation_stats)
+    assert stats.accepted > 0, "the tree must be followed sometimes"
+    for position, marginal in enumerate(exact_top_k_marginals(tiny, prompt, 3, top_k)):
+        assert chi_square_p_value(counts[position], marginal) > 1e-3, position
+
+
+def test_other_proposers_and_too_short_sequences_are_refused(tiny: Path) -> None:
     medusa = load(tiny, **medusa_options(CHAIN))
     input_ids, mask = random_prompts(512, (8,), seed=1)
-    with pytest.raises(NotSupportedError, match="lossless sampling over a tree"):
-        HuggingFaceGenerationAdapter(medusa).generate(
-            input_ids, attention_mask=mask, max_new_tokens=4, do_sample=True
-        )
     with pytest.raises(NxdPlugError, match="needs seq_len >= 68"):
         generate(medusa, input_ids, mask, 56)
     with pytest.raises(NotSupportedError, match="its own heads"):

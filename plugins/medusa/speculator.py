@@ -7,9 +7,13 @@ target's own next token) is known but not yet in the cache. A step:
    token (head i proposes depth i+1, i.e. token t+i+2);
 2. one call of the tree verifier writes node j at slot ``length + j`` (rotary position
    ``length + depth``), each node seeing the committed prefix, its ancestors and itself;
-3. greedy acceptance: the deepest node whose path agrees, node by node, with the target's
-   argmax at the parent; the root and the accepted nodes are emitted, and the target's argmax at
-   the last accepted node is the next root (so the output is exactly the target's greedy one);
+3. acceptance: the target chooses a token at every node (its argmax, or a draw from its
+   processed distribution when sampling); the deepest node whose path agrees, node by node,
+   with the target's choice at the parent is kept; the root and the accepted nodes are emitted,
+   and the target's choice at the last accepted node is the next root. Siblings hold distinct
+   tokens, so this is decoding token by token from the target that skips the calls whose
+   token the tree had guessed: greedy output is the target's, and sampled output is
+   distributed as the target's;
 4. the accepted path's K/V move to ``length..length+accepted`` (``move_positions``), and the
    next tree comes from the heads at the last accepted node.
 
@@ -38,11 +42,6 @@ class MedusaSpeculator:
         self.tree = self.verifier.tree
 
     def _check(self, request: SpeculativeRequest, prompt_length: int) -> None:
-        if request.choice.do_sample:
-            raise NotSupportedError(
-                "Medusa decoding is greedy here: lossless sampling over a tree of candidates "
-                "is not implemented; use do_sample=False, or a model without is_medusa"
-            )
         # The feature guide passes the Medusa model itself as assistant_model.
         own = request.assistant_model in (None, self.application)
         if not own or request.prompt_lookup_num_tokens:
@@ -72,7 +71,8 @@ class MedusaSpeculator:
         batch = tokens.shape[0]
         seq_ids = torch.arange(batch)
         base_logits, top = self.context(tokens, mask, positions, seq_ids)
-        roots, top = base_logits[:, -1].argmax(dim=-1), top[:, -1]
+        choose = request.choice.choose
+        roots, top = choose(base_logits[:, -1]), top[:, -1]
         rows = GeneratedRows(
             batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id
         )
@@ -85,7 +85,7 @@ class MedusaSpeculator:
             tree_mask = tree.attention_mask(prefix, int(prefix.max()) + tree.size)
             slots = prefix[:, None] + torch.arange(tree.size)
             logits, node_top = self.verifier(candidates, tree_mask, slots, seq_ids[active])
-            targets = logits.argmax(dim=-1)
+            targets = choose(logits.flatten(0, 1)).view(logits.shape[:2])
             best, accepted = tree.accept(candidates, targets)
             path = tree.paths[best]
             emitted = torch.zeros(batch, tree.max_depth + 1, dtype=tokens.dtype)

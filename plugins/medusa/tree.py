@@ -125,12 +125,13 @@ class MedusaTree:
     def accept(
         self, tokens: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy acceptance of a verified tree.
+        """Acceptance of a verified tree.
 
-        ``tokens`` [rows, n] the candidates, ``targets`` [rows, n] the target's argmax at each
-        node (the token it wants after that node). A node is accepted when it and every
-        ancestor equal their parent's target. Returns ``(best [rows], accepted [rows])``: the
-        deepest accepted node and its depth (siblings hold distinct tokens, so it is unique).
+        ``tokens`` [rows, n] the candidates, ``targets`` [rows, n] the token the target chose
+        at each node (its argmax, or its draw when sampling: the token after that node). A
+        node is accepted when it and every ancestor equal their parent's target. Returns
+        ``(best [rows], accepted [rows])``: the deepest accepted node and its depth (siblings
+        hold distinct tokens, so it is unique).
         """
         match = tokens == targets[:, self.parent]
         match[:, 0] = True
