@@ -154,12 +154,19 @@ def test_rejection_acceptance_outputs_the_target_distribution(deterministic_draf
     assert chi_square_p_value(first, wrong) < ALPHA
 
 
-def test_sampled_speculation_follows_the_target_distribution(tmp_path, tiny_checkpoint) -> None:
+@pytest.mark.parametrize("proposer", ["draft", "lookup"])
+def test_sampled_speculation_follows_the_target_distribution(
+    tmp_path, tiny_checkpoint, proposer
+) -> None:
     rows, calls, top_k = 64, 40, 4
     main = tiny_checkpoint("llama", seed=5, num_hidden_layers=3, initializer_range=0.3)
     draft_path = derived_checkpoint(main, tmp_path / "draft", num_layers=2)
     speculating = target(main, batch=rows, k=2, seq_len=32)
-    draft = application(draft_path, batch=rows, seq_len=32)
+    source = (
+        {"assistant_model": application(draft_path, batch=rows, seq_len=32)}
+        if proposer == "draft"
+        else {"prompt_lookup_num_tokens": 2}
+    )
     prompt = torch.tensor([3, 9, 4, 17, 5])
     adapter = HuggingFaceGenerationAdapter(speculating)
     torch.manual_seed(0)
@@ -173,7 +180,7 @@ def test_sampled_speculation_follows_the_target_distribution(tmp_path, tiny_chec
             top_k=top_k,
             max_new_tokens=3,
             eos_token_id=None,
-            assistant_model=draft,
+            **source,
         )
         for position in range(3):
             counts[position] += torch.bincount(out[:, 5 + position], minlength=vocab)

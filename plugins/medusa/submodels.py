@@ -35,14 +35,16 @@ def head_candidates(model: nn.Module, hidden: torch.Tensor, top_k: int) -> torch
     return logits.topk(top_k, dim=-1).indices
 
 
-class MedusaContextPhase(nn.Module):
-    """Prompt in; the last token's base logits [batch, 1, vocab] (float32) and head candidates
-    [batch, 1, heads, top_k] out."""
+class MedusaPhase(nn.Module):
+    """Tokens in; base logits (float32) and head candidates [batch, n, heads, top_k] out, for
+    the prompt's last token (``last_token_only``, context encoding: n = 1) or for every input
+    token (the tree's nodes, under a 3-D mask)."""
 
-    def __init__(self, model: nn.Module, top_k: int) -> None:
+    def __init__(self, model: nn.Module, top_k: int, last_token_only: bool) -> None:
         super().__init__()
         self.model = model
         self.top_k = top_k
+        self.last_token_only = last_token_only
 
     def forward(
         self,
@@ -52,27 +54,8 @@ class MedusaContextPhase(nn.Module):
         seq_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model.hidden_states(input_ids, attention_mask, position_ids, seq_ids)
-        last = last_token_states(hidden, attention_mask)
-        return self.model.lm_head(last).float(), head_candidates(self.model, last, self.top_k)
-
-
-class MedusaTreePhase(nn.Module):
-    """Tree nodes in (3-D mask); base logits [batch, n, vocab] (float32) and head candidates
-    [batch, n, heads, top_k] at every node out."""
-
-    def __init__(self, model: nn.Module, top_k: int) -> None:
-        super().__init__()
-        self.model = model
-        self.top_k = top_k
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model.hidden_states(input_ids, attention_mask, position_ids, seq_ids)
+        if self.last_token_only:
+            hidden = last_token_states(hidden, attention_mask)
         return self.model.lm_head(hidden).float(), head_candidates(self.model, hidden, self.top_k)
 
 
@@ -88,7 +71,7 @@ class MedusaContextWrapper(ModelWrapper):
         self.batch_size = self.neuron_config.ctx_batch_size
 
     def phase_module(self, model: nn.Module) -> nn.Module:
-        return MedusaContextPhase(model, self.tree.top_k)
+        return MedusaPhase(model, self.tree.top_k, last_token_only=True)
 
     def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
         """The core's example prompts, without sampling inputs (Medusa chooses on the host)."""
@@ -103,7 +86,7 @@ class MedusaTreeWrapper(ModelWrapper):
         self.tree = tree
 
     def phase_module(self, model: nn.Module) -> nn.Module:
-        return MedusaTreePhase(model, self.tree.top_k)
+        return MedusaPhase(model, self.tree.top_k, last_token_only=False)
 
     def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
         batch, n = self.batch_size, self.tree.size
