@@ -30,7 +30,9 @@ class ModelWrapper(nn.Module):
         tokens_per_step: int = 1,
     ) -> None:
         """``tokens_per_step``: the tokens each row feeds per call outside context encoding (1
-        for token generation, k+1 to verify k speculated tokens)."""
+        for token generation, k+1 to verify k speculated tokens); ``application.forward``
+        routes a call by it. 0 marks a phase only its speculation plugin calls (a Medusa tree,
+        a fused EAGLE step), which ``forward`` never routes to."""
         super().__init__()
         self.config = config
         self.neuron_config = config.neuron_config

@@ -82,7 +82,8 @@ class MedusaTreeWrapper(ModelWrapper):
     """Verifies ``tree.size`` tokens per row with a [batch, n, bucket] mask."""
 
     def __init__(self, config: Any, model_cls: type[nn.Module], tree: MedusaTree) -> None:
-        super().__init__(config, model_cls, tag=MEDUSA_SPECULATION_TAG, tokens_per_step=tree.size)
+        # tokens_per_step 0: only the speculator calls it (application.forward never routes here).
+        super().__init__(config, model_cls, tag=MEDUSA_SPECULATION_TAG, tokens_per_step=0)
         self.tree = tree
 
     def phase_module(self, model: nn.Module) -> nn.Module:
