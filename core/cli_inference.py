@@ -203,6 +203,11 @@ def run_run(args: argparse.Namespace) -> int:
 
     prepare_speculation(args, config)
     model = load_model(args, config)
+    if args.check_accuracy_mode == "logit-matching" and model.plugins.speculation_mode:
+        raise NxdPlugError(
+            "--check-accuracy-mode logit-matching compares one token per step, which a "
+            "speculating model does not compute; use token-matching"
+        )
     generation |= generate_keywords(args, model)
     tokenizer = _tokenizer(args.model_path, config.neuron_config.padding_side)
     batch = tokenizer(args.prompts, return_tensors="pt", padding=True)
@@ -245,11 +250,6 @@ def _check_accuracy(
 ) -> int:
     from nxdplug.testing import check_accuracy
 
-    if args.check_accuracy_mode == "logit-matching" and model.plugins.speculation_mode:
-        raise NxdPlugError(
-            "--check-accuracy-mode logit-matching compares one token per step, which a "
-            "speculating model does not compute; use token-matching"
-        )
     hf_model = model.load_hf_model(args.model_path, dtype=model.neuron_config.torch_dtype).eval()
     report = check_accuracy(
         model,

@@ -356,3 +356,22 @@ def test_benchmark_compares_with_and_without_speculation(capsys, checkpoints, tm
     )
     assert report["acceptance"]["target_calls_per_row"] > 0
     assert 0 <= report["acceptance"]["acceptance_rate"] <= 1
+
+
+def test_run_refuses_logit_matching_before_generating(capsys, checkpoints) -> None:
+    code, out, err = run_cli(
+        capsys,
+        "run",
+        "--model-path",
+        str(checkpoints["target"]),
+        "--prompt",
+        "x",
+        "--prompt-lookup-num-tokens",
+        "2",
+        "--check-accuracy-mode",
+        "logit-matching",
+        *SPECULATING,
+    )
+    assert code != 0
+    assert "use token-matching" in err
+    assert "Generated outputs" not in out
