@@ -472,6 +472,7 @@ class SpeculationReport:
     plain_seconds: tuple[float, ...]
     speculative_seconds: tuple[float, ...]
     acceptance: dict[str, float]
+    hf_speculative_seconds: tuple[float, ...] | None = None
 
     def tokens_per_s(self, seconds: Sequence[float]) -> float:
         tokens = self.config["batch_size"] * self.config["new_tokens"]
@@ -480,17 +481,28 @@ class SpeculationReport:
     def to_dict(self) -> dict[str, Any]:
         plain = self.tokens_per_s(self.plain_seconds)
         speculative = self.tokens_per_s(self.speculative_seconds)
-        return {
+        report = {
             "config": dict(self.config),
             "plain_tokens_per_s": plain,
             "speculative_tokens_per_s": speculative,
             "speedup": speculative / plain,
             "acceptance": dict(self.acceptance),
         }
+        if self.hf_speculative_seconds:
+            hf = self.tokens_per_s(self.hf_speculative_seconds)
+            report["hf_speculative_tokens_per_s"] = hf
+            report["ratio_to_hf_speculative"] = speculative / hf
+        return report
 
     def format_table(self) -> str:
         report, c = self.to_dict(), self.config
         a = report["acceptance"]
+        hf = []
+        if "hf_speculative_tokens_per_s" in report:
+            hf = [
+                f"HF, same speculation  {report['hf_speculative_tokens_per_s']:.1f} tok/s "
+                f"(nxdplug/HF x{report['ratio_to_hf_speculative']:.2f})"
+            ]
         return "\n".join(
             [
                 f"model        {c['model']}",
@@ -501,6 +513,7 @@ class SpeculationReport:
                 "",
                 f"without speculation  {report['plain_tokens_per_s']:.1f} tok/s",
                 f"with speculation     {report['speculative_tokens_per_s']:.1f} tok/s",
+                *hf,
                 f"speedup              x{report['speedup']:.2f}",
                 f"acceptance           {a['mean_accepted_per_call']:.2f} accepted tokens per "
                 f"target call ({a['tokens_per_call']:.2f} tokens per call), acceptance rate "
@@ -520,6 +533,23 @@ def _time_generate(model: Any, input_ids: torch.Tensor, new_tokens: int, **kwarg
     return time.perf_counter() - start
 
 
+def _time_hf_generate(
+    hf_model: nn.Module, input_ids: torch.Tensor, new_tokens: int, **kwargs: Any
+) -> float:
+    """Seconds of HF transformers' greedy ``generate()`` of exactly ``new_tokens`` tokens."""
+    start = time.perf_counter()
+    hf_model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=hf_model.generation_config.pad_token_id or 0,
+        **kwargs,
+    )
+    return time.perf_counter() - start
+
+
 def measure_speculation(
     plain: Any,
     speculative: Any,
@@ -527,20 +557,28 @@ def measure_speculation(
     new_tokens: int,
     runs: int,
     generate_kwargs: dict[str, Any],
-) -> tuple[tuple[float, ...], tuple[float, ...], Any]:
-    """Seconds per greedy generation of exactly ``new_tokens`` tokens, the two models in turn
-    (after one warm-up each), and the speculative runs' summed acceptance statistics."""
+    hf: tuple[nn.Module, dict[str, Any]] | None = None,
+) -> tuple[tuple[float, ...], tuple[float, ...], Any, tuple[float, ...] | None]:
+    """Seconds per greedy generation of exactly ``new_tokens`` tokens, the models in turn
+    (after one warm-up each): the target alone, with speculation and, given ``hf`` (an HF
+    model and its ``generate()`` keywords for the same speculation), HF transformers; and the
+    speculative runs' summed acceptance statistics."""
     from nxdplug.speculation import AcceptanceStats
 
     total = AcceptanceStats()
-    plain_times, speculative_times = [], []
+    plain_times, speculative_times, hf_times = [], [], []
     with torch.inference_mode():
         _time_generate(plain, input_ids, new_tokens)
         _time_generate(speculative, input_ids, new_tokens, **generate_kwargs)
+        if hf is not None:
+            _time_hf_generate(hf[0], input_ids, new_tokens, **hf[1])
         for _ in range(runs):
             plain_times.append(_time_generate(plain, input_ids, new_tokens))
             speculative_times.append(
                 _time_generate(speculative, input_ids, new_tokens, **generate_kwargs)
             )
             total.add(speculative.speculation_stats)
-    return tuple(plain_times), tuple(speculative_times), total
+            if hf is not None:
+                hf_times.append(_time_hf_generate(hf[0], input_ids, new_tokens, **hf[1]))
+    hf_seconds = tuple(hf_times) if hf is not None else None
+    return tuple(plain_times), tuple(speculative_times), total, hf_seconds

@@ -222,9 +222,10 @@ def _benchmark_speculation(
     )
     progress("loading the same target without speculation")
     plain = plain_application(args, model.config)
+    hf = _hf_speculation(args, model, input_ids.shape[0]) if args.compare_hf else None
     progress(f"timing with and without speculation in turn: 1 warm-up + {args.runs} run(s)")
-    plain_seconds, speculative_seconds, acceptance = benchmark.measure_speculation(
-        plain, model, input_ids, args.max_new_tokens, args.runs, kwargs
+    plain_seconds, speculative_seconds, acceptance, hf_seconds = benchmark.measure_speculation(
+        plain, model, input_ids, args.max_new_tokens, args.runs, kwargs, hf
     )
     neuron_config = model.neuron_config
     report = benchmark.SpeculationReport(
@@ -244,6 +245,34 @@ def _benchmark_speculation(
         plain_seconds=plain_seconds,
         speculative_seconds=speculative_seconds,
         acceptance=acceptance.as_dict(),
+        hf_speculative_seconds=hf_seconds,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
     return 0
+
+
+def _hf_speculation(args: argparse.Namespace, model: Any, batch_size: int) -> tuple[Any, dict]:
+    """HF transformers' model and ``generate()`` keywords for the same speculation: assisted
+    generation with the draft checkpoint (k tokens per round, constant, no confidence cut), or
+    prompt lookup. HF has no Medusa or EAGLE decoding, and speculates at batch 1 only."""
+    mode = model.plugins.speculation_mode.name
+    if mode != "draft-model":
+        raise NxdPlugError(
+            f"--compare-hf: HF transformers has no {mode} decoding to compare with; leave out "
+            "--compare-hf (the benchmark compares with the target without speculation)"
+        )
+    if batch_size != 1:
+        raise NxdPlugError(
+            "--compare-hf with speculation needs --batch-size 1: HF transformers' assisted "
+            "generation takes one sequence"
+        )
+    dtype = model.neuron_config.torch_dtype
+    hf_model = _load_hf_model(args.model_path, dtype, quiet=args.quiet)
+    k = model.neuron_config.speculation_length
+    if args.prompt_lookup_num_tokens:
+        return hf_model, {"prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}
+    draft = _load_hf_model(args.draft_model_path, dtype, quiet=args.quiet)
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    return hf_model, {"assistant_model": draft}

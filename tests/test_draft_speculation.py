@@ -375,3 +375,30 @@ def test_run_refuses_logit_matching_before_generating(capsys, checkpoints) -> No
     assert code != 0
     assert "use token-matching" in err
     assert "Generated outputs" not in out
+
+
+def test_benchmark_compares_with_hf_assisted_generation(capsys, checkpoints) -> None:
+    common = [
+        "benchmark",
+        "--model-path",
+        str(checkpoints["target"]),
+        "--draft-model-path",
+        str(checkpoints["perturbed"]),
+        "--prompt-length",
+        "8",
+        "--max-new-tokens",
+        "6",
+        "--runs",
+        "1",
+        "--quiet",
+        "--compare-hf",
+        *SPECULATING,
+    ]
+    code, out, err = run_cli(capsys, *common, "--json")
+    assert code == 0, out + err
+    report = json.loads(out)
+    assert report["ratio_to_hf_speculative"] == pytest.approx(
+        report["speculative_tokens_per_s"] / report["hf_speculative_tokens_per_s"]
+    )
+    code, _, err = run_cli(capsys, *common, "--batch-size", "2")
+    assert code != 0 and "--batch-size 1" in err
