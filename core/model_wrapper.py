@@ -43,11 +43,18 @@ class ModelWrapper(nn.Module):
         self.is_context_encoding = tag == CONTEXT_ENCODING_MODEL_TAG
         self.tokens_per_step = tokens_per_step
         self.buckets = self._buckets()
-        self.batch_size = (
-            self.neuron_config.ctx_batch_size
-            if self.is_context_encoding
-            else self.neuron_config.tkg_batch_size
-        )
+        self.batch_size = self._batch_size()
+
+    def _batch_size(self) -> int:
+        """ctx_batch_size for context encoding, tkg_batch_size for one token per step, and
+        spec_batch_size for speculation phases (several tokens per step, or driven by their
+        plugin)."""
+        neuron_config = self.neuron_config
+        if self.is_context_encoding:
+            return neuron_config.ctx_batch_size
+        if self.tokens_per_step == 1:
+            return neuron_config.tkg_batch_size
+        return neuron_config.spec_batch_size
 
     def _buckets(self) -> list[int]:
         neuron_config = self.neuron_config

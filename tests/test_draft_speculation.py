@@ -402,3 +402,16 @@ def test_benchmark_compares_with_hf_assisted_generation(capsys, checkpoints) -> 
     )
     code, _, err = run_cli(capsys, *common, "--batch-size", "2")
     assert code != 0 and "--batch-size 1" in err
+
+
+def test_the_speculation_sub_model_runs_spec_batch_size_rows(checkpoints) -> None:
+    app = target(checkpoints["target"], batch=2, spec_batch_size=4, max_batch_size=4)
+    assert app.speculation_model.batch_size == 4
+    assert app.speculation_model.input_generator()[0][0].shape == (4, K + 1)
+    assert app.context_encoding_model.batch_size == 2
+    input_ids, mask = random_prompts(512, (5, 8), seed=4)
+    expected = greedy(
+        application(checkpoints["target"], batch=2), input_ids, mask, max_new_tokens=8
+    )
+    actual = greedy(app, input_ids, mask, max_new_tokens=8, prompt_lookup_num_tokens=2)
+    assert torch.equal(actual, expected)
