@@ -28,11 +28,14 @@ class ModelWrapper(nn.Module):
         tag: str = "",
         compiler_args: str | None = None,
         tokens_per_step: int = 1,
+        is_context_encoding: bool | None = None,
     ) -> None:
         """``tokens_per_step``: the tokens each row feeds per call outside context encoding (1
         for token generation, k+1 to verify k speculated tokens); ``application.forward``
         routes a call by it. 0 marks a phase only its speculation plugin calls (a Medusa tree,
-        a fused EAGLE step), which ``forward`` never routes to."""
+        a fused EAGLE step), which ``forward`` never routes to. ``is_context_encoding``: the
+        phase encodes prompts (context buckets, ctx_batch_size); by default, when ``tag`` is
+        the core's context-encoding tag."""
         super().__init__()
         self.config = config
         self.neuron_config = config.neuron_config
@@ -40,7 +43,9 @@ class ModelWrapper(nn.Module):
         self.tag = tag
         self.compiler_args = compiler_args
         self.model: nn.Module | None = None
-        self.is_context_encoding = tag == CONTEXT_ENCODING_MODEL_TAG
+        if is_context_encoding is None:
+            is_context_encoding = tag == CONTEXT_ENCODING_MODEL_TAG
+        self.is_context_encoding = is_context_encoding
         self.tokens_per_step = tokens_per_step
         self.buckets = self._buckets()
         self.batch_size = self._batch_size()
@@ -130,16 +135,8 @@ class ModelWrapper(nn.Module):
 
         The sampling inputs, given with on-device sampling, are padded like the other rows.
         """
-        if self.model is None:
-            raise NxdPlugError(
-                f"{self.tag} is not loaded: call to_cpu() (or compile() then load()) first"
-            )
         rows = input_ids.shape[0]
-        if rows > self.batch_size:
-            raise NxdPlugError(
-                f"{rows} sequences were given but {self.tag} runs batches of at most "
-                f"{self.batch_size}; raise batch_size (or ctx/tkg_batch_size)"
-            )
+        self.check_ready(rows)
         needed = attention_mask.shape[-1]
         if self.is_context_encoding:
             needed = input_ids.shape[-1]
@@ -155,6 +152,18 @@ class ModelWrapper(nn.Module):
         if isinstance(outputs, torch.Tensor):
             return outputs[:rows]
         return tuple(output[:rows] for output in outputs)
+
+    def check_ready(self, rows: int) -> None:
+        """Refuse a call before the model is loaded, or with more rows than the batch size."""
+        if self.model is None:
+            raise NxdPlugError(
+                f"{self.tag} is not loaded: call to_cpu() (or compile() then load()) first"
+            )
+        if rows > self.batch_size:
+            raise NxdPlugError(
+                f"{rows} sequences were given but {self.tag} runs batches of at most "
+                f"{self.batch_size}; raise batch_size (or ctx/tkg/spec_batch_size)"
+            )
 
     def _pad_to_bucket(
         self,

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.errors import NxdPlugError
 from nxdplug.model_base import last_token_states
 from nxdplug.model_wrapper import ModelWrapper
 
@@ -129,17 +128,6 @@ class FusedWrapper(ModelWrapper):
     ``tokens_per_step`` is 0, so ``application.forward`` never routes a call to it.
     """
 
-    def _check_loaded(self, rows: int) -> None:
-        if self.model is None:
-            raise NxdPlugError(
-                f"{self.tag} is not loaded: call to_cpu() (or compile() then load()) first"
-            )
-        if rows > self.batch_size:
-            raise NxdPlugError(
-                f"{rows} sequences were given but {self.tag} runs batches of at most "
-                f"{self.batch_size}; raise batch_size"
-            )
-
     def _run(
         self, rows: int, seq_ids: torch.Tensor, *per_row: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
@@ -154,10 +142,9 @@ class EagleContextWrapper(FusedWrapper):
     """The fused context-encoding sub-model (context buckets, ctx batch size)."""
 
     def __init__(self, config: Any, model_cls: type[nn.Module]) -> None:
-        super().__init__(config, model_cls, tag=EAGLE_CONTEXT_TAG, tokens_per_step=0)
-        self.is_context_encoding = True
-        self.buckets = self._buckets()
-        self.batch_size = self.neuron_config.ctx_batch_size
+        super().__init__(
+            config, model_cls, tag=EAGLE_CONTEXT_TAG, tokens_per_step=0, is_context_encoding=True
+        )
 
     def phase_module(self, model: nn.Module) -> nn.Module:
         return EagleContextPhase(model)
@@ -182,7 +169,7 @@ class EagleContextWrapper(FusedWrapper):
         seq_ids: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         """Left-compacted prompts; padded to the bucket and the batch size here."""
-        self._check_loaded(input_ids.shape[0])
+        self.check_ready(input_ids.shape[0])
         bucket = self.bucket_for(input_ids.shape[1])
         input_ids, attention_mask, position_ids = self._pad_to_bucket(
             bucket, input_ids, attention_mask, position_ids
@@ -231,7 +218,7 @@ class EagleSpeculationWrapper(FusedWrapper):
         """One speculation step (see :meth:`EagleSpeculationPhase.forward`); the key width is
         the smallest bucket holding every position this step writes."""
         rows = pending_tokens.shape[0]
-        self._check_loaded(rows)
+        self.check_ready(rows)
         k_plus_two = self.speculation_length + 2  # the target writes up to base + k + 1
         base = pending_positions.gather(1, (pending_count - 1)[:, None])
         needed = int(torch.maximum(pending_positions[:, -1:] + 1, base + k_plus_two).max())

@@ -64,11 +64,8 @@ class MedusaContextWrapper(ModelWrapper):
     under its own tag, so it compiles beside the core context encoding."""
 
     def __init__(self, config: Any, model_cls: type[nn.Module], tree: MedusaTree) -> None:
-        super().__init__(config, model_cls, tag=MEDUSA_CONTEXT_TAG)
+        super().__init__(config, model_cls, tag=MEDUSA_CONTEXT_TAG, is_context_encoding=True)
         self.tree = tree
-        self.is_context_encoding = True
-        self.buckets = self._buckets()
-        self.batch_size = self.neuron_config.ctx_batch_size
 
     def phase_module(self, model: nn.Module) -> nn.Module:
         return MedusaPhase(model, self.tree.top_k, last_token_only=True)
