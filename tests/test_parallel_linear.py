@@ -35,7 +35,7 @@ def column_shard(full: nn.Linear, tp: int, rank: int, **kwargs: object) -> Colum
     layer = ColumnParallelLinear(
         IN, OUT, bias=full.bias is not None, tp_degree=tp, rank=rank, dtype=torch.float64, **kwargs
     )
-    layer.load_state_dict(ColumnParallelLinear.shard_state_dict(full.state_dict(), tp, rank))
+    layer.load_state_dict(layer.shard_state_dict(full.state_dict()))
     return layer
 
 
@@ -43,13 +43,13 @@ def row_shard(full: nn.Linear, tp: int, rank: int, **kwargs: object) -> RowParal
     layer = RowParallelLinear(
         IN, OUT, bias=full.bias is not None, tp_degree=tp, rank=rank, dtype=torch.float64, **kwargs
     )
-    layer.load_state_dict(RowParallelLinear.shard_state_dict(full.state_dict(), tp, rank))
+    layer.load_state_dict(layer.shard_state_dict(full.state_dict()))
     return layer
 
 
 def embedding_shard(full: nn.Embedding, tp: int, rank: int) -> ParallelEmbedding:
     layer = ParallelEmbedding(VOCAB, OUT, tp_degree=tp, rank=rank, dtype=torch.float64)
-    layer.load_state_dict(ParallelEmbedding.shard_state_dict(full.state_dict(), tp, rank))
+    layer.load_state_dict(layer.shard_state_dict(full.state_dict()))
     return layer
 
 
@@ -111,13 +111,42 @@ def test_embedding_shards_concatenate_to_full_output(tp: int) -> None:
 def test_shard_state_dict_shapes() -> None:
     full = full_linear().state_dict()
 
-    column = ColumnParallelLinear.shard_state_dict(full, 4, 1)
-    row = RowParallelLinear.shard_state_dict(full, 4, 1)
+    column = ColumnParallelLinear(IN, OUT, bias=True, tp_degree=4, rank=1).shard_state_dict(full)
+    row = RowParallelLinear(IN, OUT, bias=True, tp_degree=4, rank=1).shard_state_dict(full)
 
     assert column["weight"].shape == (3, IN) and column["bias"].shape == (3,)
     assert torch.equal(column["weight"], full["weight"][3:6])
     assert row["weight"].shape == (OUT, 2) and torch.equal(row["weight"], full["weight"][:, 2:4])
     assert row["bias"] is full["bias"]
+
+
+def test_a_fused_projection_is_split_part_by_part() -> None:
+    torch.manual_seed(0)
+    q, k, v = (nn.Linear(IN, n, bias=True, dtype=torch.float64) for n in (8, 4, 4))
+    fused = {
+        "weight": torch.cat([q.weight, k.weight, v.weight]),
+        "bias": torch.cat([q.bias, k.bias, v.bias]),
+        "weight_scale": torch.ones(1),
+    }
+    x = sample_input()
+
+    for rank in range(2):
+        layer = ColumnParallelLinear(
+            IN, 16, bias=True, tp_degree=2, rank=rank, dtype=torch.float64, partitions=(8, 4, 4)
+        )
+        shard = layer.shard_state_dict(fused)
+        assert torch.equal(shard["weight_scale"], fused["weight_scale"])
+        del shard["weight_scale"]
+        layer.load_state_dict(shard)
+        q_part, k_part, v_part = layer(x).split([4, 2, 2], dim=-1)
+        torch.testing.assert_close(q_part, q(x)[..., 4 * rank : 4 * rank + 4])
+        torch.testing.assert_close(k_part, k(x)[..., 2 * rank : 2 * rank + 2])
+        torch.testing.assert_close(v_part, v(x)[..., 2 * rank : 2 * rank + 2])
+
+
+def test_partitions_must_add_up_to_the_output() -> None:
+    with pytest.raises(ConfigError, match="do not add up"):
+        ColumnParallelLinear(IN, 16, partitions=(8, 4))
 
 
 @pytest.mark.parametrize(
@@ -174,9 +203,7 @@ def _distributed_worker(rank: int, world: int, init_file: str) -> None:
         down = RowParallelLinear(OUT, IN, tp_degree=world, rank=rank, dtype=torch.float64)
         torch.manual_seed(1)  # the same full weight on every rank
         full_down = nn.Linear(OUT, IN, bias=False, dtype=torch.float64)
-        down.load_state_dict(
-            RowParallelLinear.shard_state_dict(full_down.state_dict(), world, rank)
-        )
+        down.load_state_dict(down.shard_state_dict(full_down.state_dict()))
         torch.testing.assert_close(down(up(x)), full_down(full(x)), rtol=1e-12, atol=1e-12)
 
         reduced_in: list[torch.dtype] = []

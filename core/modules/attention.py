@@ -110,7 +110,13 @@ class NeuronAttentionBase(nn.Module):
         hidden = config.hidden_size
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
         if self.fused_qkv:
-            self.qkv_proj = ColumnParallelLinear(hidden, q_size + 2 * kv_size, bias=qkv_bias, **tp)
+            self.qkv_proj = ColumnParallelLinear(
+                hidden,
+                q_size + 2 * kv_size,
+                bias=qkv_bias,
+                partitions=(q_size, kv_size, kv_size),
+                **tp,
+            )
         else:
             self.q_proj = ColumnParallelLinear(hidden, q_size, bias=qkv_bias, **tp)
             self.k_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, **tp)

@@ -6,7 +6,11 @@ Collectives go through the small wrappers below, over the default process group;
 initialized group of more than one rank the forward passes make no distributed call, so a
 single process can run each rank's shard on its own (that is how the tests check the sharding).
 Whether to communicate is decided on the host from the group size, never from tensor values,
-so forward traces to one graph.
+so forward traces to one graph. The all-reduce is a custom op, ``nxdplug::all_reduce_sum``,
+which torch.export records as one node and a compiled graph calls back into, so a compiled rank
+talks to the others by itself. (torch's functional collectives compiled by AOTInductor hung
+after a few back-to-back calls over gloo with torch 2.13; the custom op runs the ordinary,
+synchronous ``dist.all_reduce``.)
 """
 
 from __future__ import annotations
@@ -49,18 +53,27 @@ def use_collectives(tp_degree: int) -> bool:
     return True
 
 
+@torch.library.custom_op("nxdplug::all_reduce_sum", mutates_args=())
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks (in place) and return it."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
+    """The sum of ``tensor`` over all ranks, as a new tensor."""
+    total = tensor.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total
 
 
-def all_gather_last_dim(tensor: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along the last dim, in rank order."""
-    tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(tp_world_size())]
-    dist.all_gather(parts, tensor)
-    return torch.cat(parts, dim=-1)
+@all_reduce_sum.register_fake
+def _all_reduce_sum_shape(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def all_gather_last_dim(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Every rank's ``tensor`` side by side along the last dim, in rank order.
+
+    Each rank puts its part in zeros at its own offset and the ranks' tensors are summed: adding
+    zeros is exact, and all-reduce is the collective AOTInductor's CPU runtime provides.
+    """
+    width = tensor.shape[-1]
+    return all_reduce_sum(F.pad(tensor, (rank * width, (world - rank - 1) * width)))
 
 
 def shard_size(size: int, tp_degree: int, what: str) -> int:
@@ -109,7 +122,10 @@ class ColumnParallelLinear(nn.Module):
         tp_degree: int = 1,
         rank: int = 0,
         dtype: torch.dtype | None = None,
+        partitions: tuple[int, ...] = (),
     ) -> None:
+        """``partitions``: the output sizes of the projections fused into this one (Q, K, V),
+        each split over the ranks on its own; one projection by default."""
         super().__init__()
         _check_rank(tp_degree, rank)
         self.in_features = in_features
@@ -117,18 +133,26 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.tp_degree = tp_degree
         self.rank = rank
-        local_out = shard_size(out_features, tp_degree, "out_features")
+        self.partitions = partitions or (out_features,)
+        if sum(self.partitions) != out_features:
+            raise ConfigError([f"partitions {partitions} do not add up to {out_features}"])
+        local_out = sum(shard_size(p, tp_degree, "out_features") for p in self.partitions)
         self.weight = nn.Parameter(torch.empty(local_out, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(local_out, dtype=dtype)) if bias else None
         _init_uniform(self.weight, in_features)
         _init_uniform(self.bias, in_features)
 
-    @classmethod
-    def shard_state_dict(
-        cls, full: dict[str, torch.Tensor], tp_degree: int, rank: int
-    ) -> dict[str, torch.Tensor]:
-        """This layer's ``weight`` (and ``bias``) for ``rank`` from a full ``nn.Linear``'s."""
-        return {name: shard_tensor(t, 0, tp_degree, rank) for name, t in full.items()}
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's rows of the full layer's tensors (weight, bias, per-row scales), part by
+        part for a fused projection; a one-row tensor (a per-tensor scale) stays whole."""
+        return {
+            name: self._rows_of_this_rank(t) if t.shape[0] == self.out_features else t
+            for name, t in full.items()
+        }
+
+    def _rows_of_this_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = tensor.split(list(self.partitions))
+        return torch.cat([shard_tensor(p, 0, self.tp_degree, self.rank) for p in parts])
 
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight to multiply inputs of ``dtype`` by; layers storing another form of the
@@ -138,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight_for(x.dtype), self.bias)
         if self.gather_output and use_collectives(self.tp_degree):
-            out = all_gather_last_dim(out)
+            out = all_gather_last_dim(out, self.rank, self.tp_degree)
         return out
 
     def extra_repr(self) -> str:
@@ -183,15 +207,13 @@ class RowParallelLinear(nn.Module):
         _init_uniform(self.weight, in_features)
         _init_uniform(self.bias, in_features)
 
-    @classmethod
-    def shard_state_dict(
-        cls, full: dict[str, torch.Tensor], tp_degree: int, rank: int
-    ) -> dict[str, torch.Tensor]:
-        """This layer's ``weight`` for ``rank`` from a full ``nn.Linear``'s; the bias is whole."""
-        sharded = {"weight": shard_tensor(full["weight"], 1, tp_degree, rank)}
-        if "bias" in full:
-            sharded["bias"] = full["bias"]
-        return sharded
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's columns of the full weight; the bias and scales (per output row, or one)
+        are whole on every rank."""
+        return {
+            name: shard_tensor(t, 1, self.tp_degree, self.rank) if name == "weight" else t
+            for name, t in full.items()
+        }
 
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight to multiply inputs of ``dtype`` by (see ColumnParallelLinear.weight_for)."""
@@ -237,17 +259,14 @@ class ParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, local_dim, dtype=dtype))
         nn.init.normal_(self.weight)
 
-    @classmethod
-    def shard_state_dict(
-        cls, full: dict[str, torch.Tensor], tp_degree: int, rank: int
-    ) -> dict[str, torch.Tensor]:
-        """This layer's ``weight`` for ``rank`` from a full ``nn.Embedding``'s."""
-        return {"weight": shard_tensor(full["weight"], 1, tp_degree, rank)}
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's columns of the full embedding table."""
+        return {"weight": shard_tensor(full["weight"], 1, self.tp_degree, self.rank)}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = F.embedding(input_ids, self.weight)
         if use_collectives(self.tp_degree):
-            out = all_gather_last_dim(out)
+            out = all_gather_last_dim(out, self.rank, self.tp_degree)
         return out
 
     def extra_repr(self) -> str:

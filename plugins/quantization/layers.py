@@ -64,6 +64,7 @@ class QuantizedColumnParallelLinear(QuantizedWeight, ColumnParallelLinear):
             tp_degree=layer.tp_degree,
             rank=layer.rank,
             dtype=layer.weight.dtype,
+            partitions=layer.partitions,
         )
         quantized._hold_quantized(dtype, row_scales)
         return quantized
