@@ -47,6 +47,7 @@ from nxdplug.pipeline import (
 )
 from nxdplug.registry import get_registry
 from nxdplug.speculation import AcceptanceStats
+from nxdplug.tensor_parallel import join_launched_ranks, this_ranks_shard
 from nxdplug.types import ModelArchitecture
 
 
@@ -87,6 +88,7 @@ class NeuronApplicationBase(nn.Module):
                 neuron_config or NeuronConfig(), load_config=load_pretrained_config(model_path)
             )
         self.plugins: PluginSelection = self.validate_config(config)
+        join_launched_ranks(config.neuron_config.tp_degree)
         self.config = config
         self.neuron_config = config.neuron_config
         self.model_path = str(model_path)
@@ -141,7 +143,7 @@ class NeuronApplicationBase(nn.Module):
         cast_to = (
             self.neuron_config.torch_dtype if self.neuron_config.cast_type == "config" else None
         )
-        state_dict = self.get_state_dict(self.model_path, self.config)
+        state_dict = this_ranks_shard(model, self.get_state_dict(self.model_path, self.config))
         load_into_module(model, state_dict, source=self.model_path, dtype=cast_to)
         return model.requires_grad_(False).eval()
 

@@ -2,9 +2,11 @@
 
     neuron_config.json      the whole InferenceConfig
     manifest.json           hash of what shapes the graphs, versions, graphs, a hash per file
-    graphs/<tag>-<bucket>   one artefact per sub-model and bucket
+    graphs/<tag>-<bucket>   one artefact per sub-model and bucket (.rank<N> per rank when
+                            compiled by several processes, one per tensor-parallel rank)
     weights/rank<N>.safetensors
-                            the weights apart from the graphs (when save_sharded_checkpoint)
+                            each rank's weights apart from the graphs (when
+                            save_sharded_checkpoint)
 
 A folder is written under a temporary name beside its destination and renamed into place, so
 a compile killed half-way never leaves a folder that loads. A shared artefact store
@@ -111,6 +113,7 @@ class GraphEntry:
     tag: str
     bucket: int
     file: str
+    rank: int = 0
 
 
 @attrs.frozen
@@ -123,6 +126,7 @@ class Manifest:
     weights: tuple[str, ...]
     files: dict[str, str]
     weights_in_graphs: bool = False
+    ranks: int = 1  # processes the graphs run in (tensor parallel), each with its own graphs
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:

@@ -11,6 +11,9 @@ are imported inside the commands that need them, so ``nxdplug plugins list`` sta
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import sys
 import traceback
 import warnings
@@ -208,7 +211,8 @@ def _main(argv: list[str] | None) -> int:
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else 0
     try:
-        return args.handler(args)
+        with _results_from_first_rank_only():
+            return args.handler(args)
     except (NxdPlugError, OSError) as exc:
         if args.verbose:
             traceback.print_exc()
@@ -216,6 +220,14 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+def _results_from_first_rank_only() -> contextlib.AbstractContextManager:
+    """Under ``torchrun`` every rank runs the command; rank 0 alone prints what it computed.
+    (The launcher's ``RANK`` is read directly: importing torch here would slow every command.)"""
+    if os.environ.get("RANK", "0") == "0":
+        return contextlib.nullcontext()
+    return contextlib.redirect_stdout(io.StringIO())
 
 
 def _show_warning(message: Warning | str, *args: Any, **kwargs: Any) -> None:

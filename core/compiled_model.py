@@ -15,6 +15,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,20 @@ from nxdplug.errors import NotSupportedError
 from nxdplug.graph_function import GraphFunction
 from nxdplug.manager import get_plugin_manager
 from nxdplug.modules.kv_cache import kv_cache_managers
+from nxdplug.modules.parallel_linear import tp_rank, tp_world_size
 from nxdplug.pipeline import select_plugins, validate
 from nxdplug.registry import get_registry
+from nxdplug.tensor_parallel import (
+    is_first_rank,
+    shared_by_first_rank,
+    this_ranks_shard,
+    wait_for_all_ranks,
+)
 
-WEIGHTS_FILE = f"{WEIGHTS}/rank0.safetensors"
+
+def weights_file(rank: int) -> str:
+    """Where rank ``rank``'s weights go in a compiled folder."""
+    return f"{WEIGHTS}/rank{rank}.safetensors"
 
 
 class CompiledSubModel:
@@ -132,7 +143,12 @@ def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, di
     }
     versions = {"nxdplug": __version__, **backend.versions()}
     shaping = graph_shaping_config(config.to_dict())
-    extra = {"backend": backend_name, "plugins": plugins, "compiler_args": app.get_compiler_args()}
+    extra = {
+        "backend": backend_name,
+        "plugins": plugins,
+        "compiler_args": app.get_compiler_args(),
+        "ranks": tp_world_size(),
+    }
     return config_hash(shaping, versions | extra), versions, plugins
 
 
@@ -146,14 +162,47 @@ def _reusable(folder: Path, digest: str, needs_weights: bool) -> bool:
 
 
 def _say(message: str, quiet: bool) -> None:
-    if not quiet:
+    if not quiet and is_first_rank():
         tqdm.write(f"nxdplug: {message}", file=sys.stderr)
 
 
+def _graph_file(tag: str, bucket: int, suffix: str, rank: int, ranks: int) -> str:
+    rank_part = f".rank{rank}" if ranks > 1 else ""
+    return f"{GRAPHS}/{tag}-{bucket}{rank_part}{suffix}"
+
+
 def _graph_plan(app: Any, suffix: str) -> Iterator[tuple[Any, int, tuple, str]]:
+    """This rank's graphs: (wrapper, bucket, example inputs, file)."""
     for wrapper in app.models:
         for bucket, example in zip(wrapper.buckets, wrapper.input_generator(), strict=True):
-            yield wrapper, bucket, example, f"{GRAPHS}/{wrapper.tag}-{bucket}{suffix}"
+            file = _graph_file(wrapper.tag, bucket, suffix, tp_rank(), tp_world_size())
+            yield wrapper, bucket, example, file
+
+
+def _graph_entries(app: Any, suffix: str) -> tuple[GraphEntry, ...]:
+    """The graphs of every rank, as the manifest lists them."""
+    ranks = tp_world_size()
+    return tuple(
+        GraphEntry(wrapper.tag, bucket, _graph_file(wrapper.tag, bucket, suffix, rank, ranks), rank)
+        for rank in range(ranks)
+        for wrapper in app.models
+        for bucket in wrapper.buckets
+    )
+
+
+@contextmanager
+def _staged_folder_of_all_ranks(destination: Path) -> Iterator[Path]:
+    """A staged folder (see ``staged_folder``) that every rank writes into: the first rank
+    makes it and renames it into place; the others get its name and wait for the rename."""
+    if not is_first_rank():
+        yield Path(shared_by_first_rank(None))
+        wait_for_all_ranks()
+        return
+    with staged_folder(destination) as staging:
+        (staging / GRAPHS).mkdir()
+        shared_by_first_rank(str(staging))
+        yield staging
+    wait_for_all_ranks()
 
 
 def _phase_function(skeleton: Skeleton, wrapper: Any) -> GraphFunction:
@@ -176,22 +225,24 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
     skeleton = build_skeleton(app)
     shapes = skeleton.weight_shapes(_weight_dtype(app))
     if frozen:  # the graphs hold the weights: trace on the real ones
-        real = checkpoint_weights(app, shapes)
+        real = checkpoint_weights(app, skeleton)
         example_weights = [real[name] for name in shapes]
     else:  # the graphs take the weights as inputs: shapes are all tracing needs
         example_weights = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
     # Graphs holding weights are not shared: the store is keyed by config, not by checkpoint.
-    store = None if frozen else store_folder()
+    # Neither are those of several ranks (each rank would have to fetch its own).
+    store = None if frozen or tp_world_size() > 1 else store_folder()
     started = time.perf_counter()
-    with staged_folder(path) as staging:
-        (staging / GRAPHS).mkdir()
+    with _staged_folder_of_all_ranks(path) as staging:
         from_store = store is not None and fetch_graphs(store, digest, staging)
         if from_store:
             _say(f"graphs for config hash {digest[:12]} found in the store {store}", quiet)
-        entries = []
         plan = list(_graph_plan(app, backend.artefact_suffix))
-        for wrapper, bucket, example, relative in tqdm(
-            plan, desc=f"compiling ({record.name})", unit="graph", disable=quiet or from_store
+        for wrapper, _, example, relative in tqdm(
+            plan,
+            desc=f"compiling ({record.name})",
+            unit="graph",
+            disable=quiet or from_store or not is_first_rank(),
         ):
             if not from_store:
                 backend.compile_graph(
@@ -201,44 +252,53 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
                     debug=debug,
                     compiler_args=compiler_args,
                 )
-            entries.append(GraphEntry(wrapper.tag, bucket, relative))
-        weights = _write_weights(app, path, staging, shapes) if save_weights else ()
-        config.save(staging)
-        files = {
-            str(p.relative_to(staging)): file_digest(p)
-            for p in sorted(staging.rglob("*"))
-            if p.is_file()
-        }
-        manifest = Manifest(
-            digest, record.name, versions, plugins, tuple(entries), weights, files, frozen
-        )
-        save_text_atomically(staging / MANIFEST, manifest.to_json())
+        if save_weights:
+            _write_weights(app, path, staging, skeleton)
+        wait_for_all_ranks()  # every rank's files are in place
+        if is_first_rank():
+            entries = _graph_entries(app, backend.artefact_suffix)
+            weights = tuple(weights_file(r) for r in range(tp_world_size())) if save_weights else ()
+            config.save(staging)
+            files = {
+                str(p.relative_to(staging)): file_digest(p)
+                for p in sorted(staging.rglob("*"))
+                if p.is_file()
+            }
+            manifest = Manifest(
+                digest,
+                record.name,
+                versions,
+                plugins,
+                entries,
+                weights,
+                files,
+                frozen,
+                tp_world_size(),
+            )
+            save_text_atomically(staging / MANIFEST, manifest.to_json())
         if store is not None and not from_store:
             publish_graphs(store, digest, staging / GRAPHS)
+    entries_here = len(plan)
     seconds = time.perf_counter() - started
-    _say(f"compiled {len(entries)} graph(s) into {path} in {seconds:.1f} s", quiet)
+    _say(f"compiled {entries_here} graph(s) into {path} in {seconds:.1f} s", quiet)
     app.is_compiled = True
 
 
-def _write_weights(
-    app: Any, previous: Path, staging: Path, shapes: dict[str, tuple[torch.Size, torch.dtype]]
-) -> tuple[str, ...]:
-    """The weights in graph order; with skip_sharding, those already in ``previous``."""
-    existing = previous / WEIGHTS_FILE
-    target = staging / WEIGHTS_FILE
-    target.parent.mkdir()
+def _write_weights(app: Any, previous: Path, staging: Path, skeleton: Skeleton) -> None:
+    """This rank's weights; with skip_sharding, those already in ``previous``."""
+    relative = weights_file(tp_rank())
+    existing, target = previous / relative, staging / relative
+    target.parent.mkdir(exist_ok=True)
     if app.neuron_config.skip_sharding and existing.is_file():
         shutil.copyfile(existing, target)
     else:
-        save_state_dict(checkpoint_weights(app, shapes), target)
-    return (WEIGHTS_FILE,)
+        save_state_dict(checkpoint_weights(app, skeleton), target)
 
 
-def checkpoint_weights(
-    app: Any, shapes: dict[str, tuple[torch.Size, torch.dtype]]
-) -> dict[str, torch.Tensor]:
-    """The HF checkpoint converted to the graphs' weights, checked against their shapes."""
-    state_dict = app.get_state_dict(app.model_path, app.config)
+def checkpoint_weights(app: Any, skeleton: Skeleton) -> dict[str, torch.Tensor]:
+    """The HF checkpoint converted to this rank's graph weights, checked against their shapes."""
+    shapes = skeleton.weight_shapes(_weight_dtype(app))
+    state_dict = this_ranks_shard(skeleton.model, app.get_state_dict(app.model_path, app.config))
     expected = {name: tuple(shape) for name, (shape, _) in shapes.items()}
     tied = {k: v for k, v in state_dict.items() if k in expected}
     check_state_dict(tied, expected, source=app.model_path)
@@ -256,14 +316,14 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
     _check_fingerprint(app, path, manifest, backend)
 
     skeleton = build_skeleton(app)
-    shapes = skeleton.weight_shapes(_weight_dtype(app))
     weights = []
     if not manifest.weights_in_graphs:
-        weights_by_name = _stored_weights(app, path, manifest, shapes)
-        weights = [weights_by_name[name] for name in shapes]
+        weights_by_name = _stored_weights(app, path, manifest, skeleton)
+        weights = [weights_by_name[name] for name in skeleton.function.weight_names]
     caches = skeleton.caches
     loaded: dict[str, dict[int, Callable]] = {}
-    for entry in tqdm(manifest.graphs, desc="loading", unit="graph", disable=quiet):
+    mine = [entry for entry in manifest.graphs if entry.rank == tp_rank()]
+    for entry in tqdm(mine, desc="loading", unit="graph", disable=quiet or not is_first_rank()):
         graph = backend.load_graph(path / entry.file, weights_in_graph=manifest.weights_in_graphs)
         loaded.setdefault(entry.tag, {})[entry.bucket] = graph
     for wrapper in app.models:
@@ -285,8 +345,8 @@ def _check_fingerprint(app: Any, path: Path, manifest: Manifest, backend: Backen
     current = _config_for_backend(app, manifest.backend).to_dict()
     differences = differing_fields(graph_shaping_config(stored), graph_shaping_config(current))
     differences += differing_fields(
-        {"versions": manifest.versions, "plugins": manifest.plugins},
-        {"versions": versions, "plugins": plugins},
+        {"versions": manifest.versions, "plugins": manifest.plugins, "ranks": manifest.ranks},
+        {"versions": versions, "plugins": plugins, "ranks": tp_world_size()},
     )
     detail = "; ".join(differences) or "the compiler arguments differ"
     raise ArtefactError(
@@ -297,12 +357,14 @@ def _check_fingerprint(app: Any, path: Path, manifest: Manifest, backend: Backen
 
 
 def _stored_weights(
-    app: Any, path: Path, manifest: Manifest, shapes: dict[str, tuple[torch.Size, torch.dtype]]
+    app: Any, path: Path, manifest: Manifest, skeleton: Skeleton
 ) -> dict[str, torch.Tensor]:
     if not manifest.weights:
-        return checkpoint_weights(app, shapes)  # save_sharded_checkpoint=False: shard at load
-    weights = load_tensor_file(path / WEIGHTS_FILE)
-    check_state_dict(weights, {n: tuple(s) for n, (s, _) in shapes.items()}, str(path / WEIGHTS))
+        return checkpoint_weights(app, skeleton)  # save_sharded_checkpoint=False: shard at load
+    file = path / weights_file(tp_rank())
+    weights = load_tensor_file(file)
+    shapes = skeleton.weight_shapes(_weight_dtype(app))
+    check_state_dict(weights, {n: tuple(s) for n, (s, _) in shapes.items()}, str(file))
     return weights
 
 
@@ -331,9 +393,9 @@ def load_weights(app: Any, path: Path) -> None:
     compiled = app.context_encoding_model.model
     if not isinstance(compiled, CompiledSubModel):
         raise NotSupportedError("load_weights() needs a model loaded with load(); call it first")
-    shapes = build_skeleton(app).weight_shapes(_weight_dtype(app))
-    new = _stored_weights(app, path, manifest, shapes)
-    for tensor, name in zip(compiled.weights, shapes, strict=True):
+    skeleton = build_skeleton(app)
+    new = _stored_weights(app, path, manifest, skeleton)
+    for tensor, name in zip(compiled.weights, skeleton.function.weight_names, strict=True):
         tensor.copy_(new[name])
 
 
@@ -342,9 +404,12 @@ def shard_weights(app: Any, path: Path) -> None:
     ``path`` (its manifest is updated to list and hash them)."""
     manifest = Manifest.read(path)
     _refuse_frozen(manifest, path)
-    shapes = build_skeleton(app).weight_shapes(_weight_dtype(app))
     (path / WEIGHTS).mkdir(exist_ok=True)
-    save_state_dict(checkpoint_weights(app, shapes), path / WEIGHTS_FILE)
-    files = dict(manifest.files) | {WEIGHTS_FILE: file_digest(path / WEIGHTS_FILE)}
-    updated = attrs.evolve(manifest, weights=(WEIGHTS_FILE,), files=files)
-    save_text_atomically(path / MANIFEST, updated.to_json())
+    save_state_dict(checkpoint_weights(app, build_skeleton(app)), path / weights_file(tp_rank()))
+    wait_for_all_ranks()
+    if is_first_rank():
+        written = tuple(weights_file(r) for r in range(tp_world_size()))
+        files = dict(manifest.files) | {f: file_digest(path / f) for f in written}
+        updated = attrs.evolve(manifest, weights=written, files=files)
+        save_text_atomically(path / MANIFEST, updated.to_json())
+    wait_for_all_ranks()
