@@ -143,12 +143,9 @@ def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, di
     }
     versions = {"nxdplug": __version__, **backend.versions()}
     shaping = graph_shaping_config(config.to_dict())
-    extra = {
-        "backend": backend_name,
-        "plugins": plugins,
-        "compiler_args": app.get_compiler_args(),
-        "ranks": tp_world_size(),
-    }
+    extra = {"backend": backend_name, "plugins": plugins, "compiler_args": app.get_compiler_args()}
+    if tp_world_size() > 1:  # one process: the hash of folders compiled before ranks existed
+        extra["ranks"] = tp_world_size()
     return config_hash(shaping, versions | extra), versions, plugins
 
 
@@ -278,9 +275,8 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
             save_text_atomically(staging / MANIFEST, manifest.to_json())
         if store is not None and not from_store:
             publish_graphs(store, digest, staging / GRAPHS)
-    entries_here = len(plan)
     seconds = time.perf_counter() - started
-    _say(f"compiled {entries_here} graph(s) into {path} in {seconds:.1f} s", quiet)
+    _say(f"compiled {len(plan)} graph(s) into {path} in {seconds:.1f} s", quiet)
     app.is_compiled = True
 
 

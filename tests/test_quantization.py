@@ -43,7 +43,7 @@ from nxdplug.contrib_models.llama.modeling_llama import (
     NeuronLlamaForCausalLM,
 )
 from nxdplug.errors import CheckpointError, ConfigError
-from nxdplug.modules.parallel_linear import ColumnParallelLinear
+from nxdplug.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from nxdplug.pipeline import config_problems
 from nxdplug.plugins.fused_qkv.convert import fuse_qkv_projections
 from nxdplug.plugins.quantization.layers import (
@@ -432,3 +432,30 @@ def test_a_checkpoint_that_does_not_fit_the_config_is_refused(int8_checkpoint) -
     )
     with pytest.raises(ConfigError, match=r"'layers\.9' names no module"):
         loaded(not_converted)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_quantized_layers_shard_their_scales_with_their_weights(per_channel: bool) -> None:
+    """Each rank's shard of a quantized layer computes its part of the full layer's output."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(8, 6, generator=generator)
+    quantized, scale = quantize_weight(weight, torch.int8, per_channel)
+    full = {"weight": quantized, "weight_scale": scale}
+    x = torch.randn(3, 6, generator=generator)
+    expected = F.linear(x, dequantize_weight(quantized, scale, torch.float32))
+
+    column_parts, row_partials = [], []
+    for rank in range(2):
+        column = QuantizedColumnParallelLinear.like(
+            ColumnParallelLinear(6, 8, tp_degree=2, rank=rank), torch.int8, per_channel
+        )
+        column.load_state_dict(column.shard_state_dict(full))
+        column_parts.append(column(x))
+        row = QuantizedRowParallelLinear.like(
+            RowParallelLinear(6, 8, tp_degree=2, rank=rank), torch.int8, per_channel
+        )
+        row.load_state_dict(row.shard_state_dict(full))
+        row_partials.append(row(x[:, 3 * rank : 3 * rank + 3]))
+
+    torch.testing.assert_close(torch.cat(column_parts, dim=-1), expected)
+    torch.testing.assert_close(sum(row_partials), expected)
