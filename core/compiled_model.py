@@ -149,10 +149,20 @@ def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, di
     return config_hash(shaping, versions | extra), versions, plugins
 
 
+def _files_of_this_rank(manifest: Manifest) -> Manifest:
+    """``manifest`` listing only the files this rank reads (all of them with one rank), so
+    that no rank reads another's graphs and weights to check them."""
+    rank = tp_rank()
+    others = {g.file for g in manifest.graphs if g.rank != rank}
+    others |= {w for w in manifest.weights if w != weights_file(rank)}
+    files = {name: digest for name, digest in manifest.files.items() if name not in others}
+    return attrs.evolve(manifest, files=files)
+
+
 def _reusable(folder: Path, digest: str, needs_weights: bool) -> bool:
     try:
         manifest = Manifest.read(folder)
-        verify_files(folder, manifest)
+        verify_files(folder, manifest)  # all files: every rank must reach the same answer
     except ArtefactError:
         return False
     return manifest.config_hash == digest and (bool(manifest.weights) or not needs_weights)
@@ -303,7 +313,7 @@ def checkpoint_weights(app: Any, skeleton: Skeleton) -> dict[str, torch.Tensor]:
 
 def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
     manifest = Manifest.read(path)
-    verify_files(path, manifest)
+    verify_files(path, _files_of_this_rank(manifest))
     record = get_registry().get("compile_backends", manifest.backend)
     backend = instantiate(record)
     reason = backend.unavailable_reason()
@@ -384,7 +394,7 @@ def _refuse_frozen(manifest: Manifest, path: Path) -> None:
 def load_weights(app: Any, path: Path) -> None:
     """Swap the weights of a loaded model for those of ``path`` (no recompilation)."""
     manifest = Manifest.read(path)
-    verify_files(path, manifest)
+    verify_files(path, _files_of_this_rank(manifest))
     _refuse_frozen(manifest, path)
     compiled = app.context_encoding_model.model
     if not isinstance(compiled, CompiledSubModel):
