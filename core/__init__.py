@@ -21,12 +21,12 @@ _LAZY_EXPORTS = {
     "OnDeviceSamplingConfig": "nxdplug.config",
     "LoraServingConfig": "nxdplug.config",
     "load_pretrained_config": "nxdplug.config",
-    "HuggingFaceGenerationAdapter": "nxdplug.generation",
-    "NeuronApplicationBase": "nxdplug.application",
-    "NeuronBaseForCausalLM": "nxdplug.application",
-    "NeuronBaseModel": "nxdplug.model_base",
-    "ModelWrapper": "nxdplug.model_wrapper",
-    "from_pretrained": "nxdplug.application",
+    "HuggingFaceGenerationAdapter": "nxdplug.runtime.generation",
+    "NeuronApplicationBase": "nxdplug.runtime.application",
+    "NeuronBaseForCausalLM": "nxdplug.runtime.application",
+    "NeuronBaseModel": "nxdplug.runtime.model_base",
+    "ModelWrapper": "nxdplug.runtime.model_wrapper",
+    "from_pretrained": "nxdplug.runtime.application",
 }
 
 __all__ = ["__version__", "hookimpl", *_LAZY_EXPORTS]

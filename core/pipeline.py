@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from nxdplug.compile_backend import requested_backend
+from nxdplug.compile.backend import requested_backend
 from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.registry import Registry, get_registry
 from nxdplug.types import (

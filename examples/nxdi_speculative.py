@@ -11,12 +11,12 @@ import sys
 
 from transformers import AutoTokenizer, GenerationConfig
 
-from nxdplug.accuracy import get_generate_outputs
 from nxdplug.config import NeuronConfig, load_pretrained_config
 from nxdplug.contrib_models.llama.modeling_llama import (
     LlamaInferenceConfig,
     NeuronLlamaForCausalLM,
 )
+from nxdplug.runtime.accuracy import get_generate_outputs
 
 
 def main(model_path: str, draft_model_path: str, prompts: list[str]) -> None:

@@ -57,7 +57,7 @@ def plugin_manager() -> Iterator:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """Build (once per session and settings) a tiny random HF checkpoint of an architecture."""
-    from nxdplug.tiny_models import make_tiny_checkpoint
+    from nxdplug.testing.tiny_models import make_tiny_checkpoint
 
     built: dict[tuple, Path] = {}
 

@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from nxdplug.benchmark import (
+from nxdplug.benchmark.measurements import (
     BenchmarkReport,
     DecodeBytes,
     GenerationStats,
@@ -24,8 +24,8 @@ from nxdplug.benchmark import (
     percentile,
     weight_bytes,
 )
-from nxdplug.cli import build_parser, main
-from nxdplug.cli_benchmark import benchmark_options
+from nxdplug.cli.benchmark import benchmark_options
+from nxdplug.cli.main import build_parser, main
 
 SMALL_RUN = ["--runs", "1", "--prompt-length", "8", "--max-new-tokens", "4", "--quiet"]
 

@@ -10,8 +10,8 @@ import transformers
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
-from nxdplug import checkpoint
-from nxdplug.checkpoint import (
+from nxdplug.checkpoint import state_dict as checkpoint
+from nxdplug.checkpoint.state_dict import (
     CheckpointFiles,
     check_state_dict,
     find_checkpoint,
@@ -186,7 +186,7 @@ def test_safetensors_tensors_are_read_one_at_a_time(tmp_path: Path) -> None:
 # VmHWM (peak resident memory) resets at exec, unlike ru_maxrss, which a child inherits.
 PEAK_MEMORY_SCRIPT = """
 import sys, torch
-from nxdplug.checkpoint import load_state_dict
+from nxdplug.checkpoint.state_dict import load_state_dict
 def peak():
     status = open("/proc/self/status").read()
     return int(status.split("VmHWM:")[1].split()[0]) * 1024

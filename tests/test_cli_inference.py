@@ -7,7 +7,7 @@ import json
 import pytest
 from safetensors.torch import load_file, save_file
 
-from nxdplug.cli import main
+from nxdplug.cli.main import main
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from nxdplug import cli_plugins
-from nxdplug.cli import main
-from nxdplug.cli_options import (
+from nxdplug.cli import plugins as cli_plugins
+from nxdplug.cli.main import main
+from nxdplug.cli.options import (
     add_neuron_config_options,
     add_sampling_options,
     neuron_config_kwargs,
@@ -142,7 +142,7 @@ def test_plugins_list_imports_no_torch_and_no_model_code():
     script = textwrap.dedent(
         """
         import contextlib, io, json, sys
-        from nxdplug.cli import main
+        from nxdplug.cli.main import main
         with contextlib.redirect_stdout(io.StringIO()):
             code = main(["plugins", "list", "--json"])
         heavy = [m for m in ("torch", "transformers", "tokenizers") if m in sys.modules]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
-from nxdplug.artefacts import ArtefactError, Manifest
+from nxdplug.compile.artefacts import ArtefactError, Manifest
 from nxdplug.errors import NotSupportedError
 from nxdplug.plugins.inductor_backend.backend import InductorBackend, annotated_graph
 
@@ -264,7 +264,7 @@ def test_debug_graph_is_annotated_with_source_lines(tmp_path, monkeypatch) -> No
 
 
 def test_cli_compile_then_run_from_the_folder(compiled, tmp_path, with_store, capsys) -> None:
-    from nxdplug.cli import main
+    from nxdplug.cli.main import main
 
     checkpoint, _ = compiled
     options = ["--torch-dtype", "float32", "--batch-size", "2", "--seq-len", "64"]
@@ -353,7 +353,7 @@ def test_bad_compiler_args_are_a_config_error(compiled, tmp_path) -> None:
 
 
 def test_sampling_settings_fed_as_inputs_do_not_shape_the_graphs() -> None:
-    from nxdplug.artefacts import graph_shaping_config
+    from nxdplug.compile.artefacts import graph_shaping_config
 
     def config(**sampling):
         return {"neuron_config": {"batch_size": 1, "on_device_sampling_config": sampling}}

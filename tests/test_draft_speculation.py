@@ -18,7 +18,7 @@ import torch
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
 from nxdplug.pipeline import select_plugins
-from nxdplug.speculation import greedy_acceptance, rejection_acceptance
+from nxdplug.runtime.speculation import greedy_acceptance, rejection_acceptance
 from nxdplug.testing import (
     chi_square_p_value,
     derived_checkpoint,
@@ -271,7 +271,7 @@ SPECULATING = ["--speculation-length", "3", "--neuron-config", "trace_tokengen_m
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    from nxdplug.cli import main
+    from nxdplug.cli.main import main
 
     code = main(list(argv))
     captured = capsys.readouterr()

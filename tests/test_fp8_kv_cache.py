@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from nxdplug import NeuronConfig, from_pretrained
-from nxdplug.cli import main
+from nxdplug.cli.main import main
 from nxdplug.config import InferenceConfig, load_pretrained_config
 from nxdplug.modules.kv_cache import CacheLayout
 from nxdplug.pipeline import config_problems, select_plugins

@@ -19,7 +19,7 @@ from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.errors import NotSupportedError, NxdPlugError
 from nxdplug.plugins.sampling.samplers import GreedySampler, MultinomialSampler
 from nxdplug.registry import get_registry
-from nxdplug.sampling import SamplingParams
+from nxdplug.runtime.sampling import SamplingParams
 
 PROMPTS = torch.tensor([[0, 0, 11, 42, 7, 99], [3, 14, 15, 92, 65, 35]])
 MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])

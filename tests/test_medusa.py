@@ -28,7 +28,7 @@ from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdP
 from nxdplug.pipeline import config_problems, select_plugins
 from nxdplug.plugins.medusa.heads import add_medusa_heads
 from nxdplug.plugins.medusa.tree import MedusaTree
-from nxdplug.speculation import AcceptanceStats
+from nxdplug.runtime.speculation import AcceptanceStats
 from nxdplug.testing import (
     chi_square_p_value,
     exact_top_k_marginals,

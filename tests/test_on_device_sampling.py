@@ -25,7 +25,7 @@ from nxdplug import (
     OnDeviceSamplingConfig,
     from_pretrained,
 )
-from nxdplug.artefacts import Manifest
+from nxdplug.compile.artefacts import Manifest
 from nxdplug.errors import ConfigError, NotSupportedError
 from nxdplug.pipeline import config_problems, select_plugins
 from nxdplug.plugins.sampling.on_device import (
@@ -332,7 +332,7 @@ def test_compiled_graphs_sample_and_give_the_eager_tokens(checkpoint, tmp_path, 
 
 def test_benchmark_and_logit_check_work_with_on_device_sampling(tmp_path) -> None:
     from nxdplug import NeuronConfig, OnDeviceSamplingConfig, from_pretrained
-    from nxdplug.benchmark import measure_nxdplug
+    from nxdplug.benchmark.measurements import measure_nxdplug
     from nxdplug.errors import NxdPlugError
     from nxdplug.testing import make_tiny_checkpoint, random_prompts, teacher_forced_logits
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from nxdplug import hookspecs
 

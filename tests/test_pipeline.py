@@ -8,8 +8,8 @@ import torch
 from nxdplug import NeuronConfig, from_pretrained, hookimpl
 from nxdplug.config import InferenceConfig, load_pretrained_config
 from nxdplug.errors import ConfigError, UnknownNameError
-from nxdplug.model_wrapper import ModelWrapper
 from nxdplug.pipeline import config_problems, select_plugins, validate
+from nxdplug.runtime.model_wrapper import ModelWrapper
 from nxdplug.testing import fresh_plugin_manager, temporary_plugin
 from nxdplug.types import (
     CompileBackend,
@@ -242,7 +242,7 @@ def test_speculation_mode_selected_by_its_attribute(llama_config) -> None:
 def test_quantized_state_dict_uses_the_named_method(llama_config, tmp_path):
     """The generic path through a quantization_methods record, with the built-in quantization
     plugin denied so that a test plugin can provide the method."""
-    from nxdplug.checkpoint import load_state_dict
+    from nxdplug.checkpoint.state_dict import load_state_dict
     from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM
     from nxdplug.testing import fresh_plugin_manager
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from nxdplug.errors import PluginError
 from nxdplug.manager import create_plugin_manager

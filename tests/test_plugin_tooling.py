@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nxdplug.cli import main
-from nxdplug.cli_plugins import hook_names, hook_reference_markdown
+from nxdplug.cli.main import main
+from nxdplug.cli.plugins import hook_names, hook_reference_markdown
 from nxdplug.errors import PluginError
 from nxdplug.manager import create_plugin_manager
 from nxdplug.registry import Registry

@@ -36,8 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, load_pretrained_config
-from nxdplug.application import quantization_method
-from nxdplug.cli import main
+from nxdplug.cli.main import main
 from nxdplug.contrib_models.llama.modeling_llama import (
     LlamaInferenceConfig,
     NeuronLlamaForCausalLM,
@@ -52,6 +51,7 @@ from nxdplug.plugins.quantization.layers import (
 )
 from nxdplug.plugins.quantization.memory import weight_memory
 from nxdplug.plugins.quantization.methods import dequantize_weight, quantize_weight
+from nxdplug.runtime.application import quantization_method
 from nxdplug.testing import teacher_forced_logits
 
 MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"

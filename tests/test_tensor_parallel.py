@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
-from nxdplug.artefacts import ArtefactError, Manifest
+from nxdplug.compile.artefacts import ArtefactError, Manifest
 from nxdplug.errors import ConfigError
-from nxdplug.tensor_parallel import join_launched_ranks
+from nxdplug.runtime.tensor_parallel import join_launched_ranks
 from nxdplug.testing import hf_greedy
 
 SETTINGS = {

@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nxdplug import tiny_models
-from nxdplug.cli import main
+from nxdplug.cli.main import main
 from nxdplug.errors import ConfigError, PluginError, UnknownNameError
 from nxdplug.hookspecs import hookimpl
 from nxdplug.manager import create_plugin_manager, use_plugin_manager
 from nxdplug.registry import get_registry
-from nxdplug.tiny_models import make_tiny_checkpoint, tiny_config_defaults
-from nxdplug.tokenizer_builder import END_OF_TEXT, MIN_VOCAB_SIZE, build_tokenizer
+from nxdplug.testing import tiny_models
+from nxdplug.testing.tiny_models import make_tiny_checkpoint, tiny_config_defaults
+from nxdplug.testing.tokenizer_builder import END_OF_TEXT, MIN_VOCAB_SIZE, build_tokenizer
 from nxdplug.types import ModelArchitecture
 
 ARCHITECTURES = [

@@ -7,9 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.application import NeuronBaseForCausalLM
 from nxdplug.config import InferenceConfig, NeuronConfig
-from nxdplug.model_base import NeuronBaseModel
 from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
 from nxdplug.modules.kv_cache import CacheSlot
 from nxdplug.modules.mlp import GatedMLP
@@ -21,6 +19,8 @@ from nxdplug.modules.parallel_linear import (
     tp_world_size,
 )
 from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
+from nxdplug.runtime.application import NeuronBaseForCausalLM
+from nxdplug.runtime.model_base import NeuronBaseModel
 
 
 class LlamaNeuronConfig(NeuronConfig):

@@ -16,7 +16,7 @@ from nxdplug.types import SpeculationMode
 
 if TYPE_CHECKING:
     from nxdplug.config import InferenceConfig
-    from nxdplug.model_wrapper import ModelWrapper
+    from nxdplug.runtime.model_wrapper import ModelWrapper
 
 NXDPLUG_API_VERSION = 1
 
@@ -45,7 +45,7 @@ def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
 
 @hookimpl
 def nxdplug_add_submodels(application: Any, config: InferenceConfig) -> Iterable[ModelWrapper]:
-    from nxdplug.model_wrapper import SPECULATION_MODEL_TAG, ModelWrapper
+    from nxdplug.runtime.model_wrapper import SPECULATION_MODEL_TAG, ModelWrapper
 
     tokens = config.neuron_config.speculation_length + 1
     application.speculation_model = ModelWrapper(

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from nxdplug.errors import NotSupportedError
-from nxdplug.speculation import SpeculativeRequest, TokenChoice
+from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice
 
 
 class Proposer(Protocol):

@@ -20,7 +20,7 @@ from nxdplug.plugins.draft_speculation.proposers import (
     PromptLookupProposer,
     Proposer,
 )
-from nxdplug.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest, accept
+from nxdplug.runtime.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest, accept
 
 
 class ChainSpeculator:

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nxdplug.checkpoint import load_state_dict
+from nxdplug.checkpoint.state_dict import load_state_dict
 from nxdplug.errors import CheckpointError, NxdPlugError
 
 LM_HEAD = "lm_head.weight"

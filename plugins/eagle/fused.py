@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.model_base import last_token_states
-from nxdplug.model_wrapper import ModelWrapper
+from nxdplug.runtime.model_base import last_token_states
+from nxdplug.runtime.model_wrapper import ModelWrapper
 
 EAGLE_CONTEXT_TAG = "eagle_context_encoding_model"
 EAGLE_SPECULATION_TAG = "eagle_speculation_model"

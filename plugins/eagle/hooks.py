@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from nxdplug.config import InferenceConfig
-    from nxdplug.model_wrapper import ModelWrapper
+    from nxdplug.runtime.model_wrapper import ModelWrapper
 
 NXDPLUG_API_VERSION = 1
 

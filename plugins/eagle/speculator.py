@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from nxdplug.application import compact_left, positions_from_mask
 from nxdplug.errors import NxdPlugError
 from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG, EAGLE_SPECULATION_TAG
-from nxdplug.speculation import (
+from nxdplug.runtime.application import compact_left, positions_from_mask
+from nxdplug.runtime.speculation import (
     AcceptanceStats,
     GeneratedRows,
     SpeculativeRequest,

@@ -73,8 +73,8 @@ def calibrate_kv_cache_scales(
     dtype and 1 by default), one prompt at a time with a context bucket per prompt length, so no
     padding token reaches the maxima.
     """
-    from nxdplug.application import from_pretrained
     from nxdplug.config import NeuronConfig
+    from nxdplug.runtime.application import from_pretrained
 
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.checkpoint import load_tensor_file
+from nxdplug.checkpoint.state_dict import load_tensor_file
 from nxdplug.errors import CheckpointError
 from nxdplug.plugins.medusa.hooks import DEFAULT_LAYERS, LAYERS_SETTING
 

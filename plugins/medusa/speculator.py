@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from nxdplug.application import compact_left, positions_from_mask
 from nxdplug.errors import NotSupportedError, NxdPlugError
 from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_SPECULATION_TAG
-from nxdplug.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest
+from nxdplug.runtime.application import compact_left, positions_from_mask
+from nxdplug.runtime.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest
 
 
 class MedusaSpeculator:

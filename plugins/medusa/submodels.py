@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.model_base import last_token_states
-from nxdplug.model_wrapper import ModelWrapper
 from nxdplug.plugins.medusa.tree import MedusaTree
+from nxdplug.runtime.model_base import last_token_states
+from nxdplug.runtime.model_wrapper import ModelWrapper
 
 MEDUSA_CONTEXT_TAG = "medusa_context_encoding_model"
 MEDUSA_SPECULATION_TAG = "medusa_speculation_model"

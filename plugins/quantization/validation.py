@@ -8,8 +8,8 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
-from nxdplug.checkpoint import find_checkpoint
-from nxdplug.compile_backend import requested_backend
+from nxdplug.checkpoint.state_dict import find_checkpoint
+from nxdplug.compile.backend import requested_backend
 from nxdplug.errors import CheckpointError
 
 SPECIAL_SCALAR_ENV = "XLA_HANDLE_SPECIAL_SCALAR"

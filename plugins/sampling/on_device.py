@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
-from nxdplug.sampling import sampling_params_tensor
+from nxdplug.runtime.sampling import sampling_params_tensor
 
 DETERMINISTIC_SEED = 0
 _SMALLEST_NOISE = torch.finfo(torch.float32).tiny  # keeps -log(-log(u)) finite at u = 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nxdplug.sampling import SamplingParams
+from nxdplug.runtime.sampling import SamplingParams
 
 
 class GreedySampler:

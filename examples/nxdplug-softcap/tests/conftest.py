@@ -25,7 +25,7 @@ except ImportError:  # a source checkout, not installed
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from nxdplug.tiny_models import make_tiny_checkpoint
+    from nxdplug.testing.tiny_models import make_tiny_checkpoint
 
     return make_tiny_checkpoint("llama", tmp_path_factory.mktemp("llama") / "checkpoint")
 

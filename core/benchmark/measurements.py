@@ -326,7 +326,7 @@ def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> Deco
     The weights are counted on the model class built on the meta device, so the count is the
     same whether the model runs eagerly or from compiled graphs, and costs no memory.
     """
-    from nxdplug.meta_init import parameters_on_meta
+    from nxdplug.runtime.meta_init import parameters_on_meta
 
     config = model.config
     with parameters_on_meta():
@@ -523,7 +523,7 @@ class SpeculationReport:
 
 
 def _time_generate(model: Any, input_ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> float:
-    from nxdplug.generation import HuggingFaceGenerationAdapter
+    from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
 
     adapter = HuggingFaceGenerationAdapter(model)
     start = time.perf_counter()
@@ -563,7 +563,7 @@ def measure_speculation(
     (after one warm-up each): the target alone, with speculation and, given ``hf`` (an HF
     model and its ``generate()`` keywords for the same speculation), HF transformers; and the
     speculative runs' summed acceptance statistics."""
-    from nxdplug.speculation import AcceptanceStats
+    from nxdplug.runtime.speculation import AcceptanceStats
 
     total = AcceptanceStats()
     plain_times, speculative_times, hf_times = [], [], []

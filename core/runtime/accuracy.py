@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.generation import HuggingFaceGenerationAdapter
+from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
 
 
 def get_generate_outputs(

@@ -19,8 +19,8 @@ import attrs
 import torch
 from safetensors.torch import save_file
 
+from nxdplug.checkpoint.safetensors_reader import SafetensorsFormatError, iter_safetensors
 from nxdplug.errors import CheckpointError
-from nxdplug.safetensors_reader import SafetensorsFormatError, iter_safetensors
 
 Format = Literal["safetensors", "pickle"]
 

@@ -21,7 +21,7 @@ import torch
 
 from nxdplug.errors import NxdPlugError
 from nxdplug.manager import NxdPlugPluginManager, create_plugin_manager, use_plugin_manager
-from nxdplug.tiny_models import make_tiny_checkpoint
+from nxdplug.testing.tiny_models import make_tiny_checkpoint
 
 __all__ = [
     "AccuracyReport",
@@ -167,7 +167,7 @@ def check_accuracy(
 
     ``generate_kwargs`` go to the model's ``generate()`` in token matching (e.g. the
     ``assistant_model`` of a speculating model)."""
-    from nxdplug.generation import HuggingFaceGenerationAdapter
+    from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
 
     if mode not in ACCURACY_MODES[:2]:
         raise ValueError(f"mode must be one of {ACCURACY_MODES[:2]}, got {mode!r}")
@@ -245,8 +245,8 @@ def check_against_hf(
 
     ``prompts`` default to two random prompts of different lengths (left-padded, ids from 1).
     """
-    from nxdplug.application import from_pretrained
     from nxdplug.config import NeuronConfig
+    from nxdplug.runtime.application import from_pretrained
 
     if neuron_config is None:
         neuron_config = NeuronConfig(

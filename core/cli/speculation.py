@@ -51,8 +51,8 @@ def without_speculation(neuron_config: Any) -> Any:
 def attach_fused_draft(config: Any, draft_path: Path) -> None:
     """Set ``config.fused_spec_config`` for the draft at ``draft_path``, as the feature guide
     builds it."""
-    from nxdplug.application import architecture_for
     from nxdplug.config import FusedSpecNeuronConfig, load_pretrained_config
+    from nxdplug.runtime.application import architecture_for
 
     worker_cls = architecture_for(draft_path).load("application")._model_cls
     neuron_config = config.neuron_config
@@ -72,8 +72,8 @@ def _application_without_speculation(
 ) -> Any:
     """``model_path`` with ``config``'s settings, speculation off: eager, or compiled into a
     folder beside --compiled-model-path (its name plus ``suffix``)."""
-    from nxdplug.application import from_pretrained
     from nxdplug.config import load_pretrained_config
+    from nxdplug.runtime.application import from_pretrained
 
     if not model_path.is_dir():
         raise NxdPlugError(f"{model_path} is not a folder")

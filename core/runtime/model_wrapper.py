@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
-from nxdplug.sampling import example_sampling_inputs
+from nxdplug.runtime.sampling import example_sampling_inputs
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"

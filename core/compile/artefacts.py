@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from nxdplug.atomic_folders import staged_folder
+from nxdplug.checkpoint.atomic_folders import staged_folder
 from nxdplug.errors import NxdPlugError
 
 MANIFEST = "manifest.json"

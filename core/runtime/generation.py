@@ -19,8 +19,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from nxdplug.errors import NotSupportedError, NxdPlugError
 from nxdplug.registry import get_registry
-from nxdplug.sampling import SamplingParams, sampling_params_tensor
-from nxdplug.speculation import SpeculativeRequest, TokenChoice
+from nxdplug.runtime.sampling import SamplingParams, sampling_params_tensor
+from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice
 
 # transformers' own fallbacks for settings neither the model nor the caller gives.
 HF_DEFAULTS = {"top_k": 50, "top_p": 1.0, "temperature": 1.0, "do_sample": False}

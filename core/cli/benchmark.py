@@ -3,7 +3,7 @@
 Random prompts of a fixed length, exactly ``--max-new-tokens`` new tokens per run (no stop on
 end-of-sequence), timed per phase; optionally HF transformers on the same prompts in the same
 process, and always the memory-bandwidth ceiling of decoding on this machine. The measuring
-itself is in :mod:`nxdplug.benchmark`.
+itself is in :mod:`nxdplug.benchmark.measurements`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nxdplug.cli_inference import add_compiled_model_options, inference_config, load_model
-from nxdplug.cli_options import add_neuron_config_options, neuron_config_kwargs, positive_int
-from nxdplug.cli_speculation import (
+from nxdplug.cli.inference import add_compiled_model_options, inference_config, load_model
+from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
+from nxdplug.cli.speculation import (
     add_speculation_options,
     generate_keywords,
     plain_application,
@@ -119,7 +119,7 @@ def _load_hf_model(model_path: Path, dtype: Any, quiet: bool) -> Any:
 def run_benchmark(args: argparse.Namespace) -> int:
     import torch
 
-    from nxdplug import benchmark
+    from nxdplug.benchmark import measurements as benchmark
 
     def progress(message: str) -> None:
         if not args.quiet:
@@ -180,7 +180,7 @@ def _prompts(args: argparse.Namespace, vocab_size: int, batch_size: int) -> Any:
     """[batch, prompt_length] ids: from --prompt-file, or seeded random ones."""
     import torch
 
-    from nxdplug import benchmark
+    from nxdplug.benchmark import measurements as benchmark
 
     if args.prompt_file is None:
         return benchmark.random_prompt_ids(vocab_size, batch_size, args.prompt_length)
@@ -208,7 +208,7 @@ def _benchmark_speculation(
     """Whole generations with the config's speculation mode and without it, in turn."""
     import torch
 
-    from nxdplug import benchmark
+    from nxdplug.benchmark import measurements as benchmark
 
     kwargs = generate_keywords(args, model)
     if args.prompt_lookup_num_tokens:

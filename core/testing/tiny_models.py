@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nxdplug.atomic_folders import staged_folder
+from nxdplug.checkpoint.atomic_folders import staged_folder
 from nxdplug.errors import ConfigError, PluginError
 from nxdplug.registry import get_registry
-from nxdplug.tokenizer_builder import build_tokenizer
+from nxdplug.testing.tokenizer_builder import build_tokenizer
 from nxdplug.types import ModelArchitecture
 
 _TINY_CONFIG_DEFAULTS: dict[str, Any] = {

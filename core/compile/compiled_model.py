@@ -25,7 +25,14 @@ from torch import nn
 from tqdm import tqdm
 
 from nxdplug import __version__
-from nxdplug.artefacts import (
+from nxdplug.checkpoint.atomic_folders import save_text_atomically, staged_folder
+from nxdplug.checkpoint.state_dict import (
+    check_state_dict,
+    is_castable,
+    load_tensor_file,
+    save_state_dict,
+)
+from nxdplug.compile.artefacts import (
     CONFIG_FILE,
     GRAPHS,
     MANIFEST,
@@ -42,17 +49,15 @@ from nxdplug.artefacts import (
     store_folder,
     verify_files,
 )
-from nxdplug.atomic_folders import save_text_atomically, staged_folder
-from nxdplug.checkpoint import check_state_dict, is_castable, load_tensor_file, save_state_dict
-from nxdplug.compile_backend import Backend, choose_backend, instantiate
+from nxdplug.compile.backend import Backend, choose_backend, instantiate
+from nxdplug.compile.graph_function import GraphFunction
 from nxdplug.errors import NotSupportedError
-from nxdplug.graph_function import GraphFunction
 from nxdplug.manager import get_plugin_manager
 from nxdplug.modules.kv_cache import kv_cache_managers
 from nxdplug.modules.parallel_linear import tp_rank, tp_world_size
 from nxdplug.pipeline import select_plugins, validate
 from nxdplug.registry import get_registry
-from nxdplug.tensor_parallel import (
+from nxdplug.runtime.tensor_parallel import (
     is_first_rank,
     shared_by_first_rank,
     this_ranks_shard,
@@ -118,8 +123,8 @@ def _weight_dtype(app: Any) -> torch.dtype | None:
 
 
 def build_skeleton(app: Any) -> Skeleton:
-    from nxdplug.meta_init import parameters_on_meta
     from nxdplug.pipeline import hook_caller
+    from nxdplug.runtime.meta_init import parameters_on_meta
 
     with parameters_on_meta():
         model = app._model_cls(app.config)

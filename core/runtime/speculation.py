@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from nxdplug.sampling import SamplingParams
+from nxdplug.runtime.sampling import SamplingParams
 
 
 @attrs.frozen

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from nxdplug.checkpoint import (
+from nxdplug.checkpoint.state_dict import (
     PICKLE_SUFFIXES,
     load_into_module,
     load_state_dict,
@@ -24,7 +24,7 @@ from nxdplug.checkpoint import (
     replace_prefix,
     save_state_dict,
 )
-from nxdplug.compiled_model import (
+from nxdplug.compile.compiled_model import (
     compile_application,
     load_application,
     load_weights,
@@ -32,12 +32,6 @@ from nxdplug.compiled_model import (
 )
 from nxdplug.config import InferenceConfig, NeuronConfig, load_pretrained_config
 from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
-from nxdplug.meta_init import parameters_on_meta
-from nxdplug.model_wrapper import (
-    CONTEXT_ENCODING_MODEL_TAG,
-    TOKEN_GENERATION_MODEL_TAG,
-    ModelWrapper,
-)
 from nxdplug.pipeline import (
     DEFAULT_BACKEND,
     PluginSelection,
@@ -46,8 +40,14 @@ from nxdplug.pipeline import (
     validate,
 )
 from nxdplug.registry import get_registry
-from nxdplug.speculation import AcceptanceStats
-from nxdplug.tensor_parallel import join_launched_ranks, this_ranks_shard
+from nxdplug.runtime.meta_init import parameters_on_meta
+from nxdplug.runtime.model_wrapper import (
+    CONTEXT_ENCODING_MODEL_TAG,
+    TOKEN_GENERATION_MODEL_TAG,
+    ModelWrapper,
+)
+from nxdplug.runtime.speculation import AcceptanceStats
+from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
 from nxdplug.types import ModelArchitecture
 
 
@@ -118,7 +118,7 @@ class NeuronApplicationBase(nn.Module):
         self, compiled_model_path: str | Path, debug: bool = False, *, quiet: bool = False
     ) -> None:
         """Compile every sub-model and bucket into ``compiled_model_path`` (see
-        :mod:`nxdplug.compiled_model`); a folder already holding these graphs is reused."""
+        :mod:`nxdplug.compile.compiled_model`); a folder already holding these graphs is reused."""
         compile_application(self, Path(compiled_model_path), debug=debug, quiet=quiet)
 
     def load(self, compiled_model_path: str | Path, *, quiet: bool = False) -> None:

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nxdplug.cli_options import (
+from nxdplug.cli.options import (
     add_neuron_config_options,
     add_sampling_options,
     neuron_config_kwargs,
     sampling_kwargs,
 )
-from nxdplug.cli_speculation import (
+from nxdplug.cli.speculation import (
     acceptance_line,
     add_speculation_options,
     generate_keywords,
@@ -34,8 +34,8 @@ def _add_model_path(parser: argparse.ArgumentParser) -> None:
 
 
 def inference_config(model_path: Path, options: dict[str, Any]) -> Any:
-    from nxdplug.application import architecture_for
     from nxdplug.config import NeuronConfig, load_pretrained_config
+    from nxdplug.runtime.application import architecture_for
 
     if not model_path.is_dir():
         raise NxdPlugError(f"--model-path {model_path} is not a folder")
@@ -157,7 +157,7 @@ def add_compiled_model_options(parser: argparse.ArgumentParser, required: bool) 
 
 def load_model(args: argparse.Namespace, config: Any) -> Any:
     """The application, compiled and loaded from --compiled-model-path, or eager on the CPU."""
-    from nxdplug.application import from_pretrained
+    from nxdplug.runtime.application import from_pretrained
 
     model = from_pretrained(args.model_path, config=config)
     model.compiler_args = args.compiler_args
@@ -179,7 +179,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_compile(args: argparse.Namespace) -> int:
-    from nxdplug.application import from_pretrained
+    from nxdplug.runtime.application import from_pretrained
 
     config = inference_config(args.model_path, neuron_config_kwargs(args))
     model = from_pretrained(args.model_path, config=config)
@@ -192,7 +192,7 @@ def run_compile(args: argparse.Namespace) -> int:
 def run_run(args: argparse.Namespace) -> int:
     import torch
 
-    from nxdplug.generation import HuggingFaceGenerationAdapter
+    from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
 
     options = {"batch_size": len(args.prompts)} | neuron_config_kwargs(args)
     config = inference_config(args.model_path, options)

@@ -24,8 +24,8 @@ from typing import Any, NoReturn
 import attrs
 
 from nxdplug import __version__
-from nxdplug.cli_benchmark import add_benchmark_arguments, run_benchmark
-from nxdplug.cli_inference import (
+from nxdplug.cli.benchmark import add_benchmark_arguments, run_benchmark
+from nxdplug.cli.inference import (
     add_check_config_arguments,
     add_compile_arguments,
     add_run_arguments,
@@ -33,8 +33,8 @@ from nxdplug.cli_inference import (
     run_compile,
     run_run,
 )
-from nxdplug.cli_options import parse_key_value
-from nxdplug.cli_plugins import (
+from nxdplug.cli.options import parse_key_value
+from nxdplug.cli.plugins import (
     add_plugins_doctor_arguments,
     add_plugins_list_arguments,
     run_plugins_doctor,
@@ -91,7 +91,7 @@ def add_make_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_make_tiny_model(args: argparse.Namespace) -> int:
-    from nxdplug.tiny_models import make_tiny_checkpoint, summarize_checkpoint
+    from nxdplug.testing.tiny_models import make_tiny_checkpoint, summarize_checkpoint
 
     path = make_tiny_checkpoint(
         args.architecture,

@@ -11,7 +11,7 @@ run with that phase's fixed input shapes; nothing inside branches on the data. T
   are written, and, with a 2-D mask, its rotary position);
 - ``seq_ids`` [batch]: the cache row of each batch entry;
 - with on-device sampling, ``sampling_params`` [batch, 3] and ``sampling_noise``
-  [batch, global_topk] (see :mod:`nxdplug.sampling`).
+  [batch, global_topk] (see :mod:`nxdplug.runtime.sampling`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class NeuronBaseModel(nn.Module):
         self.neuron_config = config.neuron_config
         self.sequence_dimension = 1
         self.kv_mgr: KVCacheManager | None = None
-        # The sampler to use for on-device sampling (an nxdplug.sampling.OnDeviceSampler), set
+        # The on-device sampler (an nxdplug.runtime.sampling.OnDeviceSampler), set
         # by the plugin that on_device_sampling_config enables; None returns logits.
         self.sampler: Any = None
         self.setup_attr_for_model(config)

@@ -1,0 +1,1 @@
+"""Checkpoints: reading and writing state dicts, safetensors, atomic folders."""

@@ -1,0 +1,1 @@
+"""Compiling sub-models into artefacts, and loading them back."""

@@ -1,0 +1,1 @@
+"""The runtime: applications, sub-models, the step record, generation and speculation."""
