@@ -26,12 +26,16 @@ from nxdplug.types import (
     Sampler,
     SpeculationMode,
     StateDictConverter,
+    StepInput,
 )
 
 if TYPE_CHECKING:
     import torch
+    from transformers import GenerationConfig
 
     from nxdplug.config import InferenceConfig
+    from nxdplug.pipeline import PipelineContext
+    from nxdplug.runtime.generation import TokenSource
 
 PROJECT_NAME = "nxdplug"
 
@@ -106,7 +110,7 @@ class NumericsSpecs:
             @nxdplug.hookimpl
             def nxdplug_quantization_methods():
                 yield QuantizationMethod(
-                    name="int4-per-channel",
+                    name="int4-per_channel",
                     dtype="int4",
                     granularity="per_channel",
                     implementation="my_pkg.quant:Int4PerChannel",
@@ -184,12 +188,37 @@ class ExecutionSpecs:
                 )
         """
 
+    @hookspec
+    def nxdplug_step_inputs(self) -> Iterable[StepInput]:
+        """Register per-row inputs that a feature adds to the graphs of a step.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_step_inputs():
+                yield StepInput(
+                    name="banned-tokens",
+                    builder="my_pkg.ban:BannedTokenInput",
+                    inputs=("banned_token_ids",),
+                    keywords=("banned_token_ids",),
+                    enabled_by=("ban_tokens",),
+                )
+        """
+
 
 class PipelineSpecs:
-    """Hooks run by the compile pipeline, only for the plugins a config enables."""
+    """Hooks run by the pipeline, only for the plugins a config enables.
+
+    Each gets the application's :class:`nxdplug.pipeline.PipelineContext` (the config, the
+    plugin selection, the model class, the device, the sub-models). A plugin with several
+    records may instead declare callbacks on each record (``validate``, ``transform_model``,
+    ``add_submodels``), which run only while that record is enabled.
+    """
 
     @hookspec
-    def nxdplug_validate_config(self, config: InferenceConfig) -> Iterable[str]:
+    def nxdplug_validate_config(
+        self, config: InferenceConfig, context: PipelineContext
+    ) -> Iterable[str]:
         """Report every problem this plugin sees in ``config``, as plain sentences.
 
         .. code-block:: python
@@ -201,7 +230,9 @@ class PipelineSpecs:
         """
 
     @hookspec
-    def nxdplug_transform_model(self, model: torch.nn.Module, config: InferenceConfig) -> None:
+    def nxdplug_transform_model(
+        self, model: torch.nn.Module, config: InferenceConfig, context: PipelineContext
+    ) -> None:
         """Change a freshly built model in place, before its weights are loaded.
 
         .. code-block:: python
@@ -213,14 +244,40 @@ class PipelineSpecs:
         """
 
     @hookspec
-    def nxdplug_add_submodels(self, application: Any, config: InferenceConfig) -> Iterable[Any]:
+    def nxdplug_add_submodels(
+        self, context: PipelineContext, config: InferenceConfig
+    ) -> Iterable[Any]:
         """Return extra ModelWrappers (e.g. a speculation sub-model) for an application.
 
         .. code-block:: python
 
             @nxdplug.hookimpl
-            def nxdplug_add_submodels(application, config):
-                yield ModelWrapper(config, DraftModel, tag="draft_model")
+            def nxdplug_add_submodels(context, config):
+                yield ModelWrapper(config, context.model_cls, tag="draft_model")
+        """
+
+    @hookspec(firstresult=True)
+    def nxdplug_token_source(
+        self,
+        context: PipelineContext,
+        generation_config: GenerationConfig,
+        batch_size: int,
+        step_keywords: dict[str, Any],
+        generate_kwargs: dict[str, Any],
+    ) -> TokenSource | None:
+        """Say where ``generate()`` takes each step's tokens from, when not a host sampler (a
+        model that samples in its graph); the first plugin that answers wins.
+
+        ``step_keywords`` are the step-input keywords the caller gave ``generate()``;
+        ``generate_kwargs`` its GenerationConfig keywords, as given.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_token_source(
+                context, generation_config, batch_size, step_keywords, generate_kwargs
+            ):
+                return TokensFromTheModel(generation_config, batch_size, step_keywords)
         """
 
 

@@ -8,10 +8,14 @@ add sub-models) are then called only for the plugins in that set.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import attrs
+import torch
+from torch import nn
 
 from nxdplug.compile.backend import requested_backend
 from nxdplug.errors import ConfigError, NxdPlugError
@@ -21,8 +25,10 @@ from nxdplug.types import (
     Feature,
     KVCacheStrategy,
     ModelArchitecture,
+    SelectableRecord,
     SpeculationMode,
     StateDictConverter,
+    StepInput,
 )
 
 # NxD Inference attributes whose behaviour lives in a plugin: switching one on without an
@@ -57,7 +63,23 @@ class PluginSelection:
     speculation_mode: SpeculationMode | None
     compile_backend: CompileBackend
     converters: tuple[StateDictConverter, ...]
+    step_inputs: tuple[StepInput, ...]
     plugins: frozenset[str]
+
+    @property
+    def enabled_records(self) -> tuple[SelectableRecord, ...]:
+        """Every selected record that a config switches on (their callbacks run)."""
+        chosen: tuple[SelectableRecord, ...] = (*self.features, self.kv_cache_strategy)
+        if self.speculation_mode is not None:
+            chosen += (self.speculation_mode,)
+        return chosen + self.step_inputs + self.converters
+
+    def with_backend(self, backend: CompileBackend, registry: Registry | None = None) -> Any:
+        """This selection compiled with ``backend`` instead of the one the config asked for."""
+        registry = registry or get_registry()
+        plugins = self.plugins - {registry.provider("compile_backends", self.compile_backend.name)}
+        plugins |= {registry.provider("compile_backends", backend.name)}
+        return attrs.evolve(self, compile_backend=backend, plugins=plugins)
 
 
 def _architecture(config: Any, registry: Registry) -> ModelArchitecture | None:
@@ -88,6 +110,9 @@ def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelec
     speculation = _single_choice(
         registry.records("speculation_modes"), neuron_config, "speculation mode"
     )
+    step_inputs = tuple(
+        s for s in registry.records("step_inputs") if s.is_enabled_by(neuron_config)
+    )
     backend = registry.get("compile_backends", requested_backend(neuron_config) or DEFAULT_BACKEND)
     model_type = architecture.model_type if architecture else getattr(config, "model_type", "")
     converters = tuple(
@@ -104,6 +129,7 @@ def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelec
     chosen: list[tuple[str, Any]] = [("features", f) for f in features]
     chosen += [("kv_cache_strategies", kv_cache), ("compile_backends", backend)]
     chosen += [("state_dict_converters", c) for c in converters]
+    chosen += [("step_inputs", s) for s in step_inputs]
     if architecture is not None:
         chosen.append(("model_architectures", architecture))
     if speculation is not None:
@@ -116,6 +142,7 @@ def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelec
         speculation_mode=speculation,
         compile_backend=backend,
         converters=converters,
+        step_inputs=step_inputs,
         plugins=plugins,
     )
 
@@ -161,31 +188,14 @@ def _unimplemented_attribute_problems(
     return problems
 
 
-NEURON_KERNEL_FLAGS = (
-    "attn_kernel_enabled",
-    "qkv_kernel_enabled",
-    "mlp_kernel_enabled",
-    "quantized_mlp_kernel_enabled",
-    "rmsnorm_quantize_kernel_enabled",
-)
-
-
 def _backend_problems(selection: PluginSelection, neuron_config: Any) -> list[str]:
     backend = selection.compile_backend
-    problems = []
     if backend.tp_degrees is not None and neuron_config.tp_degree not in backend.tp_degrees:
-        problems.append(
+        return [
             f"tp_degree={neuron_config.tp_degree} is not supported by the {backend.name!r} "
             f"backend; supported: {list(backend.tp_degrees)}"
-        )
-    if "nki-kernels" not in backend.capabilities:
-        problems += [
-            f"{flag}=True selects a Neuron (NKI) kernel, which the {backend.name!r} backend "
-            f"cannot run; set {flag}=False or compile with the neuron backend"
-            for flag in NEURON_KERNEL_FLAGS
-            if getattr(neuron_config, flag, False)
         ]
-    return problems
+    return []
 
 
 def hook_caller(name: str, selection: PluginSelection) -> Any:
@@ -199,31 +209,163 @@ def hook_caller(name: str, selection: PluginSelection) -> Any:
     return manager.subset_hook_caller(name, remove_plugins=others)
 
 
-def config_problems(config: Any, registry: Registry | None = None) -> list[str]:
-    """Every problem of ``config``: core rules, unknown attributes, plugin sets, plugin checks."""
+_ACTIVE_CONTEXT: ContextVar[PipelineContext | None] = ContextVar("nxdplug_pipeline", default=None)
+
+
+@attrs.define(eq=False)
+class PipelineContext:
+    """What the pipeline hooks and record callbacks of one application get.
+
+    Made once per application (or per config being checked, with ``model_cls`` None): the
+    config, the plugin selection, the model class, the device, and the step-input builders of
+    the selected step inputs, which keep their state (a sampler's generator) for the
+    application's life.
+    """
+
+    config: Any
+    selection: PluginSelection
+    model_cls: type[nn.Module] | None = None
+    _builders: dict[str, Any] | None = attrs.field(default=None, init=False)
+
+    @property
+    def neuron_config(self) -> Any:
+        return self.config.neuron_config
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs: the selected backend's device."""
+        return torch.device(self.selection.compile_backend.device)
+
+    def is_enabled(self, record_name: str) -> bool:
+        """Whether a record of this name is among the enabled ones."""
+        return any(r.name == record_name for r in self.selection.enabled_records)
+
+    def hook(self, name: str) -> Any:
+        """The pipeline hook ``name``, restricted to the selected plugins."""
+        return hook_caller(name, self.selection)
+
+    def _callbacks(self, field: str) -> Iterator[Any]:
+        for record in self.selection.enabled_records:
+            if getattr(record, field) is not None:
+                yield record.load(field)
+
+    def problems(self) -> list[str]:
+        """What the selected records' ``validate`` callbacks and the plugins' hooks report."""
+        problems = [p for check in self._callbacks("validate") for p in check(self)]
+        for plugin_problems in self.hook("nxdplug_validate_config")(
+            config=self.config, context=self
+        ):
+            problems += list(plugin_problems or ())
+        return problems
+
+    def transform_model(self, model: nn.Module) -> None:
+        """Let the selected records and plugins change a freshly built model."""
+        for transform in self._callbacks("transform_model"):
+            transform(model, self)
+        self.hook("nxdplug_transform_model")(model=model, config=self.config, context=self)
+
+    def extra_submodels(self) -> list[Any]:
+        """The ModelWrappers the selected records and plugins add."""
+        wrappers = [w for add in self._callbacks("add_submodels") for w in add(self)]
+        for added in self.hook("nxdplug_add_submodels")(context=self, config=self.config):
+            wrappers += list(added)
+        return wrappers
+
+    def build_model(self) -> nn.Module:
+        """The model class built for this config, transformed by the enabled plugins."""
+        if self.model_cls is None:
+            raise NxdPlugError("this pipeline context checks a config and builds no model")
+        with self.active():
+            model = self.model_cls(self.config)
+            self.transform_model(model)
+        return model
+
+    def kv_cache(self, layout: Any) -> nn.Module:
+        """A KV-cache manager of the selected strategy for ``layout``."""
+        return self.selection.kv_cache_strategy.load("implementation")(layout)
+
+    def step_inputs_for(self, tag: str, takes_unnamed: bool = True) -> tuple[StepInput, ...]:
+        """The selected step inputs a sub-model with this tag takes: those naming the tag in
+        their ``phases``, and, when ``takes_unnamed``, those naming no phase."""
+        return tuple(
+            s
+            for s in self.selection.step_inputs
+            if tag in s.phases or (takes_unnamed and not s.phases)
+        )
+
+    @property
+    def step_input_builders(self) -> dict[str, Any]:
+        """The builders of the selected step inputs, by record name (made once)."""
+        if self._builders is None:
+            self._builders = {
+                s.name: s.load("builder")(self.config) for s in self.selection.step_inputs
+            }
+        return self._builders
+
+    def step_input_builder(self, record: StepInput) -> Any:
+        """The application's builder of a selected step input."""
+        return self.step_input_builders[record.name]
+
+    def step_keywords(self) -> frozenset[str]:
+        """The forward() / generate() keywords the selected step inputs take."""
+        return frozenset(k for s in self.selection.step_inputs for k in s.keywords)
+
+    def reset(self) -> None:
+        """A new generation starts: every step-input builder resets."""
+        for builder in self.step_input_builders.values():
+            builder.reset()
+
+    @contextmanager
+    def active(self) -> Iterator[PipelineContext]:
+        """Make this the context :func:`current_context` returns inside the block."""
+        token = _ACTIVE_CONTEXT.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE_CONTEXT.reset(token)
+
+
+def current_context(config: Any) -> PipelineContext:
+    """The active context of ``config`` (while an application builds its model), or a new one.
+
+    Model classes keep NxD Inference's constructor, ``(config)``; this is how one built by an
+    application reaches the application's selection instead of computing it again.
+    """
+    active = _ACTIVE_CONTEXT.get()
+    if active is not None and active.config is config:
+        return active
+    return PipelineContext(config, select_plugins(config))
+
+
+def _problems_and_selection(
+    config: Any, registry: Registry
+) -> tuple[list[str], PluginSelection | None]:
     from nxdplug.config.validation import core_config_problems, unknown_attribute_problems
 
-    registry = registry or get_registry()
     problems = list(core_config_problems(config))
     settings = {name for f in registry.records("features") for name in f.settings}
     problems += unknown_attribute_problems(config.neuron_config, settings)
     try:
         selection = select_plugins(config, registry)
     except ConfigError as exc:
-        return problems + exc.problems
+        return problems + exc.problems, None
     except NxdPlugError as exc:
-        return [*problems, str(exc)]
+        return [*problems, str(exc)], None
     problems += _feature_problems(selection, registry)
     problems += _unimplemented_attribute_problems(selection, config.neuron_config, registry)
     problems += _backend_problems(selection, config.neuron_config)
-    for plugin_problems in hook_caller("nxdplug_validate_config", selection)(config=config):
-        problems += list(plugin_problems or ())
-    return problems
+    problems += PipelineContext(config, selection).problems()
+    return problems, selection
+
+
+def config_problems(config: Any, registry: Registry | None = None) -> list[str]:
+    """Every problem of ``config``: core rules, unknown attributes, plugin sets, plugin checks."""
+    return _problems_and_selection(config, registry or get_registry())[0]
 
 
 def validate(config: Any, source: str | None = None) -> PluginSelection:
     """Check ``config`` and return its plugin set; raise one ConfigError listing all problems."""
-    problems = config_problems(config)
-    if problems:
+    problems, selection = _problems_and_selection(config, get_registry())
+    if problems or selection is None:
         raise ConfigError(problems, source=source)
-    return select_plugins(config)
+    return selection

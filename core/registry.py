@@ -29,6 +29,7 @@ from nxdplug.types import (
     Sampler,
     SpeculationMode,
     StateDictConverter,
+    StepInput,
 )
 
 
@@ -67,6 +68,7 @@ KINDS: dict[str, Kind] = {
             "KV-cache strategy",
         ),
         Kind("speculation_modes", "nxdplug_speculation_modes", SpeculationMode, "speculation mode"),
+        Kind("step_inputs", "nxdplug_step_inputs", StepInput, "step input"),
         Kind("features", "nxdplug_features", Feature, "feature"),
         Kind("compile_backends", "nxdplug_compile_backends", CompileBackend, "compile backend"),
     )

@@ -71,11 +71,19 @@ class SelectableRecord(PluginRecord):
     the default of its kind. ``disabled_by`` names attributes that, when truthy, hand the
     config to another record (``speculation_length`` selects draft-model speculation unless
     ``enable_fused_speculation`` asks for the fused kind).
+
+    The pipeline callbacks run only while this record is enabled, each given the application's
+    :class:`nxdplug.pipeline.PipelineContext`: ``validate(context) -> Iterable[str]`` reports
+    problems, ``transform_model(model, context)`` changes a freshly built model before its
+    weights load, ``add_submodels(context) -> Iterable[ModelWrapper]`` adds phases.
     """
 
     enabled_by: tuple[str, ...] = _names_field()
     enabled_when_set: bool = False
     disabled_by: tuple[str, ...] = _names_field()
+    validate: str | None = _ref_field(default=None)
+    transform_model: str | None = _ref_field(default=None)
+    add_submodels: str | None = _ref_field(default=None)
 
     def is_enabled_by(self, neuron_config: object) -> bool:
         if any(getattr(neuron_config, attr, None) for attr in self.disabled_by):
@@ -171,10 +179,28 @@ class SpeculationMode(SelectableRecord):
     """A speculative-decoding mode (draft model, Medusa, EAGLE).
 
     ``implementation`` is a class built with the application whose ``generate(request)``
-    follows :class:`nxdplug.speculation.Speculator`.
+    follows :class:`nxdplug.runtime.speculation.Speculator`.
     """
 
     implementation: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
+class StepInput(SelectableRecord):
+    """Per-row inputs a feature adds to the graphs of the core's phases.
+
+    ``builder`` is a class built with the InferenceConfig that follows
+    :class:`nxdplug.runtime.step.StepInputBuilder`: each step it makes the tensors named in
+    ``inputs`` ([batch, ...], one row per sequence; the core pads rows and buckets) from the
+    ``forward()`` / ``generate()`` keywords named in ``keywords``. The graphs find them in
+    ``StepInputs.extra`` by name. ``phases`` lists the sub-model tags that take them (empty:
+    every sub-model that takes the core's step, ``ModelWrapper.takes_step_inputs``).
+    """
+
+    builder: str = _ref_field()
+    inputs: tuple[str, ...] = _names_field()
+    keywords: tuple[str, ...] = _names_field()
+    phases: tuple[str, ...] = _names_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -194,14 +220,17 @@ class Feature(SelectableRecord):
 class CompileBackend(PluginRecord):
     """Runs or compiles the sub-models.
 
-    ``implementation`` is a class following :class:`nxdplug.compile_backend.Backend`;
-    ``priority`` orders the automatic choice (the highest available wins); ``tp_degrees`` lists
-    the tensor-parallel degrees the target supports (``None``: any); ``capabilities`` may hold
-    ``"nki-kernels"`` for backends that run the Neuron kernels NeuronConfig can switch on.
+    ``implementation`` is a class following :class:`nxdplug.compile.backend.Backend`;
+    ``priority`` orders the automatic choice (the highest available wins); ``device`` is where
+    the backend runs the model (``cpu``, ``cuda``, ...: weights, caches and every step input
+    are made there); ``tp_degrees`` lists the tensor-parallel degrees the target supports
+    (``None``: any); ``capabilities`` are free-form words features may ask for (the neuron
+    backend's ``"nki-kernels"``).
     """
 
     implementation: str = _ref_field()
     priority: int = 0
+    device: str = "cpu"
     tp_degrees: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple)
     )

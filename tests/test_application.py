@@ -50,7 +50,9 @@ def capture_shapes(app):
     """Record (input_ids, attention_mask) shapes of every call of the shared model."""
     shapes = []
     app.context_encoding_model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: shapes.append((tuple(args[0].shape), tuple(args[1].shape))),
+        lambda module, args, kwargs: shapes.append(
+            (tuple(args[0].input_ids.shape), tuple(args[0].attention_mask.shape))
+        ),
         with_kwargs=True,
     )
     return shapes
@@ -257,25 +259,27 @@ def test_sub_models_export_with_fixed_shapes(llama_path) -> None:
     app = make_app(llama_path)
     model = app.context_encoding_model.model
     generator = torch.Generator().manual_seed(0)
-    cte = list(app.context_encoding_model.input_generator()[0])
-    cte[0] = torch.randint(1, 500, cte[0].shape, generator=generator)
-    tkg = list(app.token_generation_model.input_generator()[0])
-    tkg[0] = torch.randint(1, 500, tkg[0].shape, generator=generator)
-    tkg[2] = torch.full_like(tkg[2], 32)  # the token after a full 32-token prompt
-    tkg[1][:, 33:] = 0
+    cte = app.context_encoding_model.input_generator()[0]
+    cte = cte.replace(input_ids=torch.randint(1, 500, cte.input_ids.shape, generator=generator))
+    tkg = app.token_generation_model.input_generator()[0]
+    tkg = tkg.replace(
+        input_ids=torch.randint(1, 500, tkg.input_ids.shape, generator=generator),
+        position_ids=torch.full_like(tkg.position_ids, 32),  # after a full 32-token prompt
+    )
+    tkg.attention_mask[:, 33:] = 0
 
-    context_graph = torch.export.export(model, tuple(cte), strict=False).module()
-    token_graph = torch.export.export(model, tuple(tkg), strict=False).module()
+    context_graph = torch.export.export(model, (cte,), strict=False).module()
+    token_graph = torch.export.export(model, (tkg,), strict=False).module()
     model.kv_mgr.reset()
-    expected = [model(*cte), model(*tkg)]
+    expected = [model(cte), model(tkg)]
 
-    first = context_graph(*cte)
+    first = context_graph(cte)
     cache = {name: b for name, b in context_graph.named_buffers() if name.startswith("kv_mgr.")}
     assert any(b.abs().sum() > 0 for b in cache.values()), "the graph did not write the cache"
     for name, buffer in token_graph.named_buffers():
         if name in cache:
             buffer.copy_(cache[name])
-    second = token_graph(*tkg)
+    second = token_graph(tkg)
     assert torch.equal(first, expected[0])
     assert torch.equal(second, expected[1])
 

@@ -15,6 +15,7 @@ from nxdplug.config import (
     unknown_attribute_problems,
 )
 from nxdplug.config.neuron_config import LNC_ENV
+from nxdplug.pipeline import config_problems
 
 
 @pytest.fixture(autouse=True)
@@ -66,36 +67,6 @@ def test_a_valid_config_has_no_problems() -> None:
 # (neuron config keywords, model attributes or None for the default, expected message part)
 FAILING = [
     ({"tp_degree": 3}, None, "num_attention_heads (8) is not divisible by tp_degree (3)"),
-    ({"qkv_kernel_enabled": True}, None, "qkv_kernel_enabled needs fused_qkv=True"),
-    (
-        {"qkv_kernel_enabled": True, "fused_qkv": True, "torch_dtype": "float32"},
-        None,
-        "qkv_kernel_enabled needs torch_dtype bfloat16 (it is float32)",
-    ),
-    (
-        {"mlp_kernel_enabled": True, "torch_dtype": "float16"},
-        None,
-        "mlp_kernel_enabled needs torch_dtype bfloat16",
-    ),
-    ({"quantized_mlp_kernel_enabled": True}, None, "needs mlp_kernel_enabled=True"),
-    ({"rmsnorm_quantize_kernel_enabled": True}, None, "needs quantized_mlp_kernel_enabled=True"),
-    ({"async_mode": True}, None, "async_mode needs on-device sampling"),
-    (
-        {"async_mode": True, "on_device_sampling_config": {}, "speculation_length": 2},
-        None,
-        "needs enable_fused_speculation=True",
-    ),
-    (
-        {
-            "async_mode": True,
-            "on_device_sampling_config": {},
-            "is_medusa": True,
-            "num_medusa_heads": 2,
-            "medusa_speculation_length": 4,
-        },
-        None,
-        "needs enable_fused_speculation=True",
-    ),
     (
         {"sequence_parallel_enabled": True, "tp_degree": 4, "seq_len": 130},
         None,
@@ -150,9 +121,6 @@ FAILING = [
     ({"quantization_type": "per_row"}, None, "quantization_type is 'per_row'"),
     ({"cast_type": "declared"}, None, "cast_type is 'declared'"),
     ({"attention_dtype": "float32"}, None, "needs cast_type='as-declared'"),
-    ({"quantized": True}, None, "quantized=True needs quantized_checkpoints_path"),
-    ({"is_medusa": True, "medusa_speculation_length": 4}, None, "needs num_medusa_heads of 1"),
-    ({"enable_eagle_speculation": True}, None, "needs speculation_length 1 or more (it is 0)"),
     ({"on_device_sampling_config": {"top_p": 0.0}}, None, "top_p is 0.0; it must be in (0, 1]"),
     ({"on_device_sampling_config": {"temperature": 0}}, None, "temperature is 0"),
     ({"on_device_sampling_config": {"global_topk": 0}}, None, "global_topk is 0"),
@@ -169,6 +137,34 @@ def test_each_rule_reports_its_problem(
     assert any(expected in problem for problem in problems), problems
 
 
+# What a feature needs of the rest of the config: its plugin's check, run by config_problems
+# when the config enables it (neuron config keywords, expected message part).
+PLUGIN_RULES = [
+    ({"qkv_kernel_enabled": True}, "qkv_kernel_enabled needs fused_qkv=True"),
+    (
+        {"qkv_kernel_enabled": True, "fused_qkv": True, "torch_dtype": "float32"},
+        "qkv_kernel_enabled needs torch_dtype bfloat16 (it is float32)",
+    ),
+    (
+        {"mlp_kernel_enabled": True, "torch_dtype": "float16"},
+        "mlp_kernel_enabled needs torch_dtype bfloat16",
+    ),
+    ({"quantized_mlp_kernel_enabled": True}, "needs mlp_kernel_enabled=True"),
+    ({"rmsnorm_quantize_kernel_enabled": True}, "needs quantized_mlp_kernel_enabled=True"),
+    ({"quantized": True}, "quantized=True needs quantized_checkpoints_path"),
+    ({"is_medusa": True, "medusa_speculation_length": 4}, "needs num_medusa_heads of 1"),
+    ({"enable_eagle_speculation": True}, "needs speculation_length 1 or more (it is 0)"),
+]
+
+
+@pytest.mark.parametrize(("neuron", "expected"), PLUGIN_RULES)
+def test_each_feature_rule_is_its_plugins_check(plugin_manager, neuron, expected) -> None:
+    config = InferenceConfig(NeuronConfig(**neuron), num_attention_heads=8)
+    assert not any(expected in problem for problem in core_config_problems(config))
+    problems = config_problems(config)
+    assert any(expected in problem for problem in problems), problems
+
+
 def test_heads_are_checked_only_when_the_model_has_them() -> None:
     assert problems_of({}, tp_degree=3) == []
 
@@ -179,7 +175,7 @@ def test_divisible_tp_degrees_are_suggested() -> None:
 
 
 def test_several_problems_are_reported_together() -> None:
-    problems = problems_of(batch_size=0, padding_side="up", qkv_kernel_enabled=True, tp_degree=3)
+    problems = problems_of(batch_size=0, padding_side="up", torch_dtype="int8", tp_degree=3)
     assert len(problems) == 4
 
 

@@ -84,7 +84,7 @@ def test_speculation_length_selects_the_draft_model_mode(checkpoints) -> None:
     app = target(checkpoints["target"], batch=1)
     assert app.plugins.speculation_mode.name == "draft-model"
     assert [w.tag for w in app.models] == ["context_encoding_model", "speculation_model"]
-    assert app.speculation_model.input_generator()[0][0].shape == (1, K + 1)
+    assert app.submodel("speculation_model").input_generator()[0].input_ids.shape == (1, K + 1)
     config = app.config
     config.neuron_config.enable_fused_speculation = True
     selection = select_plugins(config)
@@ -406,8 +406,9 @@ def test_benchmark_compares_with_hf_assisted_generation(capsys, checkpoints) -> 
 
 def test_the_speculation_sub_model_runs_spec_batch_size_rows(checkpoints) -> None:
     app = target(checkpoints["target"], batch=2, spec_batch_size=4, max_batch_size=4)
-    assert app.speculation_model.batch_size == 4
-    assert app.speculation_model.input_generator()[0][0].shape == (4, K + 1)
+    speculation_model = app.submodel("speculation_model")
+    assert speculation_model.batch_size == 4
+    assert speculation_model.input_generator()[0].input_ids.shape == (4, K + 1)
     assert app.context_encoding_model.batch_size == 2
     input_ids, mask = random_prompts(512, (5, 8), seed=4)
     expected = greedy(

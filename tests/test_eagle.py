@@ -209,7 +209,7 @@ def test_draft_with_input_norm(target, tmp_path):
     with pytest.raises(CheckpointError, match="enable_eagle_draft_input_norm=True"):
         eagle_app(target, normed)
     app = eagle_app(target, normed, enable_eagle_draft_input_norm=True)
-    assert isinstance(app._model.eagle_draft.layers[0].input_layernorm, RMSNorm)
+    assert isinstance(app.loaded_model.eagle_draft.layers[0].input_layernorm, RMSNorm)
     assert torch.equal(speculate(app, ids, mask, 12), reference(target, ids, mask, 12))
 
 

@@ -213,7 +213,7 @@ def test_cache_takes_half_of_bfloat16_and_a_quarter_of_float32(llama_path) -> No
     fp32 = cache_bytes(StaticKVCache(LAYOUT))
     assert fp8 * 2 == bf16 and fp8 * 4 == fp32
     # the model really builds it: same shapes as the static cache, a quarter of its bytes
-    models = [load(llama_path, kv_cache_quant=quant)._model for quant in (False, True)]
+    models = [load(llama_path, kv_cache_quant=quant).loaded_model for quant in (False, True)]
     static, quantized = (model.kv_mgr for model in models)
     assert isinstance(quantized, Fp8KVCache)
     scale_bytes = quantized.k_scales.nbytes + quantized.v_scales.nbytes

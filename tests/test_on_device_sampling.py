@@ -68,10 +68,10 @@ SAMPLING = {"do_sample": True, "dynamic": True}
 def test_the_config_enables_the_feature_and_installs_the_sampler(checkpoint) -> None:
     app = make_app(checkpoint, {})
     assert "on-device-sampling" in {f.name for f in select_plugins(app.config).features}
-    assert isinstance(app.context_encoding_model.model.sampler, OnDeviceSampler)
+    assert isinstance(app.context_encoding_model.model.output_stage.sampler, OnDeviceSampler)
     host = make_app(checkpoint)
     assert "on-device-sampling" not in {f.name for f in select_plugins(host.config).features}
-    assert host.context_encoding_model.model.sampler is None
+    assert not hasattr(host.context_encoding_model.model.output_stage, "sampler")
 
 
 @pytest.mark.parametrize(
@@ -239,7 +239,7 @@ def test_dynamic_rows_in_one_batch_follow_their_own_settings(checkpoint) -> None
         (SAMPLING, [[5, 1.0, 1.0]], SamplingParamsError, r"shape \[batch, 3\] = \[2, 3\]"),
         ({"dynamic": True}, [[5, 1.0, 1.0]] * 2, SamplingParamsError, "decodes greedily"),
         ({"do_sample": True}, [[5, 1.0, 1.0]] * 2, SamplingParamsError, "dynamic is False"),
-        (None, [[5, 1.0, 1.0]] * 2, NotSupportedError, "need on-device sampling"),
+        (None, [[5, 1.0, 1.0]] * 2, NotSupportedError, "enabled by on_device_sampling_config"),
     ],
 )
 def test_sampling_params_are_honoured_or_refused(checkpoint, sampling, params, error, message):

@@ -49,8 +49,8 @@ class LogitScaleFeature:
             model.norm.weight.mul_(0)  # lets the test see that the transform ran before loading
 
     @hookimpl
-    def nxdplug_add_submodels(self, application, config):
-        yield ModelWrapper(config, application._model_cls, tag="logit_scale_model")
+    def nxdplug_add_submodels(self, context, config):
+        yield ModelWrapper(config, context.model_cls, tag="logit_scale_model")
 
 
 @pytest.fixture

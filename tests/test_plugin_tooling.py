@@ -70,7 +70,7 @@ CASES = {
     ),
     "wrong-signature": (
         WRONG_SIGNATURE,
-        "asks for 'cfg', which the hook does not pass; the hook passes (config)",
+        "asks for 'cfg', which the hook does not pass; the hook passes (config, context)",
     ),
     "future-api": (FUTURE_API, "written for nxdplug plugin API 2, but this nxdplug provides API 1"),
 }
@@ -144,8 +144,8 @@ def test_plugins_list_by_hook(capsys) -> None:
     assert rows[0]["hooks"] == [
         "nxdplug_features",
         "nxdplug_samplers",
-        "nxdplug_transform_model",
-        "nxdplug_validate_config",
+        "nxdplug_step_inputs",
+        "nxdplug_token_source",
     ]
     assert main(["plugins", "list", "--hook", "nxdplug_samplrs"]) == 1
     assert "'nxdplug_samplrs' is not a hook" in capsys.readouterr().err

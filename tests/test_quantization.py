@@ -266,14 +266,14 @@ def test_checkpoint_and_memory_about_a_third_of_float32(int8_checkpoint) -> None
     assert 0.30 < saved / original < 0.35
 
     app = loaded(pycoder_config(**quantized_options(int8_checkpoint)))
-    memory = weight_memory(app._model)
+    memory = weight_memory(app.loaded_model)
     assert 0.30 < memory.held / memory.float32 < 0.35
     assert 0.60 < memory.held / memory.bfloat16 < 0.70
-    layer = app._model.layers[0].mlp.down_proj
+    layer = app.loaded_model.layers[0].mlp.down_proj
     assert isinstance(layer, QuantizedRowParallelLinear)
     assert layer.weight.dtype == torch.int8 and not layer.weight.requires_grad
     assert layer.weight_scale.shape == (256,) and layer.weight_scale.dtype == torch.float32
-    assert app._model.embed_tokens.weight.dtype == torch.float32
+    assert app.loaded_model.embed_tokens.weight.dtype == torch.float32
 
 
 # -- modules_to_not_convert, foreign checkpoints, layout conversions --------------------------
@@ -291,7 +291,7 @@ def test_modules_to_not_convert_stay_float(prompts, reference, tmp_path) -> None
     config = pycoder_config(**quantized_options(tmp_path / "q"), modules_to_not_convert=skip)
     NeuronLlamaForCausalLM.save_quantized_state_dict(PYCODER, config)
     app = loaded(config)
-    model = app._model
+    model = app.loaded_model
     assert type(model.lm_head) is ColumnParallelLinear
     assert model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
     assert model.layers[0].mlp.up_proj.weight.dtype == torch.int8
@@ -335,11 +335,11 @@ def test_fused_qkv_and_gqa_replication_carry_the_scales(prompts, tmp_path, granu
     plain = last_logits(loaded(pycoder_config(**options)), prompts)
     fused = loaded(pycoder_config(**options, fused_qkv=True))
     # q 256 + k 128 + v 128 rows: per-tensor scales are spread over their rows
-    assert fused._model.layers[0].self_attn.qkv_proj.weight_scale.shape == (512,)
+    assert fused.loaded_model.layers[0].self_attn.qkv_proj.weight_scale.shape == (512,)
     torch.testing.assert_close(last_logits(fused, prompts), plain, rtol=1e-4, atol=1e-4)
     # tp_degree 8 replicates the 4 K/V heads to 8 (the model runs unsharded in one process)
     replicated = loaded(pycoder_config(**options, tp_degree=8))
-    assert replicated._model.layers[0].self_attn.k_proj.weight.shape == (256, 256)
+    assert replicated.loaded_model.layers[0].self_attn.k_proj.weight.shape == (256, 256)
     torch.testing.assert_close(last_logits(replicated, prompts), plain, rtol=1e-4, atol=1e-4)
 
 
@@ -379,7 +379,7 @@ def test_compiled_quantized_model_generates_the_eager_tokens(tiny_checkpoint, tm
 
     eager = NeuronLlamaForCausalLM(checkpoint, config)
     eager.to_cpu()
-    assert eager._model.lm_head.weight.dtype == torch.int8
+    assert eager.loaded_model.lm_head.weight.dtype == torch.int8
     expected = greedy(eager, prompt, 16)
 
     compiled = NeuronLlamaForCausalLM(checkpoint, config)

@@ -55,8 +55,9 @@ from nxdplug.errors import NotSupportedError
 from nxdplug.manager import get_plugin_manager
 from nxdplug.modules.kv_cache import kv_cache_managers
 from nxdplug.modules.parallel_linear import tp_rank, tp_world_size
-from nxdplug.pipeline import select_plugins, validate
+from nxdplug.pipeline import validate
 from nxdplug.registry import get_registry
+from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.tensor_parallel import (
     is_first_rank,
     shared_by_first_rank,
@@ -79,19 +80,21 @@ class CompiledSubModel:
         weights: list[torch.Tensor],
         caches: list[torch.Tensor],
         model: nn.Module,
+        extra_input_names: tuple[str, ...],
     ) -> None:
-        """``model``: the skeleton, whose KV-cache buffers are ``caches``."""
+        """``model``: the skeleton, whose KV-cache buffers are ``caches``;
+        ``extra_input_names``: the plugins' step inputs, in the order the graphs take them."""
         self.graphs = graphs
         self.weights = weights
         self.caches = caches
         self.kv_mgr = model.kv_mgr
         self.kv_managers = kv_cache_managers(model)
-        self.sampler = model.sampler  # its host side: the draw itself is in the graphs
+        self.extra_input_names = extra_input_names
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """The phase's inputs in order: input_ids, attention_mask (whose width picks the
-        bucket), position_ids, seq_ids, then any the phase adds (sampling, ...)."""
-        graph = self.graphs[inputs[1].shape[-1]]
+    def __call__(self, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The graph of the bucket the attention mask's width names, run on ``step``."""
+        graph = self.graphs[step.attention_mask.shape[-1]]
+        inputs = step.flatten(self.extra_input_names)
         return graph(self.weights, self.caches, *(t.contiguous() for t in inputs))
 
 
@@ -123,12 +126,10 @@ def _weight_dtype(app: Any) -> torch.dtype | None:
 
 
 def build_skeleton(app: Any) -> Skeleton:
-    from nxdplug.pipeline import hook_caller
     from nxdplug.runtime.meta_init import parameters_on_meta
 
     with parameters_on_meta():
-        model = app._model_cls(app.config)
-        hook_caller("nxdplug_transform_model", app.plugins)(model=model, config=app.config)
+        model = app.context.build_model()
     model.requires_grad_(False).eval()
     return Skeleton(model, GraphFunction(model))
 
@@ -143,9 +144,9 @@ def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, di
     """(config hash, versions, plugin versions) of the graphs this app compiles."""
     config = _config_for_backend(app, backend_name)
     manager = get_plugin_manager()
-    plugins = {
-        name: manager.plugin_info(name).version for name in sorted(select_plugins(config).plugins)
-    }
+    record = get_registry().get("compile_backends", backend_name)
+    selected = app.plugins.with_backend(record).plugins
+    plugins = {name: manager.plugin_info(name).version for name in sorted(selected)}
     versions = {"nxdplug": __version__, **backend.versions()}
     shaping = graph_shaping_config(config.to_dict())
     extra = {"backend": backend_name, "plugins": plugins, "compiler_args": app.get_compiler_args()}
@@ -183,7 +184,7 @@ def _graph_file(tag: str, bucket: int, suffix: str, rank: int, ranks: int) -> st
     return f"{GRAPHS}/{tag}-{bucket}{rank_part}{suffix}"
 
 
-def _graph_plan(app: Any, suffix: str) -> Iterator[tuple[Any, int, tuple, str]]:
+def _graph_plan(app: Any, suffix: str) -> Iterator[tuple[Any, int, StepInputs, str]]:
     """This rank's graphs: (wrapper, bucket, example inputs, file)."""
     for wrapper in app.models:
         for bucket, example in zip(wrapper.buckets, wrapper.input_generator(), strict=True):
@@ -218,7 +219,8 @@ def _staged_folder_of_all_ranks(destination: Path) -> Iterator[Path]:
 
 
 def _phase_function(skeleton: Skeleton, wrapper: Any) -> GraphFunction:
-    return GraphFunction(skeleton.model, wrapper.phase_module(skeleton.model))
+    phase = wrapper.phase_module(skeleton.model)
+    return GraphFunction(skeleton.model, phase, wrapper.extra_input_names)
 
 
 def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: bool = False) -> None:
@@ -259,7 +261,7 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
             if not from_store:
                 backend.compile_graph(
                     _phase_function(skeleton, wrapper),
-                    (example_weights, skeleton.caches, *example),
+                    (example_weights, skeleton.caches, *example.flatten(wrapper.extra_input_names)),
                     staging / relative,
                     debug=debug,
                     compiler_args=compiler_args,
@@ -340,7 +342,9 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
     for wrapper in app.models:
         if wrapper.tag not in loaded:
             raise ArtefactError(f"{path} has no graphs for {wrapper.tag}; compile again")
-        wrapper.model = CompiledSubModel(loaded[wrapper.tag], weights, caches, skeleton.model)
+        wrapper.model = CompiledSubModel(
+            loaded[wrapper.tag], weights, caches, skeleton.model, wrapper.extra_input_names
+        )
     if not app.neuron_config.skip_warmup:
         warm_up(app)
     app.is_loaded_to_neuron = True
@@ -383,7 +387,7 @@ def warm_up(app: Any) -> None:
     """Run every graph once on its example inputs, then clear the cache they wrote."""
     for wrapper in app.models:
         for example in wrapper.input_generator():
-            wrapper.model(*example)
+            wrapper.model(example)
     for manager in app.context_encoding_model.model.kv_managers:
         manager.reset()
 

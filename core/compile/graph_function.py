@@ -11,6 +11,7 @@ from torch import nn
 from torch.func import functional_call
 
 from nxdplug.modules.kv_cache import KVCacheManager
+from nxdplug.runtime.step import StepInputs
 
 
 def weight_names(model: nn.Module) -> list[str]:
@@ -29,20 +30,26 @@ def cache_names(model: nn.Module) -> list[str]:
 
 
 class GraphFunction(nn.Module):
-    """``forward(weights, caches, *inputs)``: the phase's inputs (input_ids, attention_mask,
-    position_ids, seq_ids, then ``(sampling_params, sampling_noise)`` with on-device sampling,
-    or whatever a speculation phase adds).
+    """``forward(weights, caches, *inputs)``: the phase's step flattened
+    (:meth:`StepInputs.flatten`: the core's four tensors, then the plugins' inputs named in
+    ``extra_input_names``, in that order).
 
     The model is held outside the module's registered state, so exporting this module lifts
     no parameter or cache of its own: the weights and caches exist only as the graph's inputs
     (small computed buffers, such as rotary tables, become constants of the graph).
     """
 
-    def __init__(self, model: nn.Module, phase: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        phase: nn.Module | None = None,
+        extra_input_names: tuple[str, ...] = (),
+    ) -> None:
         """``phase``: the module a phase runs (see ``ModelWrapper.phase_module``), holding
         ``model`` as its ``model`` attribute; the model itself by default."""
         super().__init__()
         object.__setattr__(self, "model", model if phase is None else phase)
+        self.extra_input_names = extra_input_names
         self.weight_names = weight_names(model)
         self.cache_names = cache_names(model)
         self.prefix = "" if phase is None or phase is model else "model."
@@ -56,4 +63,5 @@ class GraphFunction(nn.Module):
         tensors = dict(zip(self.weight_names, weights, strict=True))
         tensors |= dict(zip(self.cache_names, caches, strict=True))
         tensors = {self.prefix + name: tensor for name, tensor in tensors.items()}
-        return functional_call(self.model, tensors, inputs)
+        step = StepInputs.unflatten(self.extra_input_names, inputs)
+        return functional_call(self.model, tensors, (step,))

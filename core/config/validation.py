@@ -1,8 +1,9 @@
 """The checks every config gets before it is used: each problem, in plain words, all at once.
 
 Each rule is a small function returning the problems it sees; :func:`core_config_problems` runs
-them all. Hardware limits (which ``tp_degree`` a target supports) are not checked here: they
-belong to the compile backend that is chosen.
+them all. These are the core's rules: values, ranges and lengths of NeuronConfig and its
+sub-configs. What a feature needs of the rest of a config is that feature plugin's check, and
+hardware limits (which ``tp_degree`` a target supports) belong to the chosen compile backend.
 """
 
 from __future__ import annotations
@@ -180,43 +181,6 @@ def _tensor_parallel(config: InferenceConfig, nc: NeuronConfig) -> Iterator[str]
         )
 
 
-def _kernels(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
-    bf16 = nc.torch_dtype == torch.bfloat16
-    dtype = _describe_dtype(nc.torch_dtype)
-    if nc.qkv_kernel_enabled and not nc.fused_qkv:
-        yield "qkv_kernel_enabled needs fused_qkv=True; set it, or disable the QKV kernel"
-    if nc.qkv_kernel_enabled and not bf16:
-        yield (
-            f"qkv_kernel_enabled needs torch_dtype bfloat16 (it is {dtype}); change the dtype "
-            "or disable the QKV kernel"
-        )
-    if nc.mlp_kernel_enabled and not bf16:
-        yield (
-            f"mlp_kernel_enabled needs torch_dtype bfloat16 (it is {dtype}); change the dtype "
-            "or disable the MLP kernel"
-        )
-    if nc.quantized_mlp_kernel_enabled and not nc.mlp_kernel_enabled:
-        yield "quantized_mlp_kernel_enabled needs mlp_kernel_enabled=True; set it too"
-    if nc.rmsnorm_quantize_kernel_enabled and not nc.quantized_mlp_kernel_enabled:
-        yield "rmsnorm_quantize_kernel_enabled needs quantized_mlp_kernel_enabled=True; set it too"
-
-
-def _async_mode(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
-    if not nc.async_mode:
-        return
-    if nc.on_device_sampling_config is None:
-        yield (
-            "async_mode needs on-device sampling: set on_device_sampling_config "
-            "(OnDeviceSamplingConfig()), or disable async_mode"
-        )
-    speculating = (_int_or_none(nc.speculation_length) or 0) > 0 or nc.is_medusa
-    if speculating and not nc.enable_fused_speculation:
-        yield (
-            "async_mode with speculation (speculation_length > 0 or is_medusa) needs "
-            "enable_fused_speculation=True; set it, or disable async_mode"
-        )
-
-
 def _buckets(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
     for name, limit_name in BUCKET_LIMITS.items():
         buckets = getattr(nc, name)
@@ -236,30 +200,6 @@ def _buckets(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
                 f"the largest of {name} ({max(buckets)}) exceeds {limit_name} ({limit}); "
                 f"drop it, or raise {limit_name}"
             )
-
-
-def _quantization(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
-    if nc.quantized and not nc.quantized_checkpoints_path:
-        yield (
-            "quantized=True needs quantized_checkpoints_path (where the quantized weights are, "
-            "or will be saved by save_quantized_state_dict)"
-        )
-
-
-def _speculation(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
-    if nc.is_medusa:
-        for name in ("num_medusa_heads", "medusa_speculation_length"):
-            value = getattr(nc, name)
-            if _is_int(value) and value < 1:
-                yield f"is_medusa=True needs {name} of 1 or more (it is {value})"
-    length = nc.speculation_length
-    if nc.enable_eagle_speculation and _is_int(length) and length < 1:
-        yield f"enable_eagle_speculation=True needs speculation_length 1 or more (it is {length})"
-    if nc.enable_eagle_speculation and not nc.enable_fused_speculation and not nc.is_eagle_draft:
-        yield (
-            "enable_eagle_speculation=True needs enable_fused_speculation=True: the EAGLE draft "
-            "runs fused with the target (leave enable_fused_speculation at its default)"
-        )
 
 
 def _sampling(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
@@ -292,11 +232,7 @@ RULES: tuple[Rule, ...] = (
     _counts,
     _lengths,
     _tensor_parallel,
-    _kernels,
-    _async_mode,
     _buckets,
-    _quantization,
-    _speculation,
     _sampling,
     _lora,
 )

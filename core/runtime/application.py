@@ -34,9 +34,9 @@ from nxdplug.config import InferenceConfig, NeuronConfig, load_pretrained_config
 from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
 from nxdplug.pipeline import (
     DEFAULT_BACKEND,
+    PipelineContext,
     PluginSelection,
-    hook_caller,
-    select_plugins,
+    current_context,
     validate,
 )
 from nxdplug.registry import get_registry
@@ -47,6 +47,7 @@ from nxdplug.runtime.model_wrapper import (
     ModelWrapper,
 )
 from nxdplug.runtime.speculation import AcceptanceStats
+from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
 from nxdplug.types import ModelArchitecture
 
@@ -87,7 +88,7 @@ class NeuronApplicationBase(nn.Module):
             config = self.get_config_cls()(
                 neuron_config or NeuronConfig(), load_config=load_pretrained_config(model_path)
             )
-        self.plugins: PluginSelection = self.validate_config(config)
+        self.context = PipelineContext(config, self.validate_config(config), self._model_cls)
         join_launched_ranks(config.neuron_config.tp_degree)
         self.config = config
         self.neuron_config = config.neuron_config
@@ -101,6 +102,16 @@ class NeuronApplicationBase(nn.Module):
     @classmethod
     def get_config_cls(cls) -> type[InferenceConfig]:
         return InferenceConfig
+
+    @property
+    def plugins(self) -> PluginSelection:
+        """The plugins this application's config selected (computed once)."""
+        return self.context.selection
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs, and where every tensor made for it is made."""
+        return self.context.device
 
     @classmethod
     def validate_config(cls, config: InferenceConfig) -> PluginSelection:
@@ -138,12 +149,13 @@ class NeuronApplicationBase(nn.Module):
         if self._model_cls is None:
             raise NxdPlugError(f"{type(self).__name__} does not set _model_cls")
         with parameters_on_meta():
-            model = self._model_cls(self.config)
-            hook_caller("nxdplug_transform_model", self.plugins)(model=model, config=self.config)
+            model = self.context.build_model()
         cast_to = (
             self.neuron_config.torch_dtype if self.neuron_config.cast_type == "config" else None
         )
-        state_dict = this_ranks_shard(model, self.get_state_dict(self.model_path, self.config))
+        with self.context.active():
+            checkpoint = self.get_state_dict(self.model_path, self.config)
+        state_dict = this_ranks_shard(model, checkpoint)
         load_into_module(model, state_dict, source=self.model_path, dtype=cast_to)
         return model.requires_grad_(False).eval()
 
@@ -182,7 +194,7 @@ class NeuronApplicationBase(nn.Module):
         cls, state_dict: dict[str, Any], config: InferenceConfig
     ) -> dict[str, Any]:
         """Run the state-dict converter chain the config selects (model renames first)."""
-        for converter in select_plugins(config).converters:
+        for converter in current_context(config).selection.converters:
             state_dict = converter.load("converter")(state_dict, config)
         return state_dict
 
@@ -250,10 +262,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.enable_context_encoding()
         if self.neuron_config.trace_tokengen_model:
             self.enable_token_generation()
-        extra = hook_caller("nxdplug_add_submodels", self.plugins)(
-            application=self, config=self.config
-        )
-        self.models += [wrapper for wrappers in extra for wrapper in wrappers]
+        self.models += self.context.extra_submodels()
+        for wrapper in self.models:
+            wrapper.attach(self.context)
 
     def enable_context_encoding(self) -> None:
         self.context_encoding_model = ModelWrapper(
@@ -268,23 +279,23 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         self.models.append(self.token_generation_model)
 
     @property
-    def _model(self) -> nn.Module:
+    def loaded_model(self) -> nn.Module:
+        """The model the sub-models run (eager), or its compiled stand-in: its ``kv_mgr`` and
+        ``kv_managers`` are the caches every phase shares."""
         model = self.context_encoding_model.model
         if model is None:
             raise NxdPlugError("the model is not loaded: call to_cpu() (or compile() then load())")
         return model
 
     def reset(self) -> None:
-        """Start a new batch: the next call runs context encoding (and an on-device sampler's
-        generator is reseeded)."""
+        """Start a new batch: the next call runs context encoding (and the plugins' step
+        inputs reset, e.g. a sampler's generator is reseeded)."""
         self.kv_cache_populated = False
-        model = self.context_encoding_model.model
-        if model is not None and model.sampler is not None:
-            model.sampler.reset()
+        self.context.reset()
 
     def reset_kv_cache(self) -> None:
         """Zero the KV caches."""
-        for manager in self._model.kv_managers:
+        for manager in self.loaded_model.kv_managers:
             manager.reset()
         self.kv_cache_populated = False
 
@@ -296,6 +307,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         position_ids: torch.Tensor | None = None,
         sampling_params: torch.Tensor | None = None,
         prev_hidden: torch.Tensor | None = None,
+        adapter_ids: torch.Tensor | None = None,
         past_key_values: Any = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
@@ -305,15 +317,18 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         medusa_args: Any = None,
         return_dict: bool | None = None,
         input_capture_hook: Any = None,
+        **step_keywords: Any,
     ) -> CausalLMOutputWithTokens:
         """Route to context encoding (a new prompt) or token generation (one more token).
 
         ``attention_mask`` follows the HF convention: [batch, tokens so far], 1 for real tokens,
-        padding on either side. Returns each row's last-token logits, [batch, 1, vocab]; with
-        on-device sampling, the sampled ``tokens`` [batch, 1] instead (and the logits too when
-        ``output_logits``). ``sampling_params`` [batch, 3], one row (top_k, top_p,
-        temperature) per request, needs ``on_device_sampling_config`` with ``dynamic=True``;
-        without it the config's settings are used.
+        padding on either side. Returns each row's last-token logits, [batch, 1, vocab]; when
+        a plugin makes the model choose tokens (on-device sampling), the ``tokens`` [batch, 1]
+        instead, and the logits only if it returns them too.
+
+        ``sampling_params``, ``adapter_ids`` and any further keyword are per-row inputs of
+        step-input plugins (``sampling_params`` [batch, 3] of on-device sampling, ...): each is
+        handed to the enabled plugin that takes it, and refused when none does.
         """
         unsupported = {
             "inputs_embeds": inputs_embeds,
@@ -329,31 +344,51 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise NxdPlugError("forward() needs input_ids")
         if input_capture_hook is not None:
             input_capture_hook(self, [input_ids, attention_mask, position_ids, seq_ids])
+        keywords = {"sampling_params": sampling_params, "adapter_ids": adapter_ids}
+        keywords = {k: v for k, v in (keywords | step_keywords).items() if v is not None}
+        refuse_untaken_keywords(self.context, keywords)
         batch = input_ids.shape[0]
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if seq_ids is None:
-            seq_ids = torch.arange(batch, dtype=torch.long)
+            seq_ids = torch.arange(batch, dtype=torch.long, device=input_ids.device)
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask)[:, -input_ids.shape[1] :]
-        sampler = self._model.sampler
-        if sampler is None and sampling_params is not None:
-            raise NotSupportedError(
-                "sampling_params need on-device sampling: set NeuronConfig("
-                "on_device_sampling_config=OnDeviceSamplingConfig(dynamic=True))"
-            )
-        sampling = () if sampler is None else sampler.prepare(batch, sampling_params)
         if self._is_prefill(position_ids, attention_mask, input_ids):
-            outputs = self._context_encoding(
-                input_ids, attention_mask, position_ids, seq_ids, sampling
-            )
+            tokens, mask, positions = compact_left(input_ids, attention_mask, position_ids)
+            wrapper = self.context_encoding_model
+            outputs = wrapper(self._step(wrapper, tokens, mask, positions, seq_ids, keywords))
             self.kv_cache_populated = True
         else:
-            outputs = self._decode(input_ids, position_ids, seq_ids, sampling)
-        if sampler is None:
+            wrapper = self.decode_model(input_ids.shape[1])
+            width = int(position_ids.max()) + 1
+            positions = torch.arange(width, device=position_ids.device)
+            cache_mask = (positions <= position_ids[:, -1:]).long()
+            outputs = wrapper(
+                self._step(wrapper, input_ids, cache_mask, position_ids, seq_ids, keywords)
+            )
+        if isinstance(outputs, torch.Tensor):
             return CausalLMOutputWithTokens(logits=outputs)
         tokens, *logits = outputs
         return CausalLMOutputWithTokens(logits=logits[0] if logits else None, tokens=tokens)
+
+    def _step(
+        self,
+        wrapper: ModelWrapper,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        keywords: dict[str, Any],
+    ) -> StepInputs:
+        """One step of ``wrapper``, with the per-row inputs its step-input plugins build.
+        Decode steps see each row's cache up to its last position."""
+        extra: dict[str, torch.Tensor] = {}
+        for record in wrapper.step_inputs:
+            taken = {k: keywords[k] for k in record.keywords if k in keywords}
+            builder = self.context.step_input_builder(record)
+            extra |= builder.build(input_ids.shape[0], taken, self.device)
+        return StepInputs(input_ids, attention_mask, position_ids, seq_ids, extra)
 
     def submodel(self, tag: str) -> ModelWrapper:
         """The sub-model with this tag (a plugin's, e.g. a speculation phase)."""
@@ -382,30 +417,27 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         real = attention_mask[:, -input_ids.shape[1] :].bool()
         return bool((position_ids[real] == 0).any())
 
-    def _context_encoding(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-        sampling: tuple[torch.Tensor, ...],
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        tokens, mask, positions = compact_left(input_ids, attention_mask, position_ids)
-        return self.context_encoding_model(tokens, mask, positions, seq_ids, *sampling)
 
-    def _decode(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-        sampling: tuple[torch.Tensor, ...],
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Token generation (one token per row) or speculation (k+1): each row's tokens are
-        written at ``position_ids`` and see the row's cache up to its last position."""
-        width = int(position_ids.max()) + 1
-        cache_mask = (torch.arange(width) <= position_ids[:, -1:]).long()
-        wrapper = self.decode_model(input_ids.shape[1])
-        return wrapper(input_ids, cache_mask, position_ids, seq_ids, *sampling)
+def refuse_untaken_keywords(context: PipelineContext, keywords: dict[str, Any]) -> None:
+    """Refuse per-row inputs that no enabled step-input plugin takes, saying which installed
+    record would take each and what enables it."""
+    untaken = sorted(set(keywords) - context.step_keywords())
+    if not untaken:
+        return
+    records = get_registry().records("step_inputs")
+    reasons = []
+    for keyword in untaken:
+        takers = [r for r in records if keyword in r.keywords]
+        if takers:
+            how = "; or ".join(
+                f"the {r.name!r} step input, enabled by {' or '.join(r.enabled_by)}" for r in takers
+            )
+            reasons.append(f"{keyword} is taken by {how}: set it in the NeuronConfig")
+        else:
+            reasons.append(f"{keyword}: no installed plugin takes it")
+    raise NotSupportedError(
+        f"forward() was given inputs no enabled plugin takes: {'; '.join(reasons)}"
+    )
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -424,13 +456,14 @@ def compact_left(
     real = attention_mask.bool()
     lengths = real.sum(-1)
     longest = int(lengths.max())
-    tokens = torch.zeros(input_ids.shape[0], longest, dtype=input_ids.dtype)
-    positions = torch.arange(longest).expand(input_ids.shape[0], longest).clone()
+    device = input_ids.device
+    tokens = torch.zeros(input_ids.shape[0], longest, dtype=input_ids.dtype, device=device)
+    positions = torch.arange(longest, device=device).expand(input_ids.shape[0], longest).clone()
     for row in range(input_ids.shape[0]):
         count = int(lengths[row])
         tokens[row, :count] = input_ids[row][real[row]]
         positions[row, :count] = position_ids[row][real[row]]
-    mask = (torch.arange(longest) < lengths[:, None]).long()
+    mask = (torch.arange(longest, device=device) < lengths[:, None]).long()
     return tokens, mask, positions
 
 

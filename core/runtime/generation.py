@@ -2,16 +2,17 @@
 
 Greedy and multinomial sampling, with HF's defaults and semantics: ``max_new_tokens`` wins over
 ``max_length``, finished rows are filled with ``pad_token_id``, generation stops when every row
-has produced an end-of-sequence token. The samplers come from the ``samplers`` plugins; with
-on-device sampling the model's own tokens are used, and the GenerationConfig's ``do_sample``,
-``top_k``, ``top_p`` and ``temperature`` become its ``sampling_params``.
+has produced an end-of-sequence token. The samplers come from the ``samplers`` plugins, unless an
+enabled plugin answers ``nxdplug_token_source`` (a model that samples in its graph gives its own
+tokens). Keywords that step-input plugins declare (``sampling_params``, ...) are handed to the
+model at every step.
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import GenerationConfig
@@ -19,16 +20,14 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from nxdplug.errors import NotSupportedError, NxdPlugError
 from nxdplug.registry import get_registry
-from nxdplug.runtime.sampling import SamplingParams, sampling_params_tensor
+from nxdplug.runtime.application import refuse_untaken_keywords
+from nxdplug.runtime.sampling import SamplingParams
 from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice
 
 # transformers' own fallbacks for settings neither the model nor the caller gives.
 HF_DEFAULTS = {"top_k": 50, "top_p": 1.0, "temperature": 1.0, "do_sample": False}
 # transformers 5 generates this many new tokens when neither max_new_tokens nor max_length is set.
 HF_DEFAULT_NEW_TOKENS = 20
-
-# GenerationConfig settings that on-device sampling takes as sampling_params.
-SAMPLING_SETTINGS = ("do_sample", "top_k", "top_p", "temperature")
 
 # Settings that change what is generated and that this adapter does not implement.
 UNSUPPORTED_SETTINGS = {
@@ -56,59 +55,39 @@ def _token_ids(value: int | list[int] | None) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
+class TokenSource(Protocol):
+    """Where ``generate()`` takes each step's tokens from.
+
+    ``step_keywords`` are given to the model's forward at every step (per-row inputs of
+    step-input plugins).
+    """
+
+    step_keywords: dict[str, Any]
+
+    def next_tokens(self, outputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(tokens [batch], logits [batch, vocab] or None)`` of one step's outputs."""
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """HF's processed scores of each row (``output_scores``)."""
+
+
 class HostSampling:
     """Tokens chosen on the host by a sampler plugin from the model's logits."""
 
-    sampling_params = None  # the model is given none
-
-    def __init__(self, config: GenerationConfig) -> None:
+    def __init__(self, config: GenerationConfig, step_keywords: dict[str, Any]) -> None:
         name = "multinomial" if config.do_sample else "greedy"
         self.sampler = get_registry().get("samplers", name).load("implementation")()
         self.params = SamplingParams(
             top_k=config.top_k or 0, top_p=config.top_p, temperature=config.temperature
         )
+        self.step_keywords = step_keywords
 
     def next_tokens(self, outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(tokens [batch], logits [batch, vocab])`` of one step."""
         logits = outputs.logits[:, -1, :]
         return self.sampler(logits, self.params), logits
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         return self.sampler.scores(logits, self.params)
-
-
-class DeviceSampling:
-    """Tokens the model sampled itself (on-device sampling).
-
-    ``sampling_params`` is what the model's forward is given (None: its config's settings);
-    ``rows`` are the settings each row is sampled with, for the scores.
-    """
-
-    def __init__(
-        self, sampling_params: torch.Tensor | None, rows: torch.Tensor, greedy: bool
-    ) -> None:
-        self.sampling_params = sampling_params
-        self.rows = rows
-        self.greedy = greedy
-        self.multinomial = get_registry().get("samplers", "multinomial").load("implementation")()
-
-    def next_tokens(self, outputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits = None if outputs.logits is None else outputs.logits[:, -1, :]
-        return outputs.tokens[:, -1], logits
-
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """HF's processed scores of each row's settings (the logits when decoding greedily)."""
-        if self.greedy:
-            return logits
-        return torch.cat(
-            [
-                self.multinomial.scores(
-                    logits[row : row + 1],
-                    SamplingParams(top_k=int(top_k), top_p=top_p, temperature=temperature),
-                )
-                for row, (top_k, top_p, temperature) in enumerate(self.rows.tolist())
-            ]
-        )
 
 
 class HuggingFaceGenerationAdapter:
@@ -193,18 +172,23 @@ class HuggingFaceGenerationAdapter:
         """Generate continuations of ``input_ids`` ([batch, prompt]); returns prompt + new tokens
         (or a GenerateDecoderOnlyOutput when ``return_dict_in_generate``).
 
-        With on-device sampling the model samples: with ``dynamic=True`` it is given
-        ``sampling_params`` (used as given) or, by default, the GenerationConfig's settings as
-        one row per request; otherwise it samples with its config's settings, and
-        ``generate()`` arguments asking for other ones are refused.
+        ``sampling_params`` and the keywords of other step-input plugins go to the model; with
+        on-device sampling (its plugin's token source) the model samples, by default with the
+        GenerationConfig's settings as one row per request when ``dynamic=True``.
         """
         assistant_model = kwargs.pop("assistant_model", None)
+        step_keywords = self._step_keywords(sampling_params, kwargs)
         config = self.resolve_generation_config(generation_config, **kwargs)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         new_tokens = self._new_token_budget(config, input_ids.shape[1])
         speculation_mode = self.neuron_model.plugins.speculation_mode
         if speculation_mode is not None or assistant_model is not None:
+            if step_keywords:
+                raise NotSupportedError(
+                    f"{', '.join(sorted(step_keywords))} cannot be given with speculative "
+                    "decoding: the speculation mode makes its own steps"
+                )
             return self._speculate(
                 speculation_mode, config, input_ids, attention_mask, new_tokens, assistant_model
             )
@@ -214,7 +198,7 @@ class HuggingFaceGenerationAdapter:
                 "the model needs NeuronConfig(speculation_length=k, trace_tokengen_model=False)"
                 " with k >= prompt_lookup_num_tokens"
             )
-        sampling = self._sampling(config, input_ids.shape[0], sampling_params, kwargs)
+        sampling = self._token_source(config, input_ids.shape[0], step_keywords, kwargs)
         keep_scores = config.return_dict_in_generate and config.output_scores
         eos = torch.tensor(_token_ids(config.eos_token_id), dtype=input_ids.dtype)
         pad = config.pad_token_id if config.pad_token_id is not None else 0
@@ -230,8 +214,8 @@ class HuggingFaceGenerationAdapter:
             outputs = model(
                 input_ids=step_input,
                 attention_mask=mask,
-                sampling_params=sampling.sampling_params,
                 input_capture_hook=self.input_capture_hook,
+                **sampling.step_keywords,
             )
             next_tokens, logits = sampling.next_tokens(outputs)
             all_logits.append(logits)
@@ -273,7 +257,7 @@ class HuggingFaceGenerationAdapter:
                 "return_dict_in_generate is not supported with speculative decoding; the "
                 "tokens are returned, and the acceptance is in model.speculation_stats"
             )
-        host = HostSampling(config)
+        host = HostSampling(config, {})
         request = SpeculativeRequest(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -287,81 +271,33 @@ class HuggingFaceGenerationAdapter:
         speculator = speculation_mode.load("implementation")(self.neuron_model)
         return speculator.generate(request)
 
-    def _sampling(
+    def _step_keywords(
+        self, sampling_params: torch.Tensor | None, kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The step-input keywords among ``generate()``'s (taken out of ``kwargs``); one no
+        enabled plugin takes is refused, naming the plugin that would."""
+        declared = {k for r in get_registry().records("step_inputs") for k in r.keywords}
+        given = {"sampling_params": sampling_params} | {
+            name: kwargs.pop(name) for name in declared & set(kwargs)
+        }
+        given = {name: value for name, value in given.items() if value is not None}
+        refuse_untaken_keywords(self.neuron_model.context, given)
+        return given
+
+    def _token_source(
         self,
         config: GenerationConfig,
         batch: int,
-        sampling_params: torch.Tensor | None,
+        step_keywords: dict[str, Any],
         kwargs: dict[str, Any],
-    ) -> HostSampling | DeviceSampling:
-        """Where the tokens come from: a host sampler, or the model (on-device sampling)."""
-        neuron_config = self.neuron_model.neuron_config
-        sampling_config = neuron_config.on_device_sampling_config
-        if sampling_config is None:
-            if sampling_params is not None:
-                raise NotSupportedError(
-                    "sampling_params need on-device sampling: set NeuronConfig("
-                    "on_device_sampling_config=OnDeviceSamplingConfig(dynamic=True))"
-                )
-            return HostSampling(config)
-        wants_logits = config.output_scores or config.output_logits
-        if config.return_dict_in_generate and wants_logits and not neuron_config.output_logits:
-            raise NotSupportedError(
-                "output_scores and output_logits need the model's logits, which a model with "
-                "on-device sampling returns only with NeuronConfig(output_logits=True); set it, "
-                "or leave them off"
-            )
-        greedy = not sampling_config.do_sample
-        if sampling_params is not None:
-            return DeviceSampling(sampling_params, sampling_params, greedy)
-        if sampling_config.dynamic:
-            rows = self._sampling_rows(config, batch)
-            return DeviceSampling(rows, rows, greedy)
-        self._refuse_other_settings(sampling_config, kwargs)
-        rows = sampling_params_tensor(
-            batch, sampling_config.top_k, sampling_config.top_p, sampling_config.temperature
+    ) -> TokenSource:
+        """Where the tokens come from: an enabled plugin's source, else a host sampler."""
+        context = self.neuron_model.context
+        source = context.hook("nxdplug_token_source")(
+            context=context,
+            generation_config=config,
+            batch_size=batch,
+            step_keywords=step_keywords,
+            generate_kwargs=kwargs,
         )
-        return DeviceSampling(None, rows, greedy)
-
-    def _sampling_rows(self, config: GenerationConfig, batch: int) -> torch.Tensor:
-        """The GenerationConfig's settings as ``sampling_params``, one row per request."""
-        if not config.do_sample:
-            return sampling_params_tensor(batch, 1, 1.0, 1.0)
-        sampling_config = self.neuron_model.neuron_config.on_device_sampling_config
-        if not sampling_config.do_sample:
-            raise NotSupportedError(
-                "the GenerationConfig asks to sample (do_sample=True, given or from the "
-                "checkpoint's generation_config.json) but the model decodes greedily "
-                "(on_device_sampling_config.do_sample=False); pass do_sample=False, or set "
-                "do_sample=True in the OnDeviceSamplingConfig"
-            )
-        top_k = config.top_k
-        if not top_k:  # HF: top_k 0 keeps every token
-            global_topk = sampling_config.global_topk
-            vocab_size = self.config.vocab_size
-            if global_topk < vocab_size:
-                raise NotSupportedError(
-                    f"top_k={top_k!r} keeps every token, but on-device sampling draws from the "
-                    f"global_topk={global_topk} best; pass top_k={global_topk} or less, or set "
-                    f"global_topk to the vocab_size ({vocab_size})"
-                )
-            top_k = vocab_size
-        return sampling_params_tensor(batch, top_k, config.top_p, config.temperature)
-
-    @staticmethod
-    def _refuse_other_settings(sampling_config: Any, kwargs: dict[str, Any]) -> None:
-        """Without dynamic sampling the config's settings are used: refuse others asked for."""
-        given = {name: kwargs[name] for name in SAMPLING_SETTINGS if name in kwargs}
-        if not (given.get("do_sample", sampling_config.do_sample) or sampling_config.do_sample):
-            return  # greedy either way
-        differing = [
-            f"{name}={value!r} (the model's: {getattr(sampling_config, name)!r})"
-            for name, value in given.items()
-            if value != getattr(sampling_config, name)
-        ]
-        if differing:
-            raise NotSupportedError(
-                "the model samples on the device with its on_device_sampling_config settings "
-                f"(dynamic=False), but generate() was asked for {', '.join(differing)}; leave "
-                "them out, or set dynamic=True to choose them per call"
-            )
+        return source if source is not None else HostSampling(config, step_keywords)

@@ -13,14 +13,17 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
-from nxdplug.runtime.sampling import example_sampling_inputs
+from nxdplug.runtime.step import StepInputs
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
-SPECULATION_MODEL_TAG = "speculation_model"
 
 
 class ModelWrapper(nn.Module):
+    # Whether the phase takes the step inputs that name no phase (sampling, ...); a plugin's
+    # phase with inputs of its own may say no (it still gets those naming its tag).
+    takes_step_inputs = True
+
     def __init__(
         self,
         config: Any,
@@ -29,13 +32,15 @@ class ModelWrapper(nn.Module):
         compiler_args: str | None = None,
         tokens_per_step: int = 1,
         is_context_encoding: bool | None = None,
+        batch_size: int | None = None,
     ) -> None:
         """``tokens_per_step``: the tokens each row feeds per call outside context encoding (1
         for token generation, k+1 to verify k speculated tokens); ``application.forward``
-        routes a call by it. 0 marks a phase only its speculation plugin calls (a Medusa tree,
-        a fused EAGLE step), which ``forward`` never routes to. ``is_context_encoding``: the
-        phase encodes prompts (context buckets, ctx_batch_size); by default, when ``tag`` is
-        the core's context-encoding tag."""
+        routes a call by it. 0 marks a phase only its plugin calls (a Medusa tree, a fused
+        EAGLE step), which ``forward`` never routes to. ``is_context_encoding``: the phase
+        encodes prompts (context buckets); by default, when ``tag`` is the core's
+        context-encoding tag. ``batch_size``: rows per call; by default ctx_batch_size for
+        context encoding and tkg_batch_size otherwise (a speculation plugin passes its own)."""
         super().__init__()
         self.config = config
         self.neuron_config = config.neuron_config
@@ -48,18 +53,26 @@ class ModelWrapper(nn.Module):
         self.is_context_encoding = is_context_encoding
         self.tokens_per_step = tokens_per_step
         self.buckets = self._buckets()
-        self.batch_size = self._batch_size()
+        if batch_size is None:
+            batch_size = (
+                self.neuron_config.ctx_batch_size
+                if is_context_encoding
+                else self.neuron_config.tkg_batch_size
+            )
+        self.batch_size = batch_size
+        self.context: Any = None
+        self.step_inputs: tuple[Any, ...] = ()
 
-    def _batch_size(self) -> int:
-        """ctx_batch_size for context encoding, tkg_batch_size for one token per step, and
-        spec_batch_size for speculation phases (several tokens per step, or driven by their
-        plugin)."""
-        neuron_config = self.neuron_config
-        if self.is_context_encoding:
-            return neuron_config.ctx_batch_size
-        if self.tokens_per_step == 1:
-            return neuron_config.tkg_batch_size
-        return neuron_config.spec_batch_size
+    def attach(self, context: Any) -> None:
+        """Join an application's pipeline context: the step inputs the enabled plugins add to
+        this phase (what its graphs take after the core's four)."""
+        self.context = context
+        self.step_inputs = context.step_inputs_for(self.tag, self.takes_step_inputs)
+
+    @property
+    def extra_input_names(self) -> tuple[str, ...]:
+        """The names of the plugins' step inputs, in the order the graphs take them."""
+        return tuple(name for record in self.step_inputs for name in record.inputs)
 
     def _buckets(self) -> list[int]:
         neuron_config = self.neuron_config
@@ -74,6 +87,10 @@ class ModelWrapper(nn.Module):
             return sorted(configured)
         return [largest]
 
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.context is None else self.context.device
+
     def input_length(self, bucket: int) -> int:
         """Tokens per row in this phase's inputs: the bucket for context encoding, else
         ``tokens_per_step``."""
@@ -86,26 +103,30 @@ class ModelWrapper(nn.Module):
         adds no parameters or buffers of its own: every phase shares the model's weights."""
         return model
 
-    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
-        """Example inputs, one tuple per bucket, in forward's argument order (for tracing);
-        with on-device sampling, the sampling inputs close each tuple."""
-        sampling_config = self.neuron_config.on_device_sampling_config
-        batch = self.batch_size
-        sampling = ()
-        if sampling_config is not None:
-            sampling = example_sampling_inputs(batch, sampling_config)
+    def example_extra(self) -> dict[str, torch.Tensor]:
+        """Example tensors of the plugins' step inputs, for tracing."""
+        extra: dict[str, torch.Tensor] = {}
+        for record in self.step_inputs:
+            builder = self.context.step_input_builder(record)
+            extra |= builder.example(self.batch_size, self.device)
+        return extra
+
+    def input_generator(self) -> list[StepInputs]:
+        """Example inputs, one step per bucket (for tracing)."""
+        batch, device = self.batch_size, self.device
+        extra = self.example_extra()
         inputs = []
         for bucket in self.buckets:
             length = self.input_length(bucket)
             inputs.append(
-                (
-                    torch.zeros(batch, length, dtype=torch.long),
-                    torch.ones(batch, bucket, dtype=torch.long),
-                    torch.arange(bucket - length, bucket, dtype=torch.long)
+                StepInputs(
+                    torch.zeros(batch, length, dtype=torch.long, device=device),
+                    torch.ones(batch, bucket, dtype=torch.long, device=device),
+                    torch.arange(bucket - length, bucket, dtype=torch.long, device=device)
                     .expand(batch, length)
                     .contiguous(),
-                    torch.arange(batch, dtype=torch.long),
-                    *sampling,
+                    torch.arange(batch, dtype=torch.long, device=device),
+                    extra,
                 )
             )
         return inputs
@@ -122,33 +143,18 @@ class ModelWrapper(nn.Module):
             f"{self.buckets[-1]}; use a shorter {what} or raise {limit} (and the buckets)"
         )
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-        sampling_params: torch.Tensor | None = None,
-        sampling_noise: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Pad to a bucket and to the batch size, run the model, drop the padding.
-
-        The sampling inputs, given with on-device sampling, are padded like the other rows.
-        """
-        rows = input_ids.shape[0]
+    def forward(self, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Pad to a bucket and to the batch size, run the model, drop the padding rows."""
+        rows = step.rows
         self.check_ready(rows)
-        needed = attention_mask.shape[-1]
-        if self.is_context_encoding:
-            needed = input_ids.shape[-1]
-        bucket = self.bucket_for(needed)
-        input_ids, attention_mask, position_ids = self._pad_to_bucket(
-            bucket, input_ids, attention_mask, position_ids
-        )
-        sampling = tuple(t for t in (sampling_params, sampling_noise) if t is not None)
-        seq_ids, (input_ids, attention_mask, position_ids, *sampling) = self._pad_batch(
-            rows, seq_ids, (input_ids, attention_mask, position_ids, *sampling)
-        )
-        outputs = self.model(input_ids, attention_mask, position_ids, seq_ids, *sampling)
+        needed = step.input_ids.shape[-1] if self.is_context_encoding else None
+        step = self.pad_to_bucket(step, needed)
+        return self.run_padded(rows, step)
+
+    def run_padded(self, rows: int, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Run ``step`` (already of a bucket's width) padded to the batch size, and return the
+        outputs of its first ``rows`` rows."""
+        outputs = self.model(self.pad_batch(step))
         if isinstance(outputs, torch.Tensor):
             return outputs[:rows]
         return tuple(output[:rows] for output in outputs)
@@ -165,41 +171,41 @@ class ModelWrapper(nn.Module):
                 f"{self.batch_size}; raise batch_size (or ctx/tkg/spec_batch_size)"
             )
 
-    def _pad_to_bucket(
-        self,
-        bucket: int,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pad_to_bucket(self, step: StepInputs, needed: int | None = None) -> StepInputs:
+        """The step with its mask widened to the smallest bucket holding ``needed`` positions
+        (the mask's width by default); in context encoding the tokens and positions too."""
+        attention_mask = step.attention_mask
+        bucket = self.bucket_for(attention_mask.shape[-1] if needed is None else needed)
         mask_pad = bucket - attention_mask.shape[-1]
-        attention_mask = nn.functional.pad(attention_mask, (0, mask_pad), value=0)
-        if self.is_context_encoding:
-            token_pad = bucket - input_ids.shape[-1]
-            input_ids = nn.functional.pad(input_ids, (0, token_pad), value=0)
-            last = position_ids[:, -1:]
-            extra = last + torch.arange(1, token_pad + 1, device=last.device)
-            position_ids = torch.cat([position_ids, extra], dim=-1)
-        return input_ids, attention_mask, position_ids
+        step = step.replace(attention_mask=nn.functional.pad(attention_mask, (0, mask_pad)))
+        if not self.is_context_encoding:
+            return step
+        token_pad = bucket - step.input_ids.shape[-1]
+        last = step.position_ids[:, -1:]
+        extra = last + torch.arange(1, token_pad + 1, device=last.device)
+        return step.replace(
+            input_ids=nn.functional.pad(step.input_ids, (0, token_pad), value=0),
+            position_ids=torch.cat([step.position_ids, extra], dim=-1),
+        )
 
-    def _pad_batch(
-        self, rows: int, seq_ids: torch.Tensor, per_row: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """``seq_ids`` and the ``per_row`` inputs padded to the batch size."""
+    def pad_batch(self, step: StepInputs) -> StepInputs:
+        """``step`` with as many rows as the batch size: padding rows repeat row 0's inputs and
+        write to cache rows no real sequence uses."""
+        rows = step.rows
         missing = self.batch_size - rows
         if missing == 0:
-            return seq_ids, per_row
-        # Padding rows repeat row 0's inputs and write to cache rows no real sequence uses.
+            return step
+        seq_ids = step.seq_ids
         taken = set(seq_ids.tolist())
         free_rows = [r for r in range(self.neuron_config.max_batch_size) if r not in taken]
-        pad_seq_ids = torch.tensor(free_rows[:missing], dtype=seq_ids.dtype)
-        if len(pad_seq_ids) < missing:
+        if len(free_rows) < missing:
             raise NxdPlugError(
                 f"cannot pad a batch of {rows} to {self.batch_size}: only {len(free_rows)} free "
                 f"cache rows (max_batch_size={self.neuron_config.max_batch_size})"
             )
+        pad_seq_ids = torch.tensor(free_rows[:missing], dtype=seq_ids.dtype, device=seq_ids.device)
 
         def pad(t: torch.Tensor) -> torch.Tensor:
             return torch.cat([t, t[:1].expand(missing, *t.shape[1:])])
 
-        return torch.cat([seq_ids, pad_seq_ids]), tuple(pad(t) for t in per_row)
+        return step.map_rows(pad).replace(seq_ids=torch.cat([seq_ids, pad_seq_ids]))

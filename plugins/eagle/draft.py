@@ -30,15 +30,15 @@ from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
 class EagleDraftModel(nn.Module):
     """Embedding, ``fc``, decoder layers (the first without input norm by default), LM head.
 
-    ``config`` is the draft's InferenceConfig (``fused_spec_config.draft_config``);
-    ``target_config`` gives the cache shape (rows and length are the target's, so that one
-    ``seq_ids`` / position addresses both caches) and ``enable_eagle_draft_input_norm``.
+    ``config`` is the draft's InferenceConfig (``fused_spec_config.draft_config``); the
+    target's pipeline ``context`` gives the cache (its strategy; rows and length are the
+    target's, so that one ``seq_ids`` / position addresses both caches) and
+    ``enable_eagle_draft_input_norm``.
     """
 
-    def __init__(self, config: Any, target_config: Any) -> None:
+    def __init__(self, config: Any, context: Any) -> None:
         super().__init__()
-        from nxdplug.pipeline import select_plugins
-
+        target_config = context.config
         hidden = config.hidden_size
         self.embed_tokens = ParallelEmbedding(config.vocab_size, hidden)
         self.fc = nn.Linear(2 * hidden, hidden, bias=bool(getattr(config, "bias", True)))
@@ -59,8 +59,7 @@ class EagleDraftModel(nn.Module):
             head_dim=attention.head_dim,
             dtype=target.torch_dtype,
         )
-        strategy = select_plugins(target_config).kv_cache_strategy
-        self.kv_mgr: KVCacheManager = strategy.load("implementation")(layout)
+        self.kv_mgr: KVCacheManager = context.kv_cache(layout)
 
     def forward(
         self,
@@ -85,3 +84,8 @@ class EagleDraftModel(nn.Module):
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, mask, CacheSlot(self.kv_mgr, index, position_ids, seq_ids, length))
         return x
+
+
+def add_draft(model: nn.Module, context: Any) -> None:
+    """The ``transform_model`` callback: the target gets its draft as ``eagle_draft``."""
+    model.eagle_draft = EagleDraftModel(context.config.fused_spec_config.draft_config, context)

@@ -27,6 +27,7 @@ from torch import nn
 
 from nxdplug.runtime.model_base import last_token_states
 from nxdplug.runtime.model_wrapper import ModelWrapper
+from nxdplug.runtime.step import StepInputs
 
 EAGLE_CONTEXT_TAG = "eagle_context_encoding_model"
 EAGLE_SPECULATION_TAG = "eagle_speculation_model"
@@ -47,21 +48,18 @@ class EagleContextPhase(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts compacted to the left ([batch, bucket], positions 0..). Returns the last
         real token's logits [batch, 1, vocab] (float32) and feature [batch, 1, hidden]."""
-        features = self.model.hidden_states(input_ids, attention_mask, position_ids, seq_ids)
-        last = last_token_states(features, attention_mask)
+        features = self.model.hidden_states(step)
+        last = last_token_states(features, step.attention_mask)
         # Pair t = (x_{t+1}, f_t); the pair at each row's last position has no next token yet
         # (it is written with a placeholder and rewritten as the first pending pair).
+        input_ids = step.input_ids
         next_tokens = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
-        self.model.eagle_draft(next_tokens, features, attention_mask, position_ids, seq_ids)
+        self.model.eagle_draft(
+            next_tokens, features, step.attention_mask, step.position_ids, step.seq_ids
+        )
         return self.model.lm_head(last).float(), last
 
 
@@ -73,30 +71,25 @@ class EagleSpeculationPhase(nn.Module):
         self.model = model
         self.speculation_length = speculation_length
 
-    def forward(
-        self,
-        pending_tokens: torch.Tensor,
-        attention_mask: torch.Tensor,
-        pending_positions: torch.Tensor,
-        seq_ids: torch.Tensor,
-        pending_features: torch.Tensor,
-        pending_count: torch.Tensor,
-        noise: torch.Tensor,
-        inv_temperature: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
         """One speculation step.
 
-        ``pending_tokens`` / ``pending_positions`` [batch, k+1], ``pending_features``
-        [batch, k+1, hidden], ``pending_count`` [batch] (1..k+1): the pairs
-        ``(x_{t+1}, f_t)`` at draft positions t whose real features are new; the last of
-        them holds each row's newest token x_{L-1} at t = L-2. ``attention_mask``
-        [batch, keys] (all ones: positions order what each token sees), ``noise``
-        [batch, k, vocab] and ``inv_temperature`` [batch, 1] choose the drafts.
+        The step's tokens and positions [batch, k+1] are the pending pairs' (``pending_tokens``,
+        ``pending_positions``), with ``step["pending_features"]`` [batch, k+1, hidden] and
+        ``step["pending_count"]`` [batch] (1..k+1): the pairs ``(x_{t+1}, f_t)`` at draft
+        positions t whose real features are new; the last of them holds each row's newest
+        token x_{L-1} at t = L-2. The ``attention_mask`` [batch, keys] is all ones (positions
+        order what each token sees); ``step["draft_noise"]`` [batch, k, vocab] and
+        ``step["inv_temperature"]`` [batch, 1] choose the drafts.
 
         Returns ``drafts`` [batch, k], ``draft_logits`` [batch, k, vocab],
         ``target_logits`` [batch, k+1, vocab] (float32) and the target's features
         [batch, k+1, hidden] of ``[x_{L-1}, d_1..d_k]`` at positions L-1..L-1+k.
         """
+        pending_tokens, pending_positions = step.input_ids, step.position_ids
+        attention_mask, seq_ids = step.attention_mask, step.seq_ids
+        pending_features, pending_count = step["pending_features"], step["pending_count"]
+        noise, inv_temperature = step["draft_noise"], step["inv_temperature"]
         draft = self.model.eagle_draft
         last = pending_count - 1
         predicted = draft(
@@ -117,29 +110,18 @@ class EagleSpeculationPhase(nn.Module):
         newest = pending_tokens.gather(1, last[:, None])
         tokens = torch.cat([newest, drafts_tensor], dim=1)
         offsets = torch.arange(1, self.speculation_length + 2, device=base.device)
-        features = self.model.hidden_states(tokens, attention_mask, base + offsets, seq_ids)
+        features = self.model.hidden_states(
+            StepInputs(tokens, attention_mask, base + offsets, seq_ids)
+        )
         target_logits = self.model.lm_head(features).float()
         return drafts_tensor, torch.cat(draft_logits, dim=1), target_logits, features
 
 
-class FusedWrapper(ModelWrapper):
-    """A fused sub-model: its phase takes its own inputs, which the speculator passes.
+class EagleContextWrapper(ModelWrapper):
+    """The fused context-encoding sub-model (context buckets, ctx batch size); only the
+    speculator calls it (``tokens_per_step`` 0)."""
 
-    ``tokens_per_step`` is 0, so ``application.forward`` never routes a call to it.
-    """
-
-    def _run(
-        self, rows: int, seq_ids: torch.Tensor, *per_row: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        """Pad the batch, run the phase with ``(per_row[0], per_row[1], ..., seq_ids after
-        the third)``, drop the padding rows."""
-        seq_ids, padded = self._pad_batch(rows, seq_ids, per_row)
-        inputs = (*padded[:3], seq_ids, *padded[3:])
-        return tuple(output[:rows] for output in self.model(*inputs))
-
-
-class EagleContextWrapper(FusedWrapper):
-    """The fused context-encoding sub-model (context buckets, ctx batch size)."""
+    takes_step_inputs = False
 
     def __init__(self, config: Any, model_cls: type[nn.Module]) -> None:
         super().__init__(
@@ -149,89 +131,64 @@ class EagleContextWrapper(FusedWrapper):
     def phase_module(self, model: nn.Module) -> nn.Module:
         return EagleContextPhase(model)
 
-    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
-        batch = self.batch_size
-        return [
-            (
-                torch.zeros(batch, bucket, dtype=torch.long),
-                torch.ones(batch, bucket, dtype=torch.long),
-                torch.arange(bucket).expand(batch, bucket).contiguous(),
-                torch.arange(batch, dtype=torch.long),
-            )
-            for bucket in self.buckets
-        ]
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        """Left-compacted prompts; padded to the bucket and the batch size here."""
-        self.check_ready(input_ids.shape[0])
-        bucket = self.bucket_for(input_ids.shape[1])
-        input_ids, attention_mask, position_ids = self._pad_to_bucket(
-            bucket, input_ids, attention_mask, position_ids
-        )
-        return self._run(input_ids.shape[0], seq_ids, input_ids, attention_mask, position_ids)
+class EagleSpeculationWrapper(ModelWrapper):
+    """The fused speculation sub-model (token-generation buckets, spec batch size), whose
+    graphs take the pending pairs' features and the draft's sampling inputs too."""
 
-
-class EagleSpeculationWrapper(FusedWrapper):
-    """The fused speculation sub-model (token-generation buckets, tkg batch size)."""
+    takes_step_inputs = False
+    extra_input_names = ("pending_features", "pending_count", "draft_noise", "inv_temperature")
 
     def __init__(self, config: Any, model_cls: type[nn.Module]) -> None:
-        super().__init__(config, model_cls, tag=EAGLE_SPECULATION_TAG, tokens_per_step=0)
+        super().__init__(
+            config,
+            model_cls,
+            tag=EAGLE_SPECULATION_TAG,
+            tokens_per_step=0,
+            batch_size=config.neuron_config.spec_batch_size,
+        )
         self.speculation_length = self.neuron_config.speculation_length
 
     def phase_module(self, model: nn.Module) -> nn.Module:
         return EagleSpeculationPhase(model, self.speculation_length)
 
-    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
+    def input_generator(self) -> list[StepInputs]:
         batch, k = self.batch_size, self.speculation_length
         hidden, vocab = self.config.hidden_size, self.config.vocab_size
         dtype = self.neuron_config.torch_dtype
+        extra = {
+            "pending_features": torch.zeros(batch, k + 1, hidden, dtype=dtype),
+            "pending_count": torch.ones(batch, dtype=torch.long),
+            "draft_noise": torch.zeros(batch, k, vocab),
+            "inv_temperature": torch.ones(batch, 1),
+        }
         return [
-            (
+            StepInputs(
                 torch.zeros(batch, k + 1, dtype=torch.long),
                 torch.ones(batch, bucket, dtype=torch.long),
                 torch.arange(k + 1).expand(batch, k + 1).contiguous(),
                 torch.arange(batch, dtype=torch.long),
-                torch.zeros(batch, k + 1, hidden, dtype=dtype),
-                torch.ones(batch, dtype=torch.long),
-                torch.zeros(batch, k, vocab),
-                torch.ones(batch, 1),
+                extra,
             )
             for bucket in self.buckets
         ]
 
-    def forward(  # type: ignore[override]  # the speculator's inputs, not the core's
-        self,
-        pending_tokens: torch.Tensor,
-        pending_positions: torch.Tensor,
-        seq_ids: torch.Tensor,
-        pending_features: torch.Tensor,
-        pending_count: torch.Tensor,
-        noise: torch.Tensor,
-        inv_temperature: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        """One speculation step (see :meth:`EagleSpeculationPhase.forward`); the key width is
-        the smallest bucket holding every position this step writes."""
-        rows = pending_tokens.shape[0]
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
+        """One speculation step (see :meth:`EagleSpeculationPhase.forward`), its attention mask
+        all ones over the smallest bucket holding every position this step writes."""
+        rows = step.rows
         self.check_ready(rows)
         k_plus_two = self.speculation_length + 2  # the target writes up to base + k + 1
-        base = pending_positions.gather(1, (pending_count - 1)[:, None])
-        needed = int(torch.maximum(pending_positions[:, -1:] + 1, base + k_plus_two).max())
-        bucket = self.bucket_for(needed)
-        mask = torch.ones(rows, bucket, dtype=torch.long)
-        return self._run(
-            rows,
-            seq_ids,
-            pending_tokens,
-            mask,
-            pending_positions,
-            pending_features,
-            pending_count,
-            noise,
-            inv_temperature,
-        )
+        positions, count = step.position_ids, step["pending_count"]
+        base = positions.gather(1, (count - 1)[:, None])
+        needed = int(torch.maximum(positions[:, -1:] + 1, base + k_plus_two).max())
+        mask = torch.ones(rows, self.bucket_for(needed), dtype=torch.long)
+        return self.run_padded(rows, step.replace(attention_mask=mask))
+
+
+def add_submodels(context: Any) -> list[ModelWrapper]:
+    """The ``add_submodels`` callback: the two fused phases."""
+    return [
+        EagleContextWrapper(context.config, context.model_cls),
+        EagleSpeculationWrapper(context.config, context.model_cls),
+    ]

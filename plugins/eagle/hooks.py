@@ -13,25 +13,15 @@ sampled, whose output is the target's. The ``eagle-draft`` feature only declares
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
 
 from nxdplug.hookspecs import hookimpl
 from nxdplug.types import Feature, SpeculationMode, StateDictConverter
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from nxdplug.config import InferenceConfig
-    from nxdplug.runtime.model_wrapper import ModelWrapper
 
 NXDPLUG_API_VERSION = 1
 
 ENABLED_BY = ("enable_fused_speculation", "enable_eagle_speculation")
 DRAFT = ("is_eagle_draft",)
-
-
-def _is_target(config: InferenceConfig) -> bool:
-    return not config.neuron_config.is_eagle_draft
+PACKAGE = "nxdplug.plugins.eagle"
 
 
 @hookimpl
@@ -41,6 +31,9 @@ def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
         implementation="nxdplug.plugins.eagle.speculator:EagleSpeculator",
         enabled_by=ENABLED_BY,
         disabled_by=DRAFT,
+        validate=f"{PACKAGE}.validation:validate",
+        transform_model=f"{PACKAGE}.draft:add_draft",
+        add_submodels=f"{PACKAGE}.fused:add_submodels",
         description="EAGLE-1 draft fused with the target: k drafts and their check in one graph",
     )
 
@@ -64,33 +57,3 @@ def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
         order=50,
         description="the EAGLE draft checkpoint, under eagle_draft.",
     )
-
-
-# The pipeline hooks below run only for configs that enable eagle or eagle-draft.
-
-
-@hookimpl
-def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
-    from nxdplug.plugins.eagle.validation import eagle_config_problems
-
-    return list(eagle_config_problems(config)) if _is_target(config) else []
-
-
-@hookimpl
-def nxdplug_transform_model(model: nn.Module, config: InferenceConfig) -> None:
-    from nxdplug.plugins.eagle.draft import EagleDraftModel
-
-    if _is_target(config):
-        model.eagle_draft = EagleDraftModel(config.fused_spec_config.draft_config, config)
-
-
-@hookimpl
-def nxdplug_add_submodels(application: Any, config: InferenceConfig) -> Iterable[ModelWrapper]:
-    from nxdplug.plugins.eagle.fused import EagleContextWrapper, EagleSpeculationWrapper
-
-    if not _is_target(config):
-        return []
-    return [
-        EagleContextWrapper(config, application._model_cls),
-        EagleSpeculationWrapper(config, application._model_cls),
-    ]

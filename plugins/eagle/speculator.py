@@ -38,6 +38,7 @@ from nxdplug.runtime.speculation import (
     greedy_acceptance,
     rejection_acceptance,
 )
+from nxdplug.runtime.step import StepInputs
 
 
 def gumbel_noise(shape: tuple[int, ...]) -> torch.Tensor:
@@ -77,7 +78,7 @@ class EagleSpeculator:
         if request.max_new_tokens <= 0:
             return rows.sequences(request.input_ids)
 
-        logits, feature = self.context(tokens, mask, positions, seq_ids)
+        logits, feature = self.context(StepInputs(tokens, mask, positions, seq_ids))
         first = request.choice.choose(logits[:, -1])
         rows.commit(first[:, None], torch.ones(batch, dtype=torch.long))
 
@@ -94,15 +95,19 @@ class EagleSpeculator:
             noise = (
                 gumbel_noise(noise_shape) if request.choice.do_sample else torch.zeros(noise_shape)
             )
-            drafts, draft_logits, target_logits, features = self.speculation(
+            step = StepInputs(
                 pending_tokens,
+                torch.ones_like(pending_tokens),  # the wrapper widens it to the bucket
                 pending_positions,
                 seq_ids,
-                pending_features,
-                pending_count,
-                noise,
-                inv_temperature,
+                {
+                    "pending_features": pending_features,
+                    "pending_count": pending_count,
+                    "draft_noise": noise,
+                    "inv_temperature": inv_temperature,
+                },
             )
+            drafts, draft_logits, target_logits, features = self.speculation(step)
             new_tokens, counts = self._accept(
                 request.choice, drafts, draft_logits, target_logits, inv_temperature
             )

@@ -16,9 +16,27 @@ from typing import Any
 GUIDE = "see the feature guide's Fused Speculation example"
 
 
+def validate(context: Any) -> list[str]:
+    """The ``validate`` callback of the ``eagle`` speculation mode."""
+    return list(eagle_config_problems(context.config))
+
+
 def eagle_config_problems(config: Any) -> Iterator[str]:
     """Problems of a target config that enables fused speculation."""
     neuron_config = config.neuron_config
+    length = neuron_config.speculation_length
+    if neuron_config.enable_eagle_speculation:
+        if isinstance(length, int) and not isinstance(length, bool) and length < 1:
+            yield (
+                f"enable_eagle_speculation=True needs speculation_length 1 or more (it is {length})"
+            )
+        if not neuron_config.enable_fused_speculation:
+            yield (
+                "enable_eagle_speculation=True needs enable_fused_speculation=True: the EAGLE "
+                "draft runs fused with the target (leave enable_fused_speculation at its "
+                "default)"
+            )
+            return
     if not neuron_config.enable_eagle_speculation:
         yield (
             "enable_fused_speculation=True without enable_eagle_speculation fuses a plain LM "

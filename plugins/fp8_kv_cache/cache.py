@@ -104,3 +104,22 @@ def scale_table(per_layer: Sequence[Any], num_heads: int) -> torch.Tensor:
 def cache_bytes(kv_mgr: nn.Module) -> int:
     """Bytes held by a KV-cache manager's buffers: keys, values and any scales."""
     return sum(buffer.numel() * buffer.element_size() for buffer in kv_mgr.buffers())
+
+
+def apply_config_scales(model: nn.Module, context: Any) -> None:
+    """The ``transform_model`` callback: the config's scales into the model's fp8 cache (it
+    starts with scale 1)."""
+    from nxdplug.errors import NotSupportedError
+    from nxdplug.plugins.fp8_kv_cache.scales import SCALES
+
+    scales = getattr(context.neuron_config, SCALES, None)
+    kv_mgr = getattr(model, "kv_mgr", None)
+    if scales is None or kv_mgr is None:
+        return
+    if not isinstance(kv_mgr, Fp8KVCache):
+        raise NotSupportedError(
+            f"{SCALES} is set but {type(model).__name__} built a {type(kv_mgr).__name__} "
+            "cache rather than the fp8 one kv_cache_quant selects; unset kv_cache_scales"
+        )
+    heads = kv_mgr.layout.num_kv_heads
+    kv_mgr.set_scales(scale_table(scales["k"], heads), scale_table(scales["v"], heads))

@@ -81,3 +81,23 @@ def scale_problems(scales: Any, granularity: Any, num_layers: int, num_heads: in
             name = f"{SCALES}[{tensor!r}][{layer}]"
             problems += _entry_problems(name, entry, granularity, num_heads)
     return problems
+
+
+def validate(context: Any) -> list[str]:
+    """The ``validate`` callback: the scale settings against the model's layers and K/V heads.
+
+    NxD Inference also asks for ``XLA_HANDLE_SPECIAL_SCALAR=1`` with ``kv_cache_quant``; that
+    is a Neuron (XLA) runtime setting, so it is not required here on the CPU: checking it
+    belongs to the neuron backend plugin.
+    """
+    from nxdplug.errors import ConfigError
+    from nxdplug.modules.attention import attention_head_counts
+
+    config = context.config
+    scales = getattr(config.neuron_config, SCALES, None)
+    granularity = getattr(config.neuron_config, GRANULARITY, DEFAULT_GRANULARITY)
+    try:
+        num_kv_heads = attention_head_counts(config)[1]
+    except ConfigError:  # the head counts themselves are wrong: the core rules report that
+        return scale_problems(None, granularity, 0, 0)
+    return scale_problems(scales, granularity, config.num_hidden_layers, num_kv_heads)

@@ -16,15 +16,9 @@ hands greedy generation to. The core token-generation model is neither needed no
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
 
 from nxdplug.hookspecs import hookimpl
 from nxdplug.types import Feature, SpeculationMode, StateDictConverter
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from nxdplug.config import InferenceConfig
 
 NXDPLUG_API_VERSION = 1
 
@@ -32,6 +26,7 @@ ENABLED_BY = ("is_medusa",)
 # ResBlocks per head: not an NxD Inference attribute (its heads have one, as Medusa-1 releases).
 LAYERS_SETTING = "medusa_num_layers"
 DEFAULT_LAYERS = 1
+PIPELINE = "nxdplug.plugins.medusa.pipeline"
 
 
 @hookimpl
@@ -40,6 +35,9 @@ def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
         name="medusa",
         implementation="nxdplug.plugins.medusa.speculator:MedusaSpeculator",
         enabled_by=ENABLED_BY,
+        validate=f"{PIPELINE}:validate",
+        transform_model=f"{PIPELINE}:add_heads",
+        add_submodels=f"{PIPELINE}:add_submodels",
         description="Medusa heads propose a tree of tokens; the target verifies it in one call",
     )
 
@@ -63,50 +61,3 @@ def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
         order=90,
         description="add the Medusa heads file beside the checkpoint as medusa_head.{i}.*",
     )
-
-
-# The pipeline hooks below run only for configs that enable Medusa.
-
-
-@hookimpl
-def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
-    from nxdplug.plugins.medusa.tree import tree_problems
-
-    neuron_config = config.neuron_config
-    problems = tree_problems(
-        neuron_config.medusa_tree,
-        neuron_config.num_medusa_heads,
-        neuron_config.medusa_speculation_length,
-        getattr(config, "vocab_size", None),
-    )
-    layers = getattr(neuron_config, LAYERS_SETTING, DEFAULT_LAYERS)
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 0:
-        problems.append(f"{LAYERS_SETTING} is {layers!r}; give the ResBlocks per head (>= 0)")
-    return problems
-
-
-@hookimpl
-def nxdplug_transform_model(model: nn.Module, config: InferenceConfig) -> None:
-    """Give the model its heads (``model.medusa_head``), filled from the state dict."""
-    from nxdplug.plugins.medusa.heads import HEADS_ATTRIBUTE, medusa_heads, num_layers
-
-    heads = medusa_heads(
-        config.neuron_config.num_medusa_heads,
-        num_layers(config),
-        config.hidden_size,
-        config.vocab_size,
-    )
-    setattr(model, HEADS_ATTRIBUTE, heads)
-
-
-@hookimpl
-def nxdplug_add_submodels(application: Any, config: InferenceConfig) -> Iterable[Any]:
-    from nxdplug.plugins.medusa.submodels import MedusaContextWrapper, MedusaTreeWrapper
-    from nxdplug.plugins.medusa.tree import MedusaTree
-
-    tree = MedusaTree(config.neuron_config.medusa_tree)
-    model_cls = application._model_cls
-    return [
-        MedusaContextWrapper(config, model_cls, tree),
-        MedusaTreeWrapper(config, model_cls, tree),
-    ]

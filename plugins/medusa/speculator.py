@@ -30,6 +30,7 @@ from nxdplug.errors import NotSupportedError, NxdPlugError
 from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_SPECULATION_TAG
 from nxdplug.runtime.application import compact_left, positions_from_mask
 from nxdplug.runtime.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest
+from nxdplug.runtime.step import StepInputs
 
 
 class MedusaSpeculator:
@@ -70,13 +71,13 @@ class MedusaSpeculator:
         app.reset()
         batch = tokens.shape[0]
         seq_ids = torch.arange(batch)
-        base_logits, top = self.context(tokens, mask, positions, seq_ids)
+        base_logits, top = self.context(StepInputs(tokens, mask, positions, seq_ids))
         choose = request.choice.choose
         roots, top = choose(base_logits[:, -1]), top[:, -1]
         rows = GeneratedRows(
             batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id
         )
-        kv_mgr = app._model.kv_mgr
+        kv_mgr = app.loaded_model.kv_mgr
         steps = torch.arange(tree.max_depth + 1)
         while not rows.done:
             active = rows.active.nonzero().squeeze(-1)
@@ -84,7 +85,9 @@ class MedusaSpeculator:
             candidates = tree.candidates(roots[active], top[active])
             tree_mask = tree.attention_mask(prefix, int(prefix.max()) + tree.size)
             slots = prefix[:, None] + torch.arange(tree.size)
-            logits, node_top = self.verifier(candidates, tree_mask, slots, seq_ids[active])
+            logits, node_top = self.verifier(
+                StepInputs(candidates, tree_mask, slots, seq_ids[active])
+            )
             targets = choose(logits.flatten(0, 1)).view(logits.shape[:2])
             best, accepted = tree.accept(candidates, targets)
             path = tree.paths[best]

@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdplug.errors import NotSupportedError
 from nxdplug.plugins.medusa.tree import MedusaTree
 from nxdplug.runtime.model_base import last_token_states
 from nxdplug.runtime.model_wrapper import ModelWrapper
+from nxdplug.runtime.step import StepInputs
 
 MEDUSA_CONTEXT_TAG = "medusa_context_encoding_model"
 MEDUSA_SPECULATION_TAG = "medusa_speculation_model"
@@ -33,6 +35,19 @@ def head_candidates(model: nn.Module, hidden: torch.Tensor, top_k: int) -> torch
     """[batch, seq, heads, top_k] ids of each head's best tokens at ``hidden`` [batch, seq, h]."""
     logits = torch.stack([head(hidden) for head in model.medusa_head], dim=2)
     return logits.topk(top_k, dim=-1).indices
+
+
+def tree_attention(
+    model: nn.Module, tree_mask: torch.Tensor
+) -> tuple[dict[int | None, torch.Tensor], torch.Tensor]:
+    """The attention masks and rotary positions of tree nodes under a [batch, n, keys] mask:
+    each node sees its ancestors and the prefix, and its rotary position is the number of
+    earlier tokens it sees (its depth plus the prefix)."""
+    if {layer.self_attn.sliding_window for layer in model.layers} != {None}:
+        raise NotSupportedError(
+            "tree attention masks (Medusa) cannot be combined with sliding windows"
+        )
+    return {None: tree_mask[:, None].bool()}, tree_mask.long().sum(dim=-1) - 1
 
 
 class MedusaPhase(nn.Module):
@@ -46,22 +61,22 @@ class MedusaPhase(nn.Module):
         self.top_k = top_k
         self.last_token_only = last_token_only
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        seq_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model.hidden_states(input_ids, attention_mask, position_ids, seq_ids)
+    def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if self.last_token_only:
-            hidden = last_token_states(hidden, attention_mask)
+            hidden = self.model.hidden_states(step)
+            hidden = last_token_states(hidden, step.attention_mask)
+        else:
+            masks, rotary_positions = tree_attention(self.model, step.attention_mask)
+            hidden = self.model.hidden_states(step, masks, rotary_positions)
         return self.model.lm_head(hidden).float(), head_candidates(self.model, hidden, self.top_k)
 
 
 class MedusaContextWrapper(ModelWrapper):
     """Context-encoding buckets and batch size (``max_context_length``, ``ctx_batch_size``)
-    under its own tag, so it compiles beside the core context encoding."""
+    under its own tag, so it compiles beside the core context encoding. Medusa chooses tokens
+    on the host, so the phase takes no sampling inputs."""
+
+    takes_step_inputs = False
 
     def __init__(self, config: Any, model_cls: type[nn.Module], tree: MedusaTree) -> None:
         super().__init__(config, model_cls, tag=MEDUSA_CONTEXT_TAG, is_context_encoding=True)
@@ -70,29 +85,33 @@ class MedusaContextWrapper(ModelWrapper):
     def phase_module(self, model: nn.Module) -> nn.Module:
         return MedusaPhase(model, self.tree.top_k, last_token_only=True)
 
-    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
-        """The core's example prompts, without sampling inputs (Medusa chooses on the host)."""
-        return [example[:4] for example in super().input_generator()]
-
 
 class MedusaTreeWrapper(ModelWrapper):
-    """Verifies ``tree.size`` tokens per row with a [batch, n, bucket] mask."""
+    """Verifies ``tree.size`` tokens per row with a [batch, n, bucket] tree mask."""
+
+    takes_step_inputs = False
 
     def __init__(self, config: Any, model_cls: type[nn.Module], tree: MedusaTree) -> None:
         # tokens_per_step 0: only the speculator calls it (application.forward never routes here).
-        super().__init__(config, model_cls, tag=MEDUSA_SPECULATION_TAG, tokens_per_step=0)
+        super().__init__(
+            config,
+            model_cls,
+            tag=MEDUSA_SPECULATION_TAG,
+            tokens_per_step=0,
+            batch_size=config.neuron_config.spec_batch_size,
+        )
         self.tree = tree
 
     def phase_module(self, model: nn.Module) -> nn.Module:
         return MedusaPhase(model, self.tree.top_k, last_token_only=False)
 
-    def input_generator(self) -> list[tuple[torch.Tensor, ...]]:
+    def input_generator(self) -> list[StepInputs]:
         batch, n = self.batch_size, self.tree.size
         inputs = []
         for bucket in self.buckets:
             prefix = torch.full((batch,), bucket - n)
             inputs.append(
-                (
+                StepInputs(
                     torch.zeros(batch, n, dtype=torch.long),
                     self.tree.attention_mask(prefix, bucket),
                     (prefix[:, None] + torch.arange(n)).contiguous(),

@@ -2,7 +2,8 @@
 
 Written against torch-neuronx's documented ``trace`` API; torch-neuronx cannot be installed on
 the machines this project is developed on, so this backend is untested. Where torch-neuronx is
-missing, choosing it fails at once with what to install.
+missing, choosing it fails at once with what to install. NeuronConfig's NKI kernel switches
+belong here too (the ``nki-kernels`` feature): other backends refuse them.
 """
 
 from __future__ import annotations
@@ -10,9 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CompileBackend
+from nxdplug.types import CompileBackend, Feature
 
 NXDPLUG_API_VERSION = 1
+
+# The same names as in nxdplug.plugins.neuron_backend.kernels (this module imports no torch).
+CAPABILITY = "nki-kernels"
+KERNEL_FLAGS = (
+    "attn_kernel_enabled",
+    "qkv_kernel_enabled",
+    "mlp_kernel_enabled",
+    "quantized_mlp_kernel_enabled",
+    "rmsnorm_quantize_kernel_enabled",
+)
 
 
 @hookimpl
@@ -22,6 +33,16 @@ def nxdplug_compile_backends() -> Iterable[CompileBackend]:
         implementation="nxdplug.plugins.neuron_backend.backend:NeuronBackend",
         priority=100,
         tp_degrees=(1, 2, 4, 8, 16, 24, 32, 64),
-        capabilities={"nki-kernels"},
+        capabilities={CAPABILITY},
         description="torch-neuronx trace to NEFF (Trainium / Inferentia); untested here",
+    )
+
+
+@hookimpl
+def nxdplug_features() -> Iterable[Feature]:
+    yield Feature(
+        name="nki-kernels",
+        enabled_by=KERNEL_FLAGS,
+        validate="nxdplug.plugins.neuron_backend.kernels:validate",
+        description="Neuron (NKI) kernels: run by the neuron backend, refused by the others",
     )

@@ -11,15 +11,9 @@ on Neuron only; on the CPU nothing is needed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from nxdplug.hookspecs import hookimpl
 from nxdplug.types import Feature, QuantizationMethod, StateDictConverter
-
-if TYPE_CHECKING:
-    from torch import nn
-
-    from nxdplug.config import InferenceConfig
 
 NXDPLUG_API_VERSION = 1
 
@@ -54,6 +48,8 @@ def nxdplug_features() -> Iterable[Feature]:
     yield Feature(
         name="weight-quantization",
         enabled_by=("quantized",),
+        validate=f"{PACKAGE}.validation:validate",
+        transform_model=f"{PACKAGE}.layers:quantize_model",
         description="8-bit projection weights with float32 scales, dequantized per use",
     )
 
@@ -67,17 +63,3 @@ def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
         order=200,
         description="weight_scale to the layers' layout; 8-bit dtypes and granularity checked",
     )
-
-
-@hookimpl
-def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
-    from nxdplug.plugins.quantization.validation import quantization_problems
-
-    return list(quantization_problems(config))
-
-
-@hookimpl
-def nxdplug_transform_model(model: nn.Module, config: InferenceConfig) -> None:
-    from nxdplug.plugins.quantization.layers import quantize_linear_layers
-
-    quantize_linear_layers(model, config)

@@ -130,3 +130,8 @@ def quantize_linear_layers(model: nn.Module, config: Any) -> None:
         parent, _, attribute = name.rpartition(".")
         quantized = twin.like(module, dtype, has_row_scales(name, per_channel))
         setattr(model.get_submodule(parent), attribute, quantized)
+
+
+def quantize_model(model: nn.Module, context: Any) -> None:
+    """The ``transform_model`` callback: 8-bit layers in place of the projections."""
+    quantize_linear_layers(model, context.config)

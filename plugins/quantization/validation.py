@@ -15,9 +15,19 @@ from nxdplug.errors import CheckpointError
 SPECIAL_SCALAR_ENV = "XLA_HANDLE_SPECIAL_SCALAR"
 
 
+def validate(context: Any) -> list[str]:
+    """The ``validate`` callback of the weight-quantization feature."""
+    return list(quantization_problems(context.config))
+
+
 def quantization_problems(config: Any) -> Iterator[str]:
-    """What stops a quantized config from loading; the missing path itself is a core rule."""
+    """What stops a quantized config from loading."""
     neuron_config = config.neuron_config
+    if not neuron_config.quantized_checkpoints_path:
+        yield (
+            "quantized=True needs quantized_checkpoints_path (where the quantized weights are, "
+            "or will be saved by save_quantized_state_dict)"
+        )
     skip = neuron_config.modules_to_not_convert
     if skip is not None and (
         isinstance(skip, str) or not all(isinstance(entry, str) for entry in skip)

@@ -1,5 +1,6 @@
 """Samplers: greedy and multinomial on the host, and on-device sampling (a feature enabled by
-``on_device_sampling_config``, which puts the draw inside the model's graph)."""
+``on_device_sampling_config``, which puts the draw inside the model's graph: its per-row
+inputs are a step-input record, its tokens the model's output stage)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import Feature, Sampler
+from nxdplug.types import Feature, Sampler, StepInput
 
 NXDPLUG_API_VERSION = 1
+
+ENABLED_BY = ("on_device_sampling_config",)
+ON_DEVICE = "nxdplug.plugins.sampling.on_device"
 
 
 @hookimpl
@@ -30,25 +34,38 @@ def nxdplug_samplers() -> Iterable[Sampler]:
 def nxdplug_features() -> Iterable[Feature]:
     yield Feature(
         name="on-device-sampling",
-        enabled_by=("on_device_sampling_config",),
+        enabled_by=ENABLED_BY,
+        validate=f"{ON_DEVICE}:validate_on_device_sampling",
+        transform_model=f"{ON_DEVICE}:install_sampler",
         description="the graph samples (greedy, or temperature/top-k/top-p) and returns tokens",
     )
 
 
-# The pipeline hooks below run only for configs that enable on-device-sampling.
-
-
 @hookimpl
-def nxdplug_validate_config(config: Any) -> Iterable[str]:
-    from nxdplug.plugins.sampling.on_device import on_device_sampling_problems
-
-    return on_device_sampling_problems(
-        config.neuron_config.on_device_sampling_config, getattr(config, "vocab_size", None)
+def nxdplug_step_inputs() -> Iterable[StepInput]:
+    yield StepInput(
+        name="sampling-inputs",
+        enabled_by=ENABLED_BY,
+        builder=f"{ON_DEVICE}:SamplingInputs",
+        inputs=("sampling_params", "sampling_noise"),
+        keywords=("sampling_params",),
+        description="per-row (top_k, top_p, temperature) and the noise of the draw",
     )
 
 
-@hookimpl
-def nxdplug_transform_model(model: Any, config: Any) -> None:
-    from nxdplug.plugins.sampling.on_device import OnDeviceSampler
+# Runs only for configs that enable on-device-sampling.
 
-    model.sampler = OnDeviceSampler(config.neuron_config.on_device_sampling_config)
+
+@hookimpl
+def nxdplug_token_source(
+    context: Any,
+    generation_config: Any,
+    batch_size: int,
+    step_keywords: dict[str, Any],
+    generate_kwargs: dict[str, Any],
+) -> Any:
+    from nxdplug.plugins.sampling.generation import device_token_source
+
+    return device_token_source(
+        context, generation_config, batch_size, step_keywords, generate_kwargs
+    )

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
-from nxdplug.runtime.sampling import sampling_params_tensor
+from nxdplug.runtime.step import StepInputs
 
 DETERMINISTIC_SEED = 0
 _SMALLEST_NOISE = torch.finfo(torch.float32).tiny  # keeps -log(-log(u)) finite at u = 0
@@ -38,6 +38,19 @@ _SMALLEST_NOISE = torch.finfo(torch.float32).tiny  # keeps -log(-log(u)) finite 
 
 class SamplingParamsError(NxdPlugError, ValueError):
     """``sampling_params`` the model cannot honour; every refused row is named."""
+
+
+def sampling_params_tensor(
+    batch_size: int,
+    top_k: float,
+    top_p: float,
+    temperature: float,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """The ``sampling_params`` of ``batch_size`` requests with the same settings, [batch, 3]:
+    one row ``(top_k, top_p, temperature)`` each, NxD Inference's dynamic-sampling layout."""
+    row = torch.tensor([[top_k, top_p, temperature]], dtype=torch.float32, device=device)
+    return row.repeat(batch_size, 1)
 
 
 def candidate_scores(
@@ -93,10 +106,44 @@ def sampling_params_problems(
 
 
 class OnDeviceSampler(nn.Module):
-    """The model's ``sampler``: ``forward`` runs in the graph, the rest on the host."""
+    """The draw itself, inside the graph: [batch, vocab] logits -> [batch] token ids."""
 
     def __init__(self, sampling_config: Any) -> None:
         super().__init__()
+        self.do_sample = sampling_config.do_sample
+        self.global_topk = sampling_config.global_topk
+
+    def forward(
+        self, logits: torch.Tensor, sampling_params: torch.Tensor, sampling_noise: torch.Tensor
+    ) -> torch.Tensor:
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        scores, candidates = candidate_scores(logits, sampling_params, self.global_topk)
+        choice = gumbel_max(scores, sampling_noise)
+        return candidates.gather(-1, choice[:, None]).squeeze(-1)
+
+
+class SampledTokens(nn.Module):
+    """The model's output stage with on-device sampling: the token drawn at the last position,
+    [batch, 1], and the logits too with ``output_logits``."""
+
+    def __init__(self, sampler: OnDeviceSampler, output_logits: bool) -> None:
+        super().__init__()
+        self.sampler = sampler
+        self.output_logits = output_logits
+
+    def forward(self, logits: torch.Tensor, step: StepInputs) -> tuple[torch.Tensor, ...]:
+        tokens = self.sampler(logits[:, -1], step["sampling_params"], step["sampling_noise"])
+        return (tokens[:, None], logits) if self.output_logits else (tokens[:, None],)
+
+
+class SamplingInputs:
+    """The host side: each step's ``sampling_params`` [batch, 3] (the caller's rows, checked,
+    or the config's settings) and ``sampling_noise`` [batch, global_topk] from the sampler's
+    own generator."""
+
+    def __init__(self, config: Any) -> None:
+        sampling_config = config.neuron_config.on_device_sampling_config
         self.do_sample = sampling_config.do_sample
         self.dynamic = sampling_config.dynamic
         self.deterministic = sampling_config.deterministic
@@ -104,28 +151,26 @@ class OnDeviceSampler(nn.Module):
         self.defaults = (sampling_config.top_k, sampling_config.top_p, sampling_config.temperature)
         self.generator = torch.Generator()
 
-    def forward(
-        self, logits: torch.Tensor, sampling_params: torch.Tensor, sampling_noise: torch.Tensor
-    ) -> torch.Tensor:
-        """[batch, vocab] logits -> [batch] token ids."""
-        if not self.do_sample:
-            return logits.argmax(dim=-1)
-        scores, candidates = candidate_scores(logits, sampling_params, self.global_topk)
-        choice = gumbel_max(scores, sampling_noise)
-        return candidates.gather(-1, choice[:, None]).squeeze(-1)
+    def example(self, batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {
+            "sampling_params": sampling_params_tensor(batch_size, 1, 1.0, 1.0, device),
+            "sampling_noise": torch.full((batch_size, self.global_topk), 0.5, device=device),
+        }
 
-    def prepare(
-        self, batch_size: int, sampling_params: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(sampling_params, sampling_noise)`` for one step of ``batch_size`` rows."""
-        if sampling_params is None:
-            params = sampling_params_tensor(batch_size, *self.defaults)
+    def build(
+        self, batch_size: int, keywords: dict[str, Any], device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        given = keywords.get("sampling_params")
+        if given is None:
+            params = sampling_params_tensor(batch_size, *self.defaults, device=device)
         else:
-            params = self._checked(sampling_params, batch_size)
+            params = self._checked(given, batch_size).to(device)
         shape = (batch_size, self.global_topk)
-        if not self.do_sample:
-            return params, torch.zeros(shape)
-        return params, torch.rand(shape, generator=self.generator)
+        if self.do_sample:
+            noise = torch.rand(shape, generator=self.generator)
+        else:
+            noise = torch.zeros(shape)
+        return {"sampling_params": params, "sampling_noise": noise.to(device)}
 
     def reset(self) -> None:
         """Seed the generator: a fixed seed when deterministic, else one from torch's RNG."""
@@ -179,3 +224,18 @@ def on_device_sampling_problems(sampling_config: Any, vocab_size: Any) -> list[s
 
 def _is_whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_on_device_sampling(context: Any) -> list[str]:
+    """The ``validate`` callback of the on-device-sampling feature."""
+    config = context.config
+    return on_device_sampling_problems(
+        config.neuron_config.on_device_sampling_config, getattr(config, "vocab_size", None)
+    )
+
+
+def install_sampler(model: nn.Module, context: Any) -> None:
+    """The ``transform_model`` callback: the model returns sampled tokens."""
+    neuron_config = context.neuron_config
+    sampler = OnDeviceSampler(neuron_config.on_device_sampling_config)
+    model.output_stage = SampledTokens(sampler, neuron_config.output_logits)

@@ -1,0 +1,129 @@
+"""One step's inputs to a phase's graph, as one typed record.
+
+Every phase takes the core's four tensors; a feature adds per-row tensors of its own through a
+``step_inputs`` plugin record (:class:`nxdplug.types.StepInput`), which the core carries by
+name in ``extra`` without knowing what they mean. A compiled graph takes the same record
+flattened to positional tensors (:meth:`StepInputs.flatten`), in an order fixed per sub-model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+from nxdplug.errors import NxdPlugError
+
+CORE_FIELDS = ("input_ids", "attention_mask", "position_ids", "seq_ids")
+
+
+@attrs.frozen
+class StepInputs:
+    """The inputs of one step.
+
+    - ``input_ids`` [batch, seq]: the tokens of this step;
+    - ``attention_mask`` [batch, keys]: which cache positions 0..keys-1 hold valid tokens once
+      this step's tokens are written (its width is the bucket: it fixes how much cache is read,
+      and picks the compiled graph); a plugin's phase may give its own mask of the same width
+      (a tree mask [batch, seq, keys]) and interpret it itself;
+    - ``position_ids`` [batch, seq]: the cache position of each token;
+    - ``seq_ids`` [batch]: the cache row of each batch entry;
+    - ``extra``: the per-row tensors of the enabled step-input plugins, by name.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    seq_ids: torch.Tensor
+    extra: Mapping[str, torch.Tensor] = attrs.field(factory=dict)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """An extra input by name; a missing one says which inputs the step has."""
+        try:
+            return self.extra[name]
+        except KeyError:
+            have = ", ".join(self.extra) or "none"
+            raise NxdPlugError(
+                f"this step has no input {name!r} (its extra inputs: {have}); the plugin that "
+                "declares it is not enabled for this sub-model"
+            ) from None
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def flatten(self, extra_names: Sequence[str]) -> tuple[torch.Tensor, ...]:
+        """The core tensors, then the extra ones in ``extra_names`` order."""
+        return (
+            self.input_ids,
+            self.attention_mask,
+            self.position_ids,
+            self.seq_ids,
+            *(self[name] for name in extra_names),
+        )
+
+    @classmethod
+    def unflatten(cls, extra_names: Sequence[str], tensors: Sequence[torch.Tensor]) -> StepInputs:
+        """The inverse of :meth:`flatten`."""
+        core, extra = tensors[: len(CORE_FIELDS)], tensors[len(CORE_FIELDS) :]
+        return cls(*core, extra=dict(zip(extra_names, extra, strict=True)))
+
+    def replace(self, **changes: Any) -> StepInputs:
+        return attrs.evolve(self, **changes)
+
+    def map_rows(self, function: Callable[[torch.Tensor], torch.Tensor]) -> StepInputs:
+        """Every per-row tensor but ``seq_ids`` passed through ``function`` (padding rows,
+        dropping them)."""
+        return StepInputs(
+            function(self.input_ids),
+            function(self.attention_mask),
+            function(self.position_ids),
+            self.seq_ids,
+            {name: function(tensor) for name, tensor in self.extra.items()},
+        )
+
+
+def _flatten(step: StepInputs) -> tuple[list[torch.Tensor], tuple[str, ...]]:
+    names = tuple(step.extra)
+    return list(step.flatten(names)), names
+
+
+def _flatten_with_keys(step: StepInputs) -> tuple[list[tuple[Any, torch.Tensor]], tuple[str, ...]]:
+    tensors, names = _flatten(step)
+    keys = [*CORE_FIELDS, *names]
+    return [(pytree.MappingKey(key), t) for key, t in zip(keys, tensors, strict=True)], names
+
+
+def _unflatten(tensors: Any, names: tuple[str, ...]) -> StepInputs:
+    return StepInputs.unflatten(names, list(tensors))
+
+
+# A pytree node, so that torch.export traces a module taking a step as it is.
+pytree.register_pytree_node(
+    StepInputs,
+    _flatten,
+    _unflatten,
+    serialized_type_name="nxdplug.runtime.step.StepInputs",
+    flatten_with_keys_fn=_flatten_with_keys,
+)
+
+
+class StepInputBuilder(Protocol):
+    """The host side of a step-input plugin; built once per application with its config."""
+
+    def __init__(self, config: Any) -> None: ...
+
+    def example(self, batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Tensors of the graph's shapes ([batch_size, ...]) for tracing, by input name."""
+
+    def build(
+        self, batch_size: int, keywords: Mapping[str, Any], device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """This step's tensors, by input name, from the caller's keywords (those the record
+        declares; absent ones are missing from ``keywords``). Refuse what cannot be honoured."""
+
+    def reset(self) -> None:
+        """A new generation starts (reseed a generator, ...)."""

@@ -1,0 +1,53 @@
+"""NeuronConfig's NKI kernel switches: they mean something to the neuron backend only.
+
+The ``nki-kernels`` feature is enabled by any of them; its check reports the combinations the
+kernels need, and refuses the switches when the selected backend cannot run Neuron kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from nxdplug.plugins.neuron_backend.hooks import CAPABILITY, KERNEL_FLAGS
+
+
+def validate(context: Any) -> list[str]:
+    """The ``validate`` callback of the ``nki-kernels`` feature."""
+    return [*kernel_dependency_problems(context.neuron_config), *_backend_problems(context)]
+
+
+def kernel_dependency_problems(nc: Any) -> Iterator[str]:
+    """What each kernel needs of the rest of the config."""
+    bf16 = nc.torch_dtype == torch.bfloat16
+    dtype = str(nc.torch_dtype).removeprefix("torch.")
+    if nc.qkv_kernel_enabled and not nc.fused_qkv:
+        yield "qkv_kernel_enabled needs fused_qkv=True; set it, or disable the QKV kernel"
+    if nc.qkv_kernel_enabled and not bf16:
+        yield (
+            f"qkv_kernel_enabled needs torch_dtype bfloat16 (it is {dtype}); change the dtype "
+            "or disable the QKV kernel"
+        )
+    if nc.mlp_kernel_enabled and not bf16:
+        yield (
+            f"mlp_kernel_enabled needs torch_dtype bfloat16 (it is {dtype}); change the dtype "
+            "or disable the MLP kernel"
+        )
+    if nc.quantized_mlp_kernel_enabled and not nc.mlp_kernel_enabled:
+        yield "quantized_mlp_kernel_enabled needs mlp_kernel_enabled=True; set it too"
+    if nc.rmsnorm_quantize_kernel_enabled and not nc.quantized_mlp_kernel_enabled:
+        yield "rmsnorm_quantize_kernel_enabled needs quantized_mlp_kernel_enabled=True; set it too"
+
+
+def _backend_problems(context: Any) -> Iterator[str]:
+    backend = context.selection.compile_backend
+    if CAPABILITY in backend.capabilities:
+        return
+    for flag in KERNEL_FLAGS:
+        if getattr(context.neuron_config, flag, False):
+            yield (
+                f"{flag}=True selects a Neuron (NKI) kernel, which the {backend.name!r} backend "
+                f"cannot run; set {flag}=False or compile with the neuron backend"
+            )
