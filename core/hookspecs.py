@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from nxdplug.types import (
+    CliExtension,
     CompileBackend,
     ConfigLoader,
     Feature,
@@ -206,6 +207,26 @@ class ExecutionSpecs:
         """
 
 
+class CommandLineSpecs:
+    """What plugins add to the ``nxdplug`` command."""
+
+    @hookspec
+    def nxdplug_cli_extensions(self) -> Iterable[CliExtension]:
+        """Register command-line behaviour of a feature (options, config preparation, the
+        keywords it gives ``generate()``).
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_cli_extensions():
+                yield CliExtension(
+                    name="my-draft",
+                    implementation="my_pkg.cli:MyDraftCommandLine",
+                    enabled_by=("my_speculation",),
+                )
+        """
+
+
 class PipelineSpecs:
     """Hooks run by the pipeline, only for the plugins a config enables.
 
@@ -281,4 +302,4 @@ class PipelineSpecs:
         """
 
 
-SPEC_CLASSES = (ModelSpecs, NumericsSpecs, ExecutionSpecs, PipelineSpecs)
+SPEC_CLASSES = (ModelSpecs, NumericsSpecs, ExecutionSpecs, CommandLineSpecs, PipelineSpecs)

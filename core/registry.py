@@ -19,6 +19,7 @@ import attrs
 from nxdplug.errors import PluginError, UnknownNameError
 from nxdplug.manager import NxdPlugPluginManager, get_plugin_manager
 from nxdplug.types import (
+    CliExtension,
     CompileBackend,
     ConfigLoader,
     Feature,
@@ -71,6 +72,7 @@ KINDS: dict[str, Kind] = {
         Kind("step_inputs", "nxdplug_step_inputs", StepInput, "step input"),
         Kind("features", "nxdplug_features", Feature, "feature"),
         Kind("compile_backends", "nxdplug_compile_backends", CompileBackend, "compile backend"),
+        Kind("cli_extensions", "nxdplug_cli_extensions", CliExtension, "command-line extension"),
     )
 }
 

@@ -204,6 +204,21 @@ class StepInput(SelectableRecord):
 
 
 @attrs.frozen(kw_only=True)
+class CliExtension(SelectableRecord):
+    """What a feature adds to the ``nxdplug`` commands named in ``commands``.
+
+    ``implementation`` is a class built with no arguments that follows
+    :class:`nxdplug.cli.extensions.CommandLineExtension`: its ``add_arguments`` runs for every
+    installed record (before a config exists); the rest only while the config enables the
+    record (``enabled_by``), e.g. to put a draft checkpoint into the config, or to pass a draft
+    application to ``generate()``.
+    """
+
+    implementation: str = _ref_field()
+    commands: tuple[str, ...] = attrs.field(default=("run", "benchmark"), converter=_str_tuple)
+
+
+@attrs.frozen(kw_only=True)
 class Feature(SelectableRecord):
     """A feature a config switches on, with what it needs and what it cannot be combined with.
 

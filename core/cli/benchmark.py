@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nxdplug.cli import extensions
 from nxdplug.cli.inference import add_compiled_model_options, inference_config, load_model
 from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
 from nxdplug.cli.speculation import (
     add_speculation_options,
-    generate_keywords,
     plain_application,
-    prepare_speculation,
+    refuse_unused_draft,
 )
 from nxdplug.errors import NxdPlugError
 
@@ -65,6 +65,7 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     add_compiled_model_options(parser, required=False)
     add_speculation_options(parser)
     add_neuron_config_options(parser)
+    extensions.add_extension_arguments(parser, "benchmark")
 
 
 def benchmark_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -132,7 +133,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     dtype_name = str(dtype).removeprefix("torch.")
 
     progress(f"loading {args.model_path} ({dtype_name}, batch {batch_size})")
-    prepare_speculation(args, config)
+    refuse_unused_draft(args, config)
+    extensions.prepare_config(args, config)
     model = load_model(args, config)
 
     input_ids = _prompts(args, config.vocab_size, batch_size)
@@ -210,7 +212,7 @@ def _benchmark_speculation(
 
     from nxdplug.benchmark import measurements as benchmark
 
-    kwargs = generate_keywords(args, model)
+    kwargs = extensions.generate_keywords(args, model)
     if args.prompt_lookup_num_tokens:
         kwargs["prompt_lookup_num_tokens"] = args.prompt_lookup_num_tokens
     proposer = (
@@ -252,27 +254,23 @@ def _benchmark_speculation(
 
 
 def _hf_speculation(args: argparse.Namespace, model: Any, batch_size: int) -> tuple[Any, dict]:
-    """HF transformers' model and ``generate()`` keywords for the same speculation: assisted
-    generation with the draft checkpoint (k tokens per round, constant, no confidence cut), or
-    prompt lookup. HF has no Medusa or EAGLE decoding, and speculates at batch 1 only."""
+    """HF transformers' model and ``generate()`` keywords for the same speculation, from the
+    speculation plugin's command-line extension; HF speculates at batch 1 only."""
     mode = model.plugins.speculation_mode.name
-    if mode != "draft-model":
-        raise NxdPlugError(
-            f"--compare-hf: HF transformers has no {mode} decoding to compare with; leave out "
-            "--compare-hf (the benchmark compares with the target without speculation)"
-        )
     if batch_size != 1:
         raise NxdPlugError(
             "--compare-hf with speculation needs --batch-size 1: HF transformers' assisted "
             "generation takes one sequence"
         )
     dtype = model.neuron_config.torch_dtype
-    hf_model = _load_hf_model(args.model_path, dtype, quiet=args.quiet)
-    k = model.neuron_config.speculation_length
-    if args.prompt_lookup_num_tokens:
-        return hf_model, {"prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}
-    draft = _load_hf_model(args.draft_model_path, dtype, quiet=args.quiet)
-    draft.generation_config.num_assistant_tokens = k
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
-    return hf_model, {"assistant_model": draft}
+
+    def load(path: Path) -> Any:
+        return _load_hf_model(path, dtype, quiet=args.quiet)
+
+    comparison = extensions.hf_comparison(args, model, load)
+    if comparison is None:
+        raise NxdPlugError(
+            f"--compare-hf: HF transformers has no {mode} decoding to compare with; leave out "
+            "--compare-hf (the benchmark compares with the target without speculation)"
+        )
+    return comparison

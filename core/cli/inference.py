@@ -12,18 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nxdplug.cli import extensions
 from nxdplug.cli.options import (
     add_neuron_config_options,
     add_sampling_options,
     neuron_config_kwargs,
     sampling_kwargs,
 )
-from nxdplug.cli.speculation import (
-    acceptance_line,
-    add_speculation_options,
-    generate_keywords,
-    prepare_speculation,
-)
+from nxdplug.cli.speculation import acceptance_line, add_speculation_options, refuse_unused_draft
 from nxdplug.errors import NxdPlugError
 
 
@@ -111,6 +107,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     add_speculation_options(parser)
     add_neuron_config_options(parser)
     add_sampling_options(parser)
+    extensions.add_extension_arguments(parser, "run")
 
 
 def _tokenizer(model_path: Path, padding_side: str) -> Any:
@@ -201,14 +198,15 @@ def run_run(args: argparse.Namespace) -> int:
     if seed is not None:
         torch.manual_seed(seed)
 
-    prepare_speculation(args, config)
+    refuse_unused_draft(args, config)
+    extensions.prepare_config(args, config)
     model = load_model(args, config)
     if args.check_accuracy_mode == "logit-matching" and model.plugins.speculation_mode:
         raise NxdPlugError(
             "--check-accuracy-mode logit-matching compares one token per step, which a "
             "speculating model does not compute; use token-matching"
         )
-    generation |= generate_keywords(args, model)
+    generation |= extensions.generate_keywords(args, model)
     tokenizer = _tokenizer(args.model_path, config.neuron_config.padding_side)
     batch = tokenizer(args.prompts, return_tensors="pt", padding=True)
 

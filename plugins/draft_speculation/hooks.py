@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import SpeculationMode
+from nxdplug.types import CliExtension, SpeculationMode
 
 NXDPLUG_API_VERSION = 1
 
@@ -26,4 +26,15 @@ def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
         validate="nxdplug.plugins.draft_speculation.submodel:validate",
         add_submodels="nxdplug.plugins.draft_speculation.submodel:add_submodels",
         description="k tokens from a draft model or prompt lookup, verified in one target call",
+    )
+
+
+@hookimpl
+def nxdplug_cli_extensions() -> Iterable[CliExtension]:
+    yield CliExtension(
+        name="draft-model",
+        implementation="nxdplug.plugins.draft_speculation.cli:DraftModelCommandLine",
+        enabled_by=("speculation_length",),
+        disabled_by=("enable_fused_speculation",),
+        description="--draft-model-path drafts with a second application",
     )

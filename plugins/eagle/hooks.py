@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import Feature, SpeculationMode, StateDictConverter
+from nxdplug.types import CliExtension, Feature, SpeculationMode, StateDictConverter
 
 NXDPLUG_API_VERSION = 1
 
@@ -56,4 +56,15 @@ def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
         disabled_by=DRAFT,
         order=50,
         description="the EAGLE draft checkpoint, under eagle_draft.",
+    )
+
+
+@hookimpl
+def nxdplug_cli_extensions() -> Iterable[CliExtension]:
+    yield CliExtension(
+        name="eagle",
+        implementation=f"{PACKAGE}.cli:EagleCommandLine",
+        enabled_by=ENABLED_BY,
+        disabled_by=DRAFT,
+        description="--draft-model-path is the EAGLE draft, fused into the target's config",
     )

@@ -1,0 +1,70 @@
+"""The command line's side of feature plugins: ``cli_extensions`` records.
+
+Every installed extension may add options to the commands it names; once a config exists, the
+extensions it enables prepare it (before the model is built), add ``generate()`` keywords, and
+offer the HF transformers run the benchmark compares with.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from nxdplug.registry import get_registry
+
+
+class CommandLineExtension(Protocol):
+    """The implementation of a ``CliExtension`` record (built with no arguments)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser, command: str) -> None:
+        """Options of this feature for ``command`` (every installed extension's run)."""
+
+    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
+        """Change the config from the options, before the model is built."""
+
+    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
+        """Keywords for ``generate()`` (a draft application, ...)."""
+
+    def hf_comparison(
+        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
+    ) -> tuple[Any, dict[str, Any]] | None:
+        """HF transformers' model and ``generate()`` keywords doing what this feature does, for
+        ``benchmark --compare-hf``; None when HF has no equivalent. ``load_hf_model(path)``
+        loads a checkpoint in the model's dtype."""
+
+
+def add_extension_arguments(parser: argparse.ArgumentParser, command: str) -> None:
+    for record in get_registry().records("cli_extensions"):
+        if command in record.commands:
+            record.load("implementation")().add_arguments(parser, command)
+
+
+def enabled_extensions(config: Any) -> Iterator[CommandLineExtension]:
+    """The extensions ``config`` enables, built."""
+    for record in get_registry().records("cli_extensions"):
+        if record.is_enabled_by(config.neuron_config):
+            yield record.load("implementation")()
+
+
+def prepare_config(args: argparse.Namespace, config: Any) -> None:
+    for extension in enabled_extensions(config):
+        extension.prepare_config(args, config)
+
+
+def generate_keywords(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    keywords: dict[str, Any] = {}
+    for extension in enabled_extensions(model.config):
+        keywords |= extension.generate_keywords(args, model)
+    return keywords
+
+
+def hf_comparison(
+    args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
+) -> tuple[Any, dict[str, Any]] | None:
+    """The first enabled extension's HF equivalent, if any offers one."""
+    for extension in enabled_extensions(model.config):
+        comparison = extension.hf_comparison(args, model, load_hf_model)
+        if comparison is not None:
+            return comparison
+    return None
