@@ -159,6 +159,14 @@ class QuantizationMethod(PluginRecord):
     granularity: str = attrs.field(validator=attrs.validators.in_(("per_tensor", "per_channel")))
     implementation: str = _ref_field()
 
+    @staticmethod
+    def name_for(neuron_config: Any) -> str:
+        """The name of the method a NeuronConfig's ``quantization_dtype`` and
+        ``quantization_type`` select (``int8``, ``per_channel_symmetric``: ``int8-per_channel``).
+        """
+        granularity = neuron_config.quantization_type.removesuffix("_symmetric")
+        return f"{neuron_config.quantization_dtype}-{granularity}"
+
 
 @attrs.frozen(kw_only=True)
 class Sampler(PluginRecord):
@@ -224,11 +232,15 @@ class Feature(SelectableRecord):
 
     ``settings`` are the extra NeuronConfig attributes the feature owns, with their defaults, so
     that a config naming them is not reported as having unknown attributes.
+    ``runtime_settings`` name (dotted, within NeuronConfig) the settings whose values reach the
+    graphs as step inputs rather than shaping them: a compiled folder is reused whatever they
+    are (``on_device_sampling_config.top_k``).
     """
 
     requires: tuple[str, ...] = _names_field()
     conflicts_with: tuple[str, ...] = _names_field()
     settings: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, hash=False)
+    runtime_settings: tuple[str, ...] = _names_field()
 
 
 @attrs.frozen(kw_only=True)

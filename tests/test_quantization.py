@@ -51,8 +51,9 @@ from nxdplug.plugins.quantization.layers import (
 )
 from nxdplug.plugins.quantization.memory import weight_memory
 from nxdplug.plugins.quantization.methods import dequantize_weight, quantize_weight
-from nxdplug.runtime.application import quantization_method
+from nxdplug.registry import get_registry
 from nxdplug.testing import teacher_forced_logits
+from nxdplug.types import QuantizationMethod
 
 MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 PYCODER = MODELS / "pycoder-tiny"
@@ -176,7 +177,8 @@ def test_the_six_methods_are_registered_and_selected_by_the_config(plugin_manage
             config = tiny_config(
                 quantization_dtype=dtype, quantization_type=f"{granularity}_symmetric"
             )
-            record = quantization_method(config)
+            name = QuantizationMethod.name_for(config.neuron_config)
+            record = get_registry().get("quantization_methods", name)
             assert (record.name, record.dtype, record.granularity) == (
                 f"{dtype}-{granularity}",
                 dtype,

@@ -27,6 +27,7 @@ import attrs
 
 from nxdplug.checkpoint.atomic_folders import staged_folder
 from nxdplug.errors import NxdPlugError
+from nxdplug.registry import get_registry
 
 MANIFEST = "manifest.json"
 CONFIG_FILE = "neuron_config.json"
@@ -64,23 +65,30 @@ def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-# On-device sampling settings the host turns into graph inputs (sampling_params, the noise).
-SAMPLING_INPUT_SETTINGS = frozenset({"top_k", "top_p", "temperature", "deterministic"})
+def _without(values: Mapping[str, Any], dotted: str) -> dict[str, Any]:
+    """``values`` (nested dicts) without the entry at the dotted path, if it is there."""
+    head, _, rest = dotted.partition(".")
+    kept = dict(values)
+    if not rest:
+        kept.pop(head, None)
+    elif isinstance(kept.get(head), Mapping):
+        kept[head] = _without(kept[head], rest)
+    return kept
 
 
 def graph_shaping_config(config_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """The parts of a config (as ``to_dict()`` gives it) that shape the compiled graphs."""
+    """The parts of a config (as ``to_dict()`` gives it) that shape the compiled graphs: not
+    its provenance, the runtime-only attributes, nor the settings features declare as reaching
+    the graphs as inputs (``Feature.runtime_settings``)."""
     shaping = {k: v for k, v in config_dict.items() if k not in PROVENANCE_ATTRIBUTES}
     neuron = {
         k: v
         for k, v in dict(shaping.get("neuron_config", {})).items()
         if k not in RUNTIME_ONLY_ATTRIBUTES
     }
-    sampling = neuron.get("on_device_sampling_config")
-    if isinstance(sampling, Mapping):
-        neuron["on_device_sampling_config"] = {
-            k: v for k, v in sampling.items() if k not in SAMPLING_INPUT_SETTINGS
-        }
+    for feature in get_registry().records("features"):
+        for dotted in feature.runtime_settings:
+            neuron = _without(neuron, dotted)
     shaping["neuron_config"] = neuron
     return shaping
 

@@ -220,7 +220,7 @@ def _sampling(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
         )
 
 
-def _lora(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+def _lora_config(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
     lora = nc.lora_config
     if lora is not None and (not _is_int(lora.max_loras) or lora.max_loras < 1):
         yield f"lora_config.max_loras is {lora.max_loras!r}; it must be a whole number, 1 or more"
@@ -234,5 +234,5 @@ RULES: tuple[Rule, ...] = (
     _tensor_parallel,
     _buckets,
     _sampling,
-    _lora,
+    _lora_config,
 )

@@ -49,7 +49,7 @@ from nxdplug.runtime.model_wrapper import (
 from nxdplug.runtime.speculation import AcceptanceStats
 from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
-from nxdplug.types import ModelArchitecture
+from nxdplug.types import ModelArchitecture, QuantizationMethod
 
 
 @dataclass
@@ -62,14 +62,6 @@ class CausalLMOutputWithTokens(CausalLMOutputWithPast):
     """
 
     tokens: torch.LongTensor | None = None
-
-
-def quantization_method(config: InferenceConfig) -> Any:
-    """The ``quantization_methods`` record for the config's dtype and granularity."""
-    neuron_config = config.neuron_config
-    granularity = neuron_config.quantization_type.removesuffix("_symmetric")
-    name = f"{neuron_config.quantization_dtype}-{granularity}"
-    return get_registry().get("quantization_methods", name)
 
 
 class NeuronApplicationBase(nn.Module):
@@ -215,9 +207,10 @@ class NeuronApplicationBase(nn.Module):
         The method is the ``quantization_methods`` record called
         ``<quantization_dtype>-<per_tensor|per_channel>`` (e.g. ``int8-per_channel``).
         """
-        quantizer = quantization_method(config).load("implementation")()
+        name = QuantizationMethod.name_for(config.neuron_config)
+        method = get_registry().get("quantization_methods", name).load("implementation")()
         state_dict = load_state_dict(model_path, dtype=torch.float32)
-        return quantizer.quantize_state_dict(state_dict, config)
+        return method.quantize_state_dict(state_dict, config)
 
     @classmethod
     def prepare_quantized_state_dict(cls, hf_model_quant: nn.Module) -> dict[str, torch.Tensor]:

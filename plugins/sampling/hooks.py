@@ -37,6 +37,11 @@ def nxdplug_features() -> Iterable[Feature]:
         enabled_by=ENABLED_BY,
         validate=f"{ON_DEVICE}:validate_on_device_sampling",
         transform_model=f"{ON_DEVICE}:install_sampler",
+        # The host turns these into graph inputs (sampling_params, the noise's seed).
+        runtime_settings=tuple(
+            f"on_device_sampling_config.{name}"
+            for name in ("top_k", "top_p", "temperature", "deterministic")
+        ),
         description="the graph samples (greedy, or temperature/top-k/top-p) and returns tokens",
     )
 

@@ -1,0 +1,152 @@
+"""The core stays small: it imports no plugin or model, and names features only by the NxD
+Inference attribute and API names the reference documents (or by its own extension points)."""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from nxdplug import hookspecs
+from nxdplug.registry import KINDS
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ROOT / "core"
+REFERENCE = ROOT.parent / "shared" / "reference"
+OUTSIDE_CORE = ("nxdplug.plugins", "nxdplug.contrib_models")
+
+# Feature names: a core identifier or string word holding one of these is a feature's logic
+# leaking into core, unless the reference documents the name.
+FEATURE_WORDS = re.compile(
+    r"medusa|eagle|lora|quant|fp8|float8|f8e4m3|f8e5m2|int8|moe|expert|on_device|on-device",
+    re.IGNORECASE,
+)
+# Names of the contract of an extension point the core defines (the quantization-methods
+# record's implementation is asked for quantize_state_dict, as NxD Inference names it).
+EXTENSION_CONTRACT = {"quantize_state_dict"}
+
+
+def core_files() -> list[Path]:
+    return sorted(CORE.rglob("*.py"))
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append((node.lineno, node.module))
+            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [(node.lineno, ref) for ref in re.findall(r"nxdplug\.[\w.]+", node.value)]
+    return found
+
+
+def test_core_imports_no_plugin_and_no_model() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} {module}"
+        for path in core_files()
+        for line, module in imported_modules(path)
+        if module.startswith(OUTSIDE_CORE)
+    ]
+    assert offenders == []
+
+
+def documented_names() -> set[str]:
+    """Code names of the reference: ``literals`` and identifiers (snake_case, CamelCase), not
+    prose words; and the fields of the config classes, which declare NxD Inference's
+    attributes."""
+    text = "".join(p.read_text(errors="replace") for p in sorted(REFERENCE.glob("*")))
+    literals = {w for lit in re.findall(r"``([^`]+)``", text) for w in re.findall(r"\w+", lit)}
+    identifiers = {w for w in re.findall(r"[A-Za-z_]\w*", text) if re.search(r"_|[a-z][A-Z]", w)}
+    return literals | identifiers | config_fields()
+
+
+def config_fields() -> set[str]:
+    import nxdplug.config
+
+    classes = [v for v in vars(nxdplug.config).values() if isinstance(v, type) and attrs.has(v)]
+    modules = {path.stem for path in (CORE / "config").glob("*.py")}
+    return modules | {field.name for cls in classes for field in attrs.fields(cls)}
+
+
+def extension_point_names() -> set[str]:
+    """The hooks, registry kinds and record classes the core itself defines."""
+    names = {kind.name for kind in KINDS.values()} | {kind.hook for kind in KINDS.values()}
+    names |= {kind.record_type.__name__ for kind in KINDS.values()}
+    return names | {name for cls in hookspecs.SPEC_CLASSES for name in vars(cls)}
+
+
+def torch_names() -> set[str]:
+    """torch's dtypes and tensor attributes, which checkpoint code reads by name."""
+    dtypes = {
+        str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.dtype)
+    }
+    return dtypes | set(dir(torch.Tensor))
+
+
+def code_words(path: Path) -> list[tuple[int, str]]:
+    """Identifiers, and string literals that are names (attribute names, keys, references),
+    without comments, docstrings and messages."""
+    words = []
+    previous = tokenize.NEWLINE
+    for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if token.type in (tokenize.COMMENT, tokenize.NL):
+            continue
+        starts_statement = previous in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+        if token.type == tokenize.NAME:
+            words.append((token.start[0], token.string))
+        elif token.type == tokenize.STRING and not starts_statement:
+            text = token.string.strip("\"'")
+            if re.fullmatch(r"[\w.:\-]+", text):
+                words += [(token.start[0], w) for w in re.findall(r"[A-Za-z_]\w*", text)]
+        previous = token.type
+    return words
+
+
+def feature_words(paths: list[Path], allowed: set[str]) -> list[str]:
+    return [
+        f"{path.name}:{line} {word}"
+        for path in paths
+        for line, word in code_words(path)
+        if FEATURE_WORDS.search(word) and word.lstrip("_") not in allowed
+    ]
+
+
+needs_reference = pytest.mark.skipif(
+    not REFERENCE.is_dir(), reason=f"the API reference is not at {REFERENCE}"
+)
+
+
+@needs_reference
+def test_core_names_features_only_by_documented_names() -> None:
+    allowed = documented_names() | extension_point_names() | torch_names() | EXTENSION_CONTRACT
+    offenders = feature_words(core_files(), allowed)
+    assert offenders == [], "feature logic belongs in its plugin: " + "; ".join(offenders)
+
+
+@needs_reference
+def test_the_word_check_catches_feature_code(tmp_path: Path) -> None:
+    """The check is not vacuous: feature code is caught, docstrings and comments are not."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        '''"""Medusa trees are a plugin's business."""
+
+
+def build_medusa_tree(is_medusa):  # a medusa comment
+    return {"mode": "eagle-fused", "on": is_medusa, "why": "EAGLE is prose here"}
+'''
+    )
+    allowed = documented_names() | extension_point_names()
+    assert feature_words([sample], allowed) == [
+        "sample.py:4 build_medusa_tree",
+        "sample.py:5 eagle",
+    ]
