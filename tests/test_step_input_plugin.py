@@ -167,3 +167,13 @@ def test_the_input_exists_only_when_the_config_enables_it(plugin, checkpoint) ->
 def test_it_refuses_on_device_sampling(plugin, checkpoint) -> None:
     with pytest.raises(ConfigError, match="'banned-tokens' cannot be combined"):
         make_app(checkpoint, ban_tokens=True, on_device_sampling_config={"do_sample": False})
+
+
+def test_compiled_graphs_take_the_input(plugin, checkpoint, tmp_path) -> None:
+    config = NeuronConfig(torch_dtype="float32", batch_size=2, seq_len=32, ban_tokens=True)
+    app = from_pretrained(checkpoint, config)
+    app.compile(tmp_path / "compiled", quiet=True)
+    app.load(tmp_path / "compiled", quiet=True)
+    assert app.backend_name == "inductor"
+    banned = torch.tensor([-1, int(generate(app)[1, 0])])  # row 1 bans its first greedy token
+    assert torch.equal(generate(app, banned_token_ids=banned), hf_generate(checkpoint, banned))
