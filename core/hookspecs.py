@@ -23,6 +23,7 @@ from nxdplug.types import (
     Feature,
     KVCacheStrategy,
     ModelArchitecture,
+    ParallelGroup,
     QuantizationMethod,
     Sampler,
     SpeculationMode,
@@ -207,6 +208,25 @@ class ExecutionSpecs:
         """
 
 
+class ParallelSpecs:
+    """How the work and the weights are laid out over the launched ranks."""
+
+    @hookspec
+    def nxdplug_parallel_groups(self) -> Iterable[ParallelGroup]:
+        """Register named process groups a feature shards over, as partitions of the ranks.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_parallel_groups():
+                yield ParallelGroup(
+                    name="ep",
+                    partition="my_pkg.experts:expert_parallel_ranks",
+                    enabled_by=("moe_ep_degree",),
+                )
+        """
+
+
 class CommandLineSpecs:
     """What plugins add to the ``nxdplug`` command."""
 
@@ -302,4 +322,11 @@ class PipelineSpecs:
         """
 
 
-SPEC_CLASSES = (ModelSpecs, NumericsSpecs, ExecutionSpecs, CommandLineSpecs, PipelineSpecs)
+SPEC_CLASSES = (
+    ModelSpecs,
+    NumericsSpecs,
+    ExecutionSpecs,
+    ParallelSpecs,
+    CommandLineSpecs,
+    PipelineSpecs,
+)

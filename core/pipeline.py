@@ -19,12 +19,14 @@ from torch import nn
 
 from nxdplug.compile.backend import requested_backend
 from nxdplug.errors import ConfigError, NxdPlugError
+from nxdplug.modules.process_groups import TP, add_group, group_size
 from nxdplug.registry import Registry, get_registry
 from nxdplug.types import (
     CompileBackend,
     Feature,
     KVCacheStrategy,
     ModelArchitecture,
+    ParallelGroup,
     SelectableRecord,
     SpeculationMode,
     StateDictConverter,
@@ -64,6 +66,7 @@ class PluginSelection:
     compile_backend: CompileBackend
     converters: tuple[StateDictConverter, ...]
     step_inputs: tuple[StepInput, ...]
+    parallel_groups: tuple[ParallelGroup, ...]
     plugins: frozenset[str]
 
     @property
@@ -72,7 +75,7 @@ class PluginSelection:
         chosen: tuple[SelectableRecord, ...] = (*self.features, self.kv_cache_strategy)
         if self.speculation_mode is not None:
             chosen += (self.speculation_mode,)
-        return chosen + self.step_inputs + self.converters
+        return chosen + self.step_inputs + self.parallel_groups + self.converters
 
     def with_backend(self, backend: CompileBackend, registry: Registry | None = None) -> Any:
         """This selection compiled with ``backend`` instead of the one the config asked for."""
@@ -113,6 +116,7 @@ def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelec
     step_inputs = tuple(
         s for s in registry.records("step_inputs") if s.is_enabled_by(neuron_config)
     )
+    groups = tuple(g for g in registry.records("parallel_groups") if g.is_enabled_by(neuron_config))
     backend = registry.get("compile_backends", requested_backend(neuron_config) or DEFAULT_BACKEND)
     model_type = architecture.model_type if architecture else getattr(config, "model_type", "")
     converters = tuple(
@@ -130,6 +134,7 @@ def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelec
     chosen += [("kv_cache_strategies", kv_cache), ("compile_backends", backend)]
     chosen += [("state_dict_converters", c) for c in converters]
     chosen += [("step_inputs", s) for s in step_inputs]
+    chosen += [("parallel_groups", g) for g in groups]
     if architecture is not None:
         chosen.append(("model_architectures", architecture))
     if speculation is not None:
@@ -143,6 +148,7 @@ def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelec
         compile_backend=backend,
         converters=converters,
         step_inputs=step_inputs,
+        parallel_groups=groups,
         plugins=plugins,
     )
 
@@ -279,6 +285,12 @@ class PipelineContext:
             model = self.model_cls(self.config)
             self.transform_model(model)
         return model
+
+    def lay_out_process_groups(self) -> None:
+        """Make the process groups the selected plugins declare, on every rank alike."""
+        for record in self.selection.parallel_groups:
+            partition = record.load("partition")(group_size(TP), self.config)
+            add_group(record.name, partition)
 
     def kv_cache(self, layout: Any) -> nn.Module:
         """A KV-cache manager of the selected strategy for ``layout``."""

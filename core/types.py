@@ -212,6 +212,19 @@ class StepInput(SelectableRecord):
 
 
 @attrs.frozen(kw_only=True)
+class ParallelGroup(SelectableRecord):
+    """A named process group a feature lays its weights or work out over (``ep`` for experts,
+    a phase's own ``tp``); the record's ``name`` is the group's.
+
+    ``partition(world_size, config) -> Iterable[Iterable[int]]`` splits the launched ranks into
+    equal blocks, each block one group (``[[0, 1], [2, 3]]``: two groups of two). Layers name
+    the group they are sharded over; see :mod:`nxdplug.modules.process_groups`.
+    """
+
+    partition: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
 class CliExtension(SelectableRecord):
     """What a feature adds to the ``nxdplug`` commands named in ``commands``.
 

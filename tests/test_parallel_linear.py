@@ -209,9 +209,9 @@ def _distributed_worker(rank: int, world: int, init_file: str) -> None:
         reduced_in: list[torch.dtype] = []
         real_all_reduce = parallel_linear.all_reduce_sum
 
-        def recording_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+        def recording_all_reduce(tensor: torch.Tensor, group: str) -> torch.Tensor:
             reduced_in.append(tensor.dtype)
-            return real_all_reduce(tensor)
+            return real_all_reduce(tensor, group)
 
         parallel_linear.all_reduce_sum = recording_all_reduce  # this process ends right after
         bf16_row = row_shard(full, world, rank, reduce_dtype=torch.float32).to(torch.bfloat16)

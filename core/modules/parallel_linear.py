@@ -2,9 +2,10 @@
 
 Each rank holds one shard of the full weight. ``ColumnParallelLinear`` splits the output
 features, ``RowParallelLinear`` the input features, ``ParallelEmbedding`` the embedding dim.
-Collectives go through the small wrappers below, over the default process group; without an
-initialized group of more than one rank the forward passes make no distributed call, so a
-single process can run each rank's shard on its own (that is how the tests check the sharding).
+Collectives go through the small wrappers below, over a named process group (``tp`` unless a
+layer names another, see :mod:`nxdplug.modules.process_groups`); without an initialized group
+of more than one rank the forward passes make no distributed call, so a single process can run
+each rank's shard on its own (that is how the tests check the sharding).
 Whether to communicate is decided on the host from the group size, never from tensor values,
 so forward traces to one graph. The all-reduce is a custom op, ``nxdplug::all_reduce_sum``,
 which torch.export records as one node and a compiled graph calls back into, so a compiled rank
@@ -23,57 +24,60 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdplug.errors import ConfigError
+from nxdplug.modules.process_groups import TP, current_layout, group_rank, group_size
 
 
 def tp_world_size() -> int:
-    """Ranks in the default process group; 1 when torch.distributed is not initialized."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
+    """Ranks in the ``tp`` group, all the launched ranks; 1 without torch.distributed."""
+    return group_size(TP)
 
 
 def tp_rank() -> int:
-    """This process's rank in the default process group; 0 when it is not initialized."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
+    """This process's rank in the ``tp`` group; 0 without torch.distributed."""
+    return group_rank(TP)
 
 
-def use_collectives(tp_degree: int) -> bool:
-    """Whether a layer sharded ``tp_degree`` ways must talk to the other ranks.
+def use_collectives(tp_degree: int, group: str = TP) -> bool:
+    """Whether a layer sharded ``tp_degree`` ways over ``group`` must talk to the other ranks.
 
-    No for a single process (each rank's shard then runs on its own) or an unsharded layer; a
-    process group whose size is not ``tp_degree`` is a configuration error.
+    No for a single rank (each rank's shard then runs on its own) or an unsharded layer; a
+    group whose size is not ``tp_degree`` is a configuration error.
     """
-    world = tp_world_size()
-    if world == 1 or tp_degree == 1:
+    size = group_size(group)
+    if size == 1 or tp_degree == 1:
         return False
-    if world != tp_degree:
-        raise ConfigError([f"tp_degree is {tp_degree} but the process group has {world} ranks"])
+    if size != tp_degree:
+        raise ConfigError(
+            [f"tp_degree is {tp_degree} but the process group has {size} ranks (group {group!r})"]
+        )
     return True
 
 
 @torch.library.custom_op("nxdplug::all_reduce_sum", mutates_args=())
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of ``tensor`` over all ranks, as a new tensor."""
+def all_reduce_sum(tensor: torch.Tensor, group: str = TP) -> torch.Tensor:
+    """The sum of ``tensor`` over the ranks of this process's group ``group``, as a new
+    tensor."""
     total = tensor.clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=current_layout().process_group(group))
     return total
 
 
 @all_reduce_sum.register_fake
-def _all_reduce_sum_shape(tensor: torch.Tensor) -> torch.Tensor:
+def _all_reduce_sum_shape(tensor: torch.Tensor, group: str = TP) -> torch.Tensor:
     return torch.empty_like(tensor)
 
 
-def all_gather_last_dim(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Every rank's ``tensor`` side by side along the last dim, in rank order.
+def all_gather_last_dim(
+    tensor: torch.Tensor, rank: int, world: int, group: str = TP
+) -> torch.Tensor:
+    """Every rank's ``tensor`` side by side along the last dim, in rank order within
+    ``group``.
 
     Each rank puts its part in zeros at its own offset and the ranks' tensors are summed: adding
     zeros is exact, and all-reduce is the collective AOTInductor's CPU runtime provides.
     """
     width = tensor.shape[-1]
-    return all_reduce_sum(F.pad(tensor, (rank * width, (world - rank - 1) * width)))
+    return all_reduce_sum(F.pad(tensor, (rank * width, (world - rank - 1) * width)), group)
 
 
 def shard_size(size: int, tp_degree: int, what: str) -> int:
@@ -123,11 +127,15 @@ class ColumnParallelLinear(nn.Module):
         rank: int = 0,
         dtype: torch.dtype | None = None,
         partitions: tuple[int, ...] = (),
+        group: str = TP,
     ) -> None:
         """``partitions``: the output sizes of the projections fused into this one (Q, K, V),
-        each split over the ranks on its own; one projection by default."""
+        each split over the ranks on its own; one projection by default. ``group``: the process
+        group the layer is sharded over (``tp_degree`` is its size, ``rank`` this rank's place
+        in it)."""
         super().__init__()
         _check_rank(tp_degree, rank)
+        self.group = group
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
@@ -161,8 +169,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight_for(x.dtype), self.bias)
-        if self.gather_output and use_collectives(self.tp_degree):
-            out = all_gather_last_dim(out, self.rank, self.tp_degree)
+        if self.gather_output and use_collectives(self.tp_degree, self.group):
+            out = all_gather_last_dim(out, self.rank, self.tp_degree, self.group)
         return out
 
     def extra_repr(self) -> str:
@@ -192,9 +200,11 @@ class RowParallelLinear(nn.Module):
         rank: int = 0,
         reduce_dtype: torch.dtype | None = None,
         dtype: torch.dtype | None = None,
+        group: str = TP,
     ) -> None:
         super().__init__()
         _check_rank(tp_degree, rank)
+        self.group = group
         self.in_features = in_features
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
@@ -223,9 +233,9 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = x.narrow(-1, self.rank * self.local_in, self.local_in)
         out = F.linear(x, self.weight_for(x.dtype))
-        if use_collectives(self.tp_degree):
+        if use_collectives(self.tp_degree, self.group):
             dtype = out.dtype
-            out = all_reduce_sum(out.to(self.reduce_dtype or dtype)).to(dtype)
+            out = all_reduce_sum(out.to(self.reduce_dtype or dtype), self.group).to(dtype)
         if self.bias is not None:
             out = out + self.bias
         return out
@@ -248,9 +258,11 @@ class ParallelEmbedding(nn.Module):
         tp_degree: int = 1,
         rank: int = 0,
         dtype: torch.dtype | None = None,
+        group: str = TP,
     ) -> None:
         super().__init__()
         _check_rank(tp_degree, rank)
+        self.group = group
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tp_degree = tp_degree
@@ -265,8 +277,8 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = F.embedding(input_ids, self.weight)
-        if use_collectives(self.tp_degree):
-            out = all_gather_last_dim(out, self.rank, self.tp_degree)
+        if use_collectives(self.tp_degree, self.group):
+            out = all_gather_last_dim(out, self.rank, self.tp_degree, self.group)
         return out
 
     def extra_repr(self) -> str:

@@ -82,6 +82,7 @@ class NeuronApplicationBase(nn.Module):
             )
         self.context = PipelineContext(config, self.validate_config(config), self._model_cls)
         join_launched_ranks(config.neuron_config.tp_degree)
+        self.context.lay_out_process_groups()
         self.config = config
         self.neuron_config = config.neuron_config
         self.model_path = str(model_path)

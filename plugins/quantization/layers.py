@@ -65,6 +65,7 @@ class QuantizedColumnParallelLinear(QuantizedWeight, ColumnParallelLinear):
             rank=layer.rank,
             dtype=layer.weight.dtype,
             partitions=layer.partitions,
+            group=layer.group,
         )
         quantized._hold_quantized(dtype, row_scales)
         return quantized
@@ -88,6 +89,7 @@ class QuantizedRowParallelLinear(QuantizedWeight, RowParallelLinear):
             rank=layer.rank,
             reduce_dtype=layer.reduce_dtype,
             dtype=layer.weight.dtype,
+            group=layer.group,
         )
         quantized._hold_quantized(dtype, row_scales)
         return quantized
