@@ -15,7 +15,10 @@ from nxdplug.config import (
     unknown_attribute_problems,
 )
 from nxdplug.config.neuron_config import LNC_ENV
+from nxdplug.hookspecs import hookimpl
 from nxdplug.pipeline import config_problems
+from nxdplug.testing import temporary_plugin
+from nxdplug.types import QuantizationMethod
 
 
 @pytest.fixture(autouse=True)
@@ -117,8 +120,6 @@ FAILING = [
     ({"torch_dtype": "int8"}, None, "torch_dtype is int8; use one of bfloat16, float16, float32"),
     ({"torch_dtype": "bf16"}, None, "torch_dtype is 'bf16'"),
     ({"rpl_reduce_dtype": torch.float64}, None, "rpl_reduce_dtype is float64"),
-    ({"quantization_dtype": "int4"}, None, "choose one of 'int8', 'f8e4m3', 'f8e5m2'"),
-    ({"quantization_type": "per_row"}, None, "quantization_type is 'per_row'"),
     ({"cast_type": "declared"}, None, "cast_type is 'declared'"),
     ({"attention_dtype": "float32"}, None, "needs cast_type='as-declared'"),
     ({"on_device_sampling_config": {"top_p": 0.0}}, None, "top_p is 0.0; it must be in (0, 1]"),
@@ -152,6 +153,11 @@ PLUGIN_RULES = [
     ({"quantized_mlp_kernel_enabled": True}, "needs mlp_kernel_enabled=True"),
     ({"rmsnorm_quantize_kernel_enabled": True}, "needs quantized_mlp_kernel_enabled=True"),
     ({"quantized": True}, "quantized=True needs quantized_checkpoints_path"),
+    (
+        {"quantized": True, "quantization_dtype": "int4"},
+        "choose one of 'int8', 'f8e4m3', 'f8e5m2'",
+    ),
+    ({"quantized": True, "quantization_type": "per_row"}, "quantization_type is 'per_row'"),
     ({"is_medusa": True, "medusa_speculation_length": 4}, "needs num_medusa_heads of 1"),
     ({"enable_eagle_speculation": True}, "needs speculation_length 1 or more (it is 0)"),
 ]
@@ -230,3 +236,29 @@ def test_private_attributes_are_not_settings() -> None:
     config = NeuronConfig()
     config._compiled_for = "cpu"
     assert unknown_attribute_problems(config) == []
+
+
+class Int4Methods:
+    """A third party's quantization method, as the hook reference's example registers it."""
+
+    @hookimpl
+    def nxdplug_quantization_methods(self):
+        yield QuantizationMethod(
+            name="int4-per_channel",
+            dtype="int4",
+            granularity="per_channel",
+            implementation="collections:OrderedDict",
+        )
+
+
+def test_a_registered_third_party_dtype_is_accepted(plugin_manager) -> None:
+    neuron = NeuronConfig(
+        quantized=True,
+        quantization_dtype="int4",
+        quantization_type="per_channel_symmetric",
+        quantized_checkpoints_path="/q",
+    )
+    config = InferenceConfig(neuron, num_attention_heads=8)
+    assert any("quantization_dtype is 'int4'" in p for p in config_problems(config))
+    with temporary_plugin(Int4Methods(), "int4"):
+        assert not any("quantization_dtype" in p for p in config_problems(config))

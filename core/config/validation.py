@@ -25,8 +25,6 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "padding_side": ("left", "right"),
-    "quantization_dtype": ("int8", "f8e4m3", "f8e5m2"),
-    "quantization_type": ("per_tensor_symmetric", "per_channel_symmetric"),
     "cast_type": ("config", "as-declared"),
 }
 AT_LEAST_ONE = (

@@ -20,9 +20,29 @@ def validate(context: Any) -> list[str]:
     return list(quantization_problems(context.config))
 
 
+def method_problems(neuron_config: Any) -> Iterator[str]:
+    """``quantization_dtype`` and ``quantization_type`` against the registered methods (a
+    third-party method's dtype is as good as a built-in one)."""
+    from nxdplug.config.suggestions import did_you_mean
+    from nxdplug.registry import get_registry
+
+    methods = get_registry().records("quantization_methods")
+    allowed = {
+        "quantization_dtype": tuple(dict.fromkeys(m.dtype for m in methods)),
+        "quantization_type": tuple(dict.fromkeys(f"{m.granularity}_symmetric" for m in methods)),
+    }
+    for name, choices in allowed.items():
+        value = getattr(neuron_config, name)
+        if value not in choices:
+            listing = ", ".join(repr(choice) for choice in choices)
+            hint = did_you_mean(str(value), choices)
+            yield f"{name} is {value!r}{hint}; choose one of {listing}"
+
+
 def quantization_problems(config: Any) -> Iterator[str]:
     """What stops a quantized config from loading."""
     neuron_config = config.neuron_config
+    yield from method_problems(neuron_config)
     if not neuron_config.quantized_checkpoints_path:
         yield (
             "quantized=True needs quantized_checkpoints_path (where the quantized weights are, "
