@@ -20,7 +20,7 @@ from nxdplug.modules.kv_cache import (
     kv_cache_managers,
 )
 from nxdplug.pipeline import current_context
-from nxdplug.runtime.step import StepInputs
+from nxdplug.runtime.step import StepInputs, running
 
 
 def is_context_encoding(step: StepInputs) -> bool:
@@ -122,9 +122,10 @@ class NeuronBaseModel(nn.Module):
         x = self.embed_tokens(step.input_ids)
         rope = self.rotary_emb(rotary_positions)
         length = step.attention_mask.shape[-1]
-        for index, layer in enumerate(self.layers):
-            cache = CacheSlot(self.kv_mgr, index, step.position_ids, step.seq_ids, length)
-            x = layer(x, rope, masks[layer.self_attn.sliding_window], cache)
+        with running(step):
+            for index, layer in enumerate(self.layers):
+                cache = CacheSlot(self.kv_mgr, index, step.position_ids, step.seq_ids, length)
+                x = layer(x, rope, masks[layer.self_attn.sliding_window], cache)
         return self.norm(x)
 
     def forward(self, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:

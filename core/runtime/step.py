@@ -8,7 +8,9 @@ flattened to positional tensors (:meth:`StepInputs.flatten`), in an order fixed 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import attrs
@@ -109,6 +111,28 @@ pytree.register_pytree_node(
     serialized_type_name="nxdplug.runtime.step.StepInputs",
     flatten_with_keys_fn=_flatten_with_keys,
 )
+
+
+_RUNNING: ContextVar[StepInputs | None] = ContextVar("nxdplug_step", default=None)
+
+
+@contextmanager
+def running(step: StepInputs) -> Iterator[StepInputs]:
+    """Make ``step`` the one :func:`current_step` returns while the block runs the layers."""
+    token = _RUNNING.set(step)
+    try:
+        yield step
+    finally:
+        _RUNNING.reset(token)
+
+
+def current_step() -> StepInputs:
+    """The step the model is running, for a module deep in it that needs a per-row input (a
+    LoRA layer's adapter slots) without every layer passing the step along."""
+    step = _RUNNING.get()
+    if step is None:
+        raise NxdPlugError("no step is running: current_step() is for modules inside a model")
+    return step
 
 
 class StepInputBuilder(Protocol):

@@ -1,0 +1,266 @@
+"""PEFT LoRA adapters: where they are, what they hold, and their weights stacked into slots.
+
+An adapter is a PEFT folder: ``adapter_config.json`` and ``adapter_model.safetensors`` (or
+``adapter_model.bin``, read with ``weights_only``). Each adapter's rank and alpha are its own;
+``use_rslora`` scales by ``alpha / sqrt(rank)`` instead of ``alpha / rank``. Every problem of
+every adapter is reported at once, naming the adapter, before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from nxdplug.checkpoint.state_dict import load_tensor_file
+from nxdplug.errors import CheckpointError, ConfigError
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# A PEFT key (any prefix) -> the projection's name in nxdplug's model and which matrix.
+_PEFT_KEY = re.compile(
+    r"(layers\.\d+\.[\w.]*?\b(?:" + "|".join(TARGETS) + r"))\.lora_([AB])\.weight$"
+)
+_PROJECTION = re.compile(r"^layers\.\d+\.(self_attn|mlp)\.(" + "|".join(TARGETS) + r")$")
+# adapter_config.json settings that change what an adapter computes, and their neutral values.
+_UNSUPPORTED = {
+    "use_dora": False,
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+}
+
+
+@attrs.frozen
+class Adapter:
+    """One adapter as its config describes it."""
+
+    adapter_id: str
+    path: Path
+    rank: int
+    scale: float
+    targets: tuple[str, ...]
+
+
+def adapter_paths(lora_config: Any) -> dict[str, Path]:
+    """Adapter id -> folder, from ``lora_ckpt_paths`` or the ``lora_ckpt_json`` file."""
+    if lora_config.lora_ckpt_json is None:
+        return {name: Path(path) for name, path in (lora_config.lora_ckpt_paths or {}).items()}
+    source = Path(lora_config.lora_ckpt_json)
+    try:
+        listing = json.loads(source.read_text())
+        folder = Path(listing.get("lora-ckpt-dir", source.parent))
+        return {name: folder / path for name, path in listing["lora-ckpt-paths"].items()}
+    except (OSError, ValueError, KeyError, AttributeError) as exc:
+        raise ConfigError(
+            [
+                f"lora_ckpt_json {source}: expected a JSON object with 'lora-ckpt-paths' (adapter "
+                f"id -> path) and optionally 'lora-ckpt-dir' ({type(exc).__name__}: {exc})"
+            ]
+        ) from exc
+
+
+def read_adapter(adapter_id: str, path: Path) -> Adapter:
+    """The adapter at ``path``; a CheckpointError naming every problem of it."""
+    where = f"LoRA adapter {adapter_id!r} ({path})"
+    try:
+        settings = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{where}: no readable {CONFIG_FILE} ({type(exc).__name__}: {exc}); give the folder "
+            "PEFT's save_pretrained wrote"
+        ) from exc
+    problems = []
+    if settings.get("peft_type") != "LORA":
+        problems.append(f"peft_type is {settings.get('peft_type')!r}; only LORA adapters serve")
+    if settings.get("bias", "none") != "none":
+        problems.append(f"bias is {settings['bias']!r}: trained biases are not served")
+    problems += [
+        f"{name}={settings[name]!r} is not supported; adapters without it serve"
+        for name, neutral in _UNSUPPORTED.items()
+        if settings.get(name, neutral) not in (neutral, None, {}, [])
+    ]
+    targets = settings.get("target_modules")
+    if not isinstance(targets, list):
+        problems.append(f"target_modules is {targets!r}; give the list of projections it trains")
+        targets = []
+    problems += [
+        f"it trains {name!r}, which is not served; LoRA applies to {', '.join(TARGETS)}"
+        for name in targets
+        if name not in TARGETS
+    ]
+    rank, alpha = settings.get("r"), settings.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+        problems.append(f"r ({rank!r}) and lora_alpha ({alpha!r}) must be numbers, r >= 1")
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        problems.append(f"it has no {' or '.join(WEIGHT_FILES)}")
+    if problems:
+        raise CheckpointError(f"{where}: " + "; ".join(problems))
+    scale = alpha / (math.sqrt(rank) if settings.get("use_rslora") else rank)
+    ordered = tuple(name for name in TARGETS if name in targets)
+    return Adapter(adapter_id, path, rank, scale, ordered)
+
+
+def adapters(config: Any) -> list[Adapter]:
+    """The configured adapters in slot order (slot i + 1 is the i-th)."""
+    return [
+        read_adapter(i, path) for i, path in adapter_paths(config.neuron_config.lora_config).items()
+    ]
+
+
+def slots(config: Any) -> dict[str, int]:
+    """Adapter id -> slot; slot 0 is the base model."""
+    paths = adapter_paths(config.neuron_config.lora_config)
+    return {adapter_id: slot for slot, adapter_id in enumerate(paths, start=1)}
+
+
+def targets(config: Any) -> tuple[str, ...]:
+    """The projections that carry LoRA weights: ``target_modules``, or every one an adapter
+    trains."""
+    lora_config = config.neuron_config.lora_config
+    if lora_config.target_modules:
+        return tuple(name for name in TARGETS if name in lora_config.target_modules)
+    trained = {name for adapter in adapters(config) for name in adapter.targets}
+    return tuple(name for name in TARGETS if name in trained)
+
+
+def is_target(module_name: str, names: tuple[str, ...]) -> bool:
+    """Whether ``module_name`` (``layers.3.self_attn.q_proj``) is a projection in ``names``."""
+    match = _PROJECTION.match(module_name)
+    return match is not None and match.group(2) in names
+
+
+def validate(context: Any) -> list[str]:
+    """The ``validate`` callback of the multi-lora feature: every problem at once."""
+    neuron_config = context.neuron_config
+    lora_config = neuron_config.lora_config
+    problems = [
+        f"{setting} with lora_config is not implemented yet; {fix}"
+        for setting, fix in _not_yet(neuron_config, context.selection)
+    ]
+    try:
+        paths = adapter_paths(lora_config)
+    except ConfigError as exc:
+        return problems + exc.problems
+    if not paths:
+        problems.append(
+            "lora_config names no adapter: give lora_ckpt_paths={'id': 'path/to/peft/adapter'} "
+            "or lora_ckpt_json"
+        )
+    if len(paths) > lora_config.max_loras:
+        problems.append(
+            f"lora_config names {len(paths)} adapters but max_loras is {lora_config.max_loras}; "
+            "raise max_loras"
+        )
+    if lora_config.target_modules:
+        problems += [
+            f"lora_config.target_modules names {name!r}; LoRA applies to {', '.join(TARGETS)}"
+            for name in lora_config.target_modules
+            if name not in TARGETS
+        ]
+    for adapter_id, path in paths.items():
+        try:
+            adapter = read_adapter(adapter_id, path)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            continue
+        if adapter.rank > lora_config.max_lora_rank:
+            problems.append(
+                f"LoRA adapter {adapter_id!r} has rank {adapter.rank}, above max_lora_rank "
+                f"({lora_config.max_lora_rank}); raise max_lora_rank"
+            )
+        untargeted = set(adapter.targets) - set(lora_config.target_modules or TARGETS)
+        if untargeted:
+            problems.append(
+                f"LoRA adapter {adapter_id!r} trains {sorted(untargeted)}, which "
+                "lora_config.target_modules leaves out; add them"
+            )
+    return problems
+
+
+def _not_yet(neuron_config: Any, selection: Any) -> Iterator[tuple[str, str]]:
+    lora_config = neuron_config.lora_config
+    if lora_config.enable_dynamic_multi_lora:
+        yield "enable_dynamic_multi_lora", "adapters load at start-up only in this version"
+    if lora_config.lora_ckpt_paths_cpu:
+        yield "lora_ckpt_paths_cpu", "list the adapters in lora_ckpt_paths"
+    if neuron_config.tp_degree > 1:
+        yield f"tp_degree={neuron_config.tp_degree}", "use tp_degree=1"
+    if neuron_config.fused_qkv:
+        yield "fused_qkv", "set fused_qkv=False"
+    if neuron_config.quantized:
+        yield "quantized", "serve adapters on unquantized weights"
+    if selection.speculation_mode is not None:
+        yield f"speculation ({selection.speculation_mode.name})", "turn speculation off"
+
+
+def add_adapter_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, Any]:
+    """The converter: for every target projection ``P`` of the checkpoint, ``P.lora_a``
+    [slots, max_lora_rank, in], ``P.lora_b`` [slots, out, max_lora_rank] and ``P.lora_scale``
+    [slots]; slot 0 and the ranks above an adapter's own are zeros."""
+    lora_config = config.neuron_config.lora_config
+    names = targets(config)
+    projections = {
+        key.removesuffix(".weight"): tensor
+        for key, tensor in state_dict.items()
+        if key.endswith(".weight") and is_target(key.removesuffix(".weight"), names)
+    }
+    count, rank = len(slots(config)) + 1, lora_config.max_lora_rank
+    stacked = {
+        name: (
+            torch.zeros(count, rank, weight.shape[1]),
+            torch.zeros(count, weight.shape[0], rank),
+            torch.zeros(count),
+        )
+        for name, weight in projections.items()
+    }
+    for slot, adapter in enumerate(adapters(config), start=1):
+        for name, (a, b) in _adapter_matrices(adapter).items():
+            if name not in stacked:
+                raise CheckpointError(
+                    f"LoRA adapter {adapter.adapter_id!r} has weights for {name}, which the "
+                    "model does not have (an adapter for another model?)"
+                )
+            lora_a, lora_b, scale = stacked[name]
+            if a.shape[1] != lora_a.shape[2] or b.shape[0] != lora_b.shape[1]:
+                raise CheckpointError(
+                    f"LoRA adapter {adapter.adapter_id!r}: {name} is [{b.shape[0]} x "
+                    f"{a.shape[1]}] in the adapter but [{lora_b.shape[1]} x {lora_a.shape[2]}] "
+                    "in the model; it was trained for another model"
+                )
+            lora_a[slot, : a.shape[0]] = a
+            lora_b[slot, :, : b.shape[1]] = b
+            scale[slot] = adapter.scale
+    for name, (lora_a, lora_b, scale) in stacked.items():
+        state_dict |= {f"{name}.lora_a": lora_a, f"{name}.lora_b": lora_b}
+        state_dict[f"{name}.lora_scale"] = scale
+    return state_dict
+
+
+def _adapter_matrices(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Projection name -> (A [rank, in], B [out, rank]) of one adapter, in float32."""
+    file = next(adapter.path / name for name in WEIGHT_FILES if (adapter.path / name).is_file())
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_tensor_file(file).items():
+        match = _PEFT_KEY.search(key)
+        if match is None:
+            raise CheckpointError(
+                f"LoRA adapter {adapter.adapter_id!r}: {file} holds {key!r}, which is not a "
+                "LoRA A or B matrix of a served projection"
+            )
+        halves.setdefault(match.group(1), {})[match.group(2)] = tensor.float()
+    incomplete = sorted(name for name, pair in halves.items() if set(pair) != {"A", "B"})
+    if incomplete:
+        raise CheckpointError(
+            f"LoRA adapter {adapter.adapter_id!r}: {file} lacks A or B for {incomplete}"
+        )
+    return {name: (pair["A"], pair["B"]) for name, pair in halves.items()}

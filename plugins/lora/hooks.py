@@ -1,0 +1,55 @@
+"""Multi-LoRA (``lora_config=LoraServingConfig(...)``): PEFT LoRA adapters, one per row.
+
+The adapters named by ``lora_ckpt_paths`` (or ``lora_ckpt_json``) are read at build time into
+fixed slots: slot 0 is "no adapter", slot i the i-th adapter. Every target projection (q/k/v/o,
+gate/up/down) gets stacked low-rank weights ``lora_a`` [slots, rank, in] and ``lora_b``
+[slots, out, rank] beside its own weight, written by a state-dict converter, so they are graph
+weights like any other. Each row's slot is a step input (``adapter_ids``), and the projection
+adds ``x A[slot]^T B[slot]^T * scale[slot]`` for the whole batch in two batched matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nxdplug.hookspecs import hookimpl
+from nxdplug.types import Feature, StateDictConverter, StepInput
+
+NXDPLUG_API_VERSION = 1
+
+ENABLED_BY = ("lora_config",)
+PACKAGE = "nxdplug.plugins.lora"
+
+
+@hookimpl
+def nxdplug_features() -> Iterable[Feature]:
+    yield Feature(
+        name="multi-lora",
+        enabled_by=ENABLED_BY,
+        validate=f"{PACKAGE}.adapters:validate",
+        transform_model=f"{PACKAGE}.layers:add_lora_weights",
+        description="PEFT LoRA adapters in fixed slots, chosen per row by adapter_ids",
+    )
+
+
+@hookimpl
+def nxdplug_step_inputs() -> Iterable[StepInput]:
+    yield StepInput(
+        name="adapter-ids",
+        enabled_by=ENABLED_BY,
+        builder=f"{PACKAGE}.layers:AdapterSlots",
+        inputs=("adapter_ids",),
+        keywords=("adapter_ids",),
+        description="each row's adapter slot (0: the base model)",
+    )
+
+
+@hookimpl
+def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
+    yield StateDictConverter(
+        name="lora-adapters",
+        converter=f"{PACKAGE}.adapters:add_adapter_weights",
+        enabled_by=ENABLED_BY,
+        order=190,
+        description="the adapters' A and B matrices stacked per target projection",
+    )

@@ -1,0 +1,164 @@
+"""Multi-LoRA against PEFT: rows with different adapters (and one with none) in one batch.
+
+Adapters are made with PEFT (``init_lora_weights=False``: B is random, not PEFT's zeros, so the
+adapters change the output), saved with ``save_pretrained`` and read back by nxdplug. PEFT's own
+mixed-batch generation (``adapter_names=``) is the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from nxdplug import HuggingFaceGenerationAdapter, LoraServingConfig, NeuronConfig, from_pretrained
+from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdPlugError
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {
+    "code": {"r": 4, "lora_alpha": 8, "target_modules": ALL},
+    "chat": {
+        "r": 8,
+        "lora_alpha": 4,
+        "use_rslora": True,
+        "target_modules": ["q_proj", "v_proj", "down_proj"],
+    },
+}
+PROMPTS = torch.tensor([[5, 9, 13, 2, 8], [0, 0, 7, 3, 11], [0, 4, 4, 20, 6]])
+MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+ROWS = ["code", "chat", None]
+NEW_TOKENS = 12
+
+
+def hf_model(checkpoint):
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoint, tmp_path_factory):
+    checkpoint = tiny_checkpoint("llama", initializer_range=0.15)
+    folder = tmp_path_factory.mktemp("adapters")
+    for seed, (name, settings) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(seed)
+        lora = LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **settings)
+        get_peft_model(hf_model(checkpoint), lora).save_pretrained(folder / name)
+    return checkpoint, {name: str(folder / name) for name in ADAPTERS}
+
+
+def peft_oracle(checkpoint, paths):
+    model = PeftModel.from_pretrained(hf_model(checkpoint), paths["code"], adapter_name="code")
+    model.load_adapter(paths["chat"], adapter_name="chat")
+    return model.eval()
+
+
+def make_app(checkpoint, paths, **lora):
+    lora_config = LoraServingConfig(max_loras=2, max_lora_rank=8, lora_ckpt_paths=paths, **lora)
+    config = NeuronConfig(torch_dtype="float32", batch_size=3, seq_len=32, lora_config=lora_config)
+    return from_pretrained(checkpoint, config)
+
+
+def generate(app, rows=ROWS):
+    adapter = HuggingFaceGenerationAdapter(app)
+    return adapter.generate(
+        PROMPTS, attention_mask=MASK, adapter_ids=rows, max_new_tokens=NEW_TOKENS
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(adapters):
+    checkpoint, paths = adapters
+    names = [row or "__base__" for row in ROWS]
+    with torch.no_grad():
+        return peft_oracle(checkpoint, paths).generate(
+            input_ids=PROMPTS,
+            attention_mask=MASK,
+            adapter_names=names,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
+
+
+def test_mixed_batch_greedy_tokens_equal_peft(adapters, expected) -> None:
+    checkpoint, paths = adapters
+    app = make_app(checkpoint, paths)
+    app.to_cpu()
+    ours = generate(app)
+    assert torch.equal(ours, expected)
+    base = generate(app, rows=None)
+    assert torch.equal(base[2], ours[2])  # the row without an adapter is the base model's
+    assert not torch.equal(base[0], ours[0]) and not torch.equal(base[1], ours[1])
+    assert len(set(ours[0, PROMPTS.shape[1] :].tolist())) > 2  # the greedy path varies
+
+
+def test_logits_match_peft_row_by_row(adapters) -> None:
+    checkpoint, paths = adapters
+    app = make_app(checkpoint, paths)
+    app.to_cpu()
+    ours = app(input_ids=PROMPTS, attention_mask=MASK, adapter_ids=ROWS).logits[:, -1]
+    oracle = peft_oracle(checkpoint, paths)
+    names = [row or "__base__" for row in ROWS]
+    with torch.no_grad():
+        theirs = oracle(input_ids=PROMPTS, attention_mask=MASK, adapter_names=names).logits[:, -1]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_graphs_serve_the_same_adapters(adapters, expected, tmp_path) -> None:
+    checkpoint, paths = adapters
+    app = make_app(checkpoint, paths)
+    app.compile(tmp_path / "compiled", quiet=True)
+    app.load(tmp_path / "compiled", quiet=True)
+    assert app.backend_name == "inductor"
+    assert torch.equal(generate(app), expected)
+
+
+def test_adapter_ids_as_slots_and_lora_ckpt_json(adapters, expected, tmp_path) -> None:
+    checkpoint, paths = adapters
+    listing = tmp_path / "adapters.json"
+    listing.write_text(json.dumps({"lora-ckpt-paths": paths}))
+    app = make_app(checkpoint, None, lora_ckpt_json=str(listing))
+    app.to_cpu()
+    assert torch.equal(generate(app, rows=torch.tensor([1, 2, 0])), expected)
+
+
+def test_bad_adapters_are_refused_naming_them(adapters, tmp_path) -> None:
+    checkpoint, paths = adapters
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    settings = json.loads(Path(paths["code"], "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(
+        json.dumps(settings | {"use_dora": True, "target_modules": ["lm_head"]})
+    )
+    with pytest.raises(ConfigError) as error:
+        make_app(
+            checkpoint, {"code": paths["code"], "dora": str(dora), "gone": str(tmp_path / "no")}
+        )
+    message = str(error.value)
+    assert "LoRA adapter 'dora'" in message and "use_dora=True is not supported" in message
+    assert "trains 'lm_head', which is not served" in message and "has no adapter_model" in message
+    assert "LoRA adapter 'gone'" in message and "no readable adapter_config.json" in message
+    assert "names 3 adapters but max_loras is 2" in message
+
+
+def test_an_adapter_for_another_model_is_refused(adapters, tiny_checkpoint) -> None:
+    _, paths = adapters
+    other = tiny_checkpoint("llama", hidden_size=48, intermediate_size=96)
+    app = make_app(other, paths)
+    with pytest.raises(CheckpointError, match="it was trained for another model"):
+        app.to_cpu()
+
+
+def test_unknown_ids_and_lora_less_models_are_refused(adapters, tiny_checkpoint) -> None:
+    checkpoint, paths = adapters
+    app = make_app(checkpoint, paths)
+    app.to_cpu()
+    with pytest.raises(NxdPlugError, match=r"names \['nope'\], not among the served adapters"):
+        generate(app, rows=["code", "nope", None])
+    plain = from_pretrained(
+        checkpoint, NeuronConfig(torch_dtype="float32", batch_size=3, seq_len=32)
+    )
+    with pytest.raises(NotSupportedError, match="'adapter-ids' step input, enabled by lora_config"):
+        generate(plain)
