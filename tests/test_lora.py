@@ -162,3 +162,57 @@ def test_unknown_ids_and_lora_less_models_are_refused(adapters, tiny_checkpoint)
     )
     with pytest.raises(NotSupportedError, match="'adapter-ids' step input, enabled by lora_config"):
         generate(plain)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    from nxdplug.cli.main import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def generated_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("Output ")]
+
+
+def test_the_command_line_serves_adapters_per_prompt(adapters, capsys) -> None:
+    checkpoint, paths = adapters
+    common = [
+        "run",
+        "--model-path",
+        str(checkpoint),
+        "--prompt",
+        "def f(x):",
+        "--prompt",
+        "import os",
+        "--torch-dtype",
+        "float32",
+        "--seq-len",
+        "32",
+        "--max-new-tokens",
+        "8",
+        "--lora-ckpt-paths",
+        *(f"{name}={path}" for name, path in paths.items()),
+    ]
+    code, with_adapter = run_cli(capsys, *common, "--adapter-ids", "code", "none")
+    assert code == 0, with_adapter
+    code, base = run_cli(capsys, *common, "--adapter-ids", "none", "none")
+    assert code == 0, base
+    adapted, plain = generated_lines(with_adapter), generated_lines(base)
+    assert len(adapted) == len(plain) == 2
+    assert adapted[0] != plain[0]  # prompt 0 with the code adapter differs from the base model
+    assert adapted[1] == plain[1]  # prompt 1 is the base model's either way
+    code, refused = run_cli(
+        capsys, *common, "--adapter-ids", "code", "none", "--check-accuracy-mode", "token-matching"
+    )
+    assert code == 1 and "compares with HF transformers without adapters" in refused
+    code, listing = run_cli(
+        capsys,
+        "check-config",
+        "--model-path",
+        str(checkpoint),
+        "--lora-ckpt-paths",
+        f"code={paths['code']}",
+    )
+    assert code == 0 and "multi-lora" in listing, listing

@@ -1,8 +1,9 @@
 """The command line's side of feature plugins: ``cli_extensions`` records.
 
-Every installed extension may add options to the commands it names; once a config exists, the
-extensions it enables prepare it (before the model is built), add ``generate()`` keywords, and
-offer the HF transformers run the benchmark compares with.
+Every installed extension may add options to the commands it names, and turn them into
+NeuronConfig settings (which may enable it); once a config exists, the extensions it enables
+prepare it (before the model is built), add ``generate()`` keywords, and offer the HF
+transformers run the benchmark compares with.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ class CommandLineExtension(Protocol):
 
     def add_arguments(self, parser: argparse.ArgumentParser, command: str) -> None:
         """Options of this feature for ``command`` (every installed extension's run)."""
+
+    def neuron_config_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
+        """NeuronConfig settings from this feature's options, when they were given (every
+        installed extension's run; an option the command lacks is absent from ``args``)."""
 
     def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
         """Change the config from the options, before the model is built."""
@@ -38,6 +43,14 @@ def add_extension_arguments(parser: argparse.ArgumentParser, command: str) -> No
     for record in get_registry().records("cli_extensions"):
         if command in record.commands:
             record.load("implementation")().add_arguments(parser, command)
+
+
+def extension_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The NeuronConfig settings every installed extension makes of its options."""
+    kwargs: dict[str, Any] = {}
+    for record in get_registry().records("cli_extensions"):
+        kwargs |= record.load("implementation")().neuron_config_kwargs(args)
+    return kwargs
 
 
 def enabled_extensions(config: Any) -> Iterator[CommandLineExtension]:

@@ -46,6 +46,7 @@ def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_path(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     add_neuron_config_options(parser)
+    extensions.add_extension_arguments(parser, "check-config")
 
 
 def selection_summary(selection: Any) -> dict[str, Any]:
@@ -173,6 +174,7 @@ def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
         "--debug", action="store_true", help="keep each exported graph, annotated with source lines"
     )
     add_neuron_config_options(parser)
+    extensions.add_extension_arguments(parser, "compile")
 
 
 def run_compile(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from nxdplug.cli.extensions import extension_config_kwargs
 from nxdplug.errors import ConfigError
 
 TORCH_DTYPES = ("bfloat16", "float16", "float32")
@@ -165,6 +166,13 @@ def neuron_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 f"{key}=...; keep one of them"
             )
         kwargs[key] = value  # the last KEY=VALUE of a repeated key wins, as on most CLIs
+    for key, value in extension_config_kwargs(args).items():
+        if key in kwargs:
+            twice.append(
+                f"{key} is given both by its plugin's options and as --{key.replace('_', '-')} "
+                f"or --neuron-config {key}=...; keep one of them"
+            )
+        kwargs[key] = value
     if twice:
         raise ConfigError(twice, source="the command line")
     return kwargs

@@ -16,6 +16,9 @@ class DraftModelCommandLine:
         """``--draft-model-path`` and ``--prompt-lookup-num-tokens`` are inference_demo's own
         options, which the core command line already has."""
 
+    def neuron_config_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {}  # --speculation-length is a core NeuronConfig option
+
     def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
         """The draft is a separate application: the target's config is complete as it is."""
 

@@ -33,6 +33,9 @@ class EagleCommandLine:
     def add_arguments(self, parser: argparse.ArgumentParser, command: str) -> None:
         """``--draft-model-path`` is inference_demo's own option (core command line)."""
 
+    def neuron_config_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {}  # --speculation-length is a core NeuronConfig option
+
     def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
         if args.draft_model_path is not None:
             attach_fused_draft(config, args.draft_model_path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import Feature, StateDictConverter, StepInput
+from nxdplug.types import CliExtension, Feature, StateDictConverter, StepInput
 
 NXDPLUG_API_VERSION = 1
 
@@ -52,4 +52,15 @@ def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
         enabled_by=ENABLED_BY,
         order=190,
         description="the adapters' A and B matrices stacked per target projection",
+    )
+
+
+@hookimpl
+def nxdplug_cli_extensions() -> Iterable[CliExtension]:
+    yield CliExtension(
+        name="multi-lora",
+        implementation=f"{PACKAGE}.cli:LoraCommandLine",
+        enabled_by=ENABLED_BY,
+        commands=("run", "benchmark", "compile", "check-config"),
+        description="--lora-ckpt-paths ID=PATH, --max-loras, --max-lora-rank, --adapter-ids",
     )

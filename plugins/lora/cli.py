@@ -1,0 +1,78 @@
+"""Multi-LoRA on the command line, with inference_demo's flags: ``--lora-ckpt-paths ID=PATH``
+(or ``--lora-ckpt-json``), ``--max-loras``, ``--max-lora-rank`` make the ``lora_config``;
+``--adapter-ids`` gives each prompt's adapter (``none`` for the base model)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from nxdplug.cli.options import positive_int
+from nxdplug.errors import NxdPlugError
+
+BASE_MODEL = "none"
+
+
+def _id_and_path(text: str) -> tuple[str, str]:
+    adapter_id, sep, path = text.partition("=")
+    if not sep or not adapter_id or not path:
+        raise argparse.ArgumentTypeError(
+            f"expected ID=PATH (e.g. code=adapters/code); got {text!r}"
+        )
+    return adapter_id, path
+
+
+class LoraCommandLine:
+    def add_arguments(self, parser: argparse.ArgumentParser, command: str) -> None:
+        group = parser.add_argument_group("multi-LoRA", "PEFT adapters served per prompt.")
+        group.add_argument(
+            "--lora-ckpt-paths",
+            nargs="+",
+            type=_id_and_path,
+            metavar="ID=PATH",
+            help="adapters to serve: an id and a PEFT adapter folder each",
+        )
+        group.add_argument("--lora-ckpt-json", metavar="FILE", help="adapters listed in a file")
+        group.add_argument("--max-loras", type=positive_int, metavar="N")
+        group.add_argument("--max-lora-rank", type=positive_int, metavar="N")
+        if command == "run":
+            group.add_argument(
+                "--adapter-ids",
+                nargs="+",
+                metavar="ID",
+                help=f"each prompt's adapter id ({BASE_MODEL!r} for the base model)",
+            )
+
+    def neuron_config_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
+        paths = getattr(args, "lora_ckpt_paths", None)
+        listing = getattr(args, "lora_ckpt_json", None)
+        if paths is None and listing is None:
+            return {}
+        from nxdplug.config import LoraServingConfig
+
+        settings: dict[str, Any] = {"lora_ckpt_paths": dict(paths) if paths else None}
+        settings["lora_ckpt_json"] = listing
+        settings["max_loras"] = args.max_loras or len(paths or ()) or 1
+        if args.max_lora_rank is not None:
+            settings["max_lora_rank"] = args.max_lora_rank
+        return {"lora_config": LoraServingConfig(**settings)}
+
+    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
+        mode = getattr(args, "check_accuracy_mode", "skip")
+        if getattr(args, "adapter_ids", None) and mode != "skip":
+            raise NxdPlugError(
+                f"--check-accuracy-mode {mode} compares with HF transformers without adapters; "
+                "use skip with --adapter-ids (the test suite checks adapters against PEFT)"
+            )
+
+    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
+        ids = getattr(args, "adapter_ids", None)
+        if not ids:
+            return {}
+        return {"adapter_ids": [None if i == BASE_MODEL else i for i in ids]}
+
+    def hf_comparison(
+        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
+    ) -> None:
+        return None  # PEFT on HF transformers is not part of the benchmark yet
