@@ -17,6 +17,7 @@ from nxdplug.modules.parallel_linear import (
     shard_tensor,
     tp_world_size,
 )
+from nxdplug.testing import end_rank_process
 
 TP_DEGREES = (1, 2, 4)
 IN, OUT, VOCAB = 8, 12, 10
@@ -232,6 +233,7 @@ def _distributed_worker(rank: int, world: int, init_file: str) -> None:
             assert "process group has 2 ranks" in str(exc)
         else:
             raise AssertionError("tp_degree 4 in a group of 2 ranks was accepted")
+        end_rank_process()
     finally:
         dist.destroy_process_group()
 

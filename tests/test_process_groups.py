@@ -19,7 +19,7 @@ from nxdplug import NeuronConfig, from_pretrained, hookimpl
 from nxdplug.errors import ConfigError
 from nxdplug.modules.parallel_linear import RowParallelLinear, all_reduce_sum, shard_tensor
 from nxdplug.modules.process_groups import ParallelLayout, current_layout, group_rank, group_size
-from nxdplug.testing import temporary_plugin
+from nxdplug.testing import end_rank_process, temporary_plugin
 from nxdplug.types import Feature, ParallelGroup
 
 
@@ -101,6 +101,7 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> None:
                 "expected": x @ weight.T,
             }
             torch.save(result, Path(out) / f"rank{rank}.pt")
+        end_rank_process()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

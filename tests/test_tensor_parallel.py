@@ -20,7 +20,7 @@ from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.compile.artefacts import ArtefactError, Manifest
 from nxdplug.errors import ConfigError
 from nxdplug.runtime.tensor_parallel import join_launched_ranks
-from nxdplug.testing import hf_greedy
+from nxdplug.testing import end_rank_process, hf_greedy
 
 SETTINGS = {
     "torch_dtype": "float32",
@@ -69,6 +69,7 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, compiled: str, out:
         app = from_pretrained(checkpoint, NeuronConfig(**SETTINGS))
         app.load(compiled, quiet=True)
         torch.save(generate(app), Path(out) / f"{step}-{rank}.pt")
+        end_rank_process()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
