@@ -7,13 +7,12 @@ compute the same product, and the collectives reach only their group's ranks.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_tensor_parallel import free_port
+from test_tensor_parallel import become_launched_rank, free_port
 
 from nxdplug import NeuronConfig, from_pretrained, hookimpl
 from nxdplug.errors import ConfigError
@@ -65,16 +64,9 @@ def test_a_partition_must_cover_every_rank_in_equal_blocks() -> None:
 
 
 def _rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> None:
-    os.environ |= {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": str(world),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-    }
+    become_launched_rank(rank, world, port)
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     try:
         with temporary_plugin(SoloGroupPlugin(), "solo-group"):
             settings = {"torch_dtype": "float32", "seq_len": 32, "tp_degree": 2}

@@ -48,7 +48,8 @@ def generate(app) -> torch.Tensor:
     )
 
 
-def _rank(rank: int, world: int, port: int, checkpoint: str, compiled: str, out: str, step: str):
+def become_launched_rank(rank: int, world: int, port: int) -> None:
+    """The environment torchrun gives rank ``rank`` of ``world`` (one thread each)."""
     os.environ |= {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
@@ -56,9 +57,13 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, compiled: str, out:
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
     }
+    torch.set_num_threads(1)
+
+
+def _rank(rank: int, world: int, port: int, checkpoint: str, compiled: str, out: str, step: str):
+    become_launched_rank(rank, world, port)
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     try:
         if step == "eager-and-compile":
             app = from_pretrained(checkpoint, NeuronConfig(**SETTINGS))
