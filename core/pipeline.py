@@ -242,10 +242,6 @@ class PipelineContext:
         """Where the model runs: the selected backend's device."""
         return torch.device(self.selection.compile_backend.device)
 
-    def is_enabled(self, record_name: str) -> bool:
-        """Whether a record of this name is among the enabled ones."""
-        return any(r.name == record_name for r in self.selection.enabled_records)
-
     def hook(self, name: str) -> Any:
         """The pipeline hook ``name``, restricted to the selected plugins."""
         return hook_caller(name, self.selection)

@@ -43,8 +43,10 @@ def use_collectives(tp_degree: int, group: str = TP) -> bool:
     No for a single rank (each rank's shard then runs on its own) or an unsharded layer; a
     group whose size is not ``tp_degree`` is a configuration error.
     """
+    if tp_degree == 1:
+        return False
     size = group_size(group)
-    if size == 1 or tp_degree == 1:
+    if size == 1:
         return False
     if size != tp_degree:
         raise ConfigError(
