@@ -318,6 +318,14 @@ class PipelineContext:
         """The forward() / generate() keywords the selected step inputs take."""
         return frozenset(k for s in self.selection.step_inputs for k in s.keywords)
 
+    def bind(self, application: Any) -> None:
+        """The application's model is loaded (eager or compiled): builders that act on it (a
+        ``bind(application)`` method) get it."""
+        for builder in self.step_input_builders.values():
+            bind = getattr(builder, "bind", None)
+            if bind is not None:
+                bind(application)
+
     def reset(self) -> None:
         """A new generation starts: every step-input builder resets."""
         for builder in self.step_input_builders.values():

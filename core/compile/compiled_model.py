@@ -81,15 +81,23 @@ class CompiledSubModel:
         caches: list[torch.Tensor],
         model: nn.Module,
         extra_input_names: tuple[str, ...],
+        weight_names: list[str],
     ) -> None:
         """``model``: the skeleton, whose KV-cache buffers are ``caches``;
-        ``extra_input_names``: the plugins' step inputs, in the order the graphs take them."""
+        ``extra_input_names``: the plugins' step inputs, in the order the graphs take them;
+        ``weight_names``: the parameter name of each of ``weights`` (none when the weights are
+        frozen into the graphs)."""
         self.graphs = graphs
         self.weights = weights
+        self.weight_names = weight_names
         self.caches = caches
         self.kv_mgr = model.kv_mgr
         self.kv_managers = kv_cache_managers(model)
         self.extra_input_names = extra_input_names
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights every graph takes, by parameter name, as nn.Module names them."""
+        return zip(self.weight_names, self.weights, strict=True)
 
     def __call__(self, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """The graph of the bucket the attention mask's width names, run on ``step``."""
@@ -343,12 +351,18 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
         if wrapper.tag not in loaded:
             raise ArtefactError(f"{path} has no graphs for {wrapper.tag}; compile again")
         wrapper.model = CompiledSubModel(
-            loaded[wrapper.tag], weights, caches, skeleton.model, wrapper.extra_input_names
+            loaded[wrapper.tag],
+            weights,
+            caches,
+            skeleton.model,
+            wrapper.extra_input_names,
+            skeleton.function.weight_names if weights else [],
         )
     if not app.neuron_config.skip_warmup:
         warm_up(app)
     app.is_loaded_to_neuron = True
     app.backend_name = manifest.backend
+    app.context.bind(app)
     app.reset()
 
 

@@ -159,6 +159,7 @@ class NeuronApplicationBase(nn.Module):
         for wrapper in self.models:
             wrapper.model = wrapper.phase_module(model)
         self.backend_name = DEFAULT_BACKEND
+        self.context.bind(self)
         self.reset()
 
     @classmethod
@@ -286,6 +287,12 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         inputs reset, e.g. a sampler's generator is reseeded)."""
         self.kv_cache_populated = False
         self.context.reset()
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors every phase reads as weights, by parameter name: writing into one in
+        place changes what every phase computes, eager or compiled, without recompiling. Empty
+        when the weights are frozen into compiled graphs."""
+        return dict(self.loaded_model.named_parameters())
 
     def reset_kv_cache(self) -> None:
         """Zero the KV caches."""

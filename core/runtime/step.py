@@ -136,7 +136,11 @@ def current_step() -> StepInputs:
 
 
 class StepInputBuilder(Protocol):
-    """The host side of a step-input plugin; built once per application with its config."""
+    """The host side of a step-input plugin; built once per application with its config.
+
+    A builder that acts on the loaded model (writing adapter weights into their slots) may
+    also have ``bind(application)``, called each time the application's model is loaded.
+    """
 
     def __init__(self, config: Any) -> None: ...
 

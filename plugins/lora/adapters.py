@@ -51,20 +51,25 @@ class Adapter:
     targets: tuple[str, ...]
 
 
-def adapter_paths(lora_config: Any) -> dict[str, Path]:
-    """Adapter id -> folder, from ``lora_ckpt_paths`` or the ``lora_ckpt_json`` file."""
+def adapter_paths(lora_config: Any, on_host: bool = False) -> dict[str, Path]:
+    """Adapter id -> folder of the adapters loaded into slots at start-up (``lora_ckpt_paths``),
+    or with ``on_host`` of those held on the host (``lora_ckpt_paths_cpu``); from the
+    ``lora_ckpt_json`` file (``lora-ckpt-paths``, ``lora-ckpt-paths-cpu``) when it is set."""
     if lora_config.lora_ckpt_json is None:
-        return {name: Path(path) for name, path in (lora_config.lora_ckpt_paths or {}).items()}
+        given = lora_config.lora_ckpt_paths_cpu if on_host else lora_config.lora_ckpt_paths
+        return {name: Path(path) for name, path in (given or {}).items()}
     source = Path(lora_config.lora_ckpt_json)
     try:
         listing = json.loads(source.read_text())
         folder = Path(listing.get("lora-ckpt-dir", source.parent))
-        return {name: folder / path for name, path in listing["lora-ckpt-paths"].items()}
+        paths = listing.get("lora-ckpt-paths-cpu", {}) if on_host else listing["lora-ckpt-paths"]
+        return {name: folder / path for name, path in paths.items()}
     except (OSError, ValueError, KeyError, AttributeError) as exc:
         raise ConfigError(
             [
                 f"lora_ckpt_json {source}: expected a JSON object with 'lora-ckpt-paths' (adapter "
-                f"id -> path) and optionally 'lora-ckpt-dir' ({type(exc).__name__}: {exc})"
+                "id -> path), and optionally 'lora-ckpt-paths-cpu' and 'lora-ckpt-dir' "
+                f"({type(exc).__name__}: {exc})"
             ]
         ) from exc
 
@@ -117,18 +122,27 @@ def adapters(config: Any) -> list[Adapter]:
     ]
 
 
+def slot_count(config: Any) -> int:
+    """Slots per projection: ``max_loras`` adapters and slot 0, the base model."""
+    return config.neuron_config.lora_config.max_loras + 1
+
+
 def slots(config: Any) -> dict[str, int]:
-    """Adapter id -> slot; slot 0 is the base model."""
-    paths = adapter_paths(config.neuron_config.lora_config)
-    return {adapter_id: slot for slot, adapter_id in enumerate(paths, start=1)}
+    """The adapters in a slot at start-up: the first ``max_loras`` listed, in slots 1, 2, ...;
+    slot 0 is the base model."""
+    lora_config = config.neuron_config.lora_config
+    listed = list(adapter_paths(lora_config))[: lora_config.max_loras]
+    return {adapter_id: slot for slot, adapter_id in enumerate(listed, start=1)}
 
 
 def targets(config: Any) -> tuple[str, ...]:
-    """The projections that carry LoRA weights: ``target_modules``, or every one an adapter
-    trains."""
+    """The projections that carry LoRA weights: ``target_modules``; else, with dynamic loading,
+    every projection an adapter may train, and without it every one a listed adapter trains."""
     lora_config = config.neuron_config.lora_config
     if lora_config.target_modules:
         return tuple(name for name in TARGETS if name in lora_config.target_modules)
+    if lora_config.enable_dynamic_multi_lora:
+        return TARGETS
     trained = {name for adapter in adapters(config) for name in adapter.targets}
     return tuple(name for name in TARGETS if name in trained)
 
@@ -149,14 +163,23 @@ def validate(context: Any) -> list[str]:
     ]
     try:
         paths = adapter_paths(lora_config)
+        host_paths = adapter_paths(lora_config, on_host=True)
     except ConfigError as exc:
         return problems + exc.problems
-    if not paths:
+    if host_paths and not lora_config.enable_dynamic_multi_lora:
+        problems.append(
+            "lora_ckpt_paths_cpu holds adapters to swap into the slots at run time, which needs "
+            "enable_dynamic_multi_lora=True; set it, or move them to lora_ckpt_paths"
+        )
+    both = sorted(set(paths) & set(host_paths))
+    if both:
+        problems.append(f"adapter ids {both} are in both lora_ckpt_paths and lora_ckpt_paths_cpu")
+    if not paths and not lora_config.enable_dynamic_multi_lora:
         problems.append(
             "lora_config names no adapter: give lora_ckpt_paths={'id': 'path/to/peft/adapter'} "
             "or lora_ckpt_json"
         )
-    if len(paths) > lora_config.max_loras:
+    if len(paths) > lora_config.max_loras and not lora_config.enable_dynamic_multi_lora:
         problems.append(
             f"lora_config names {len(paths)} adapters but max_loras is {lora_config.max_loras}; "
             "raise max_loras"
@@ -167,7 +190,7 @@ def validate(context: Any) -> list[str]:
             for name in lora_config.target_modules
             if name not in TARGETS
         ]
-    for adapter_id, path in paths.items():
+    for adapter_id, path in (paths | host_paths).items():
         try:
             adapter = read_adapter(adapter_id, path)
         except CheckpointError as exc:
@@ -188,11 +211,6 @@ def validate(context: Any) -> list[str]:
 
 
 def _not_yet(neuron_config: Any, selection: Any) -> Iterator[tuple[str, str]]:
-    lora_config = neuron_config.lora_config
-    if lora_config.enable_dynamic_multi_lora:
-        yield "enable_dynamic_multi_lora", "adapters load at start-up only in this version"
-    if lora_config.lora_ckpt_paths_cpu:
-        yield "lora_ckpt_paths_cpu", "list the adapters in lora_ckpt_paths"
     if neuron_config.tp_degree > 1:
         yield f"tp_degree={neuron_config.tp_degree}", "use tp_degree=1"
     if neuron_config.fused_qkv:
@@ -206,47 +224,61 @@ def _not_yet(neuron_config: Any, selection: Any) -> Iterator[tuple[str, str]]:
 def add_adapter_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, Any]:
     """The converter: for every target projection ``P`` of the checkpoint, ``P.lora_a``
     [slots, max_lora_rank, in], ``P.lora_b`` [slots, out, max_lora_rank] and ``P.lora_scale``
-    [slots]; slot 0 and the ranks above an adapter's own are zeros."""
-    lora_config = config.neuron_config.lora_config
+    [slots], the start-up adapters in their slots; slot 0, empty slots and the ranks above an
+    adapter's own are zeros."""
     names = targets(config)
-    projections = {
-        key.removesuffix(".weight"): tensor
-        for key, tensor in state_dict.items()
-        if key.endswith(".weight") and is_target(key.removesuffix(".weight"), names)
-    }
-    count, rank = len(slots(config)) + 1, lora_config.max_lora_rank
-    stacked = {
-        name: (
-            torch.zeros(count, rank, weight.shape[1]),
-            torch.zeros(count, weight.shape[0], rank),
-            torch.zeros(count),
+    count, rank = slot_count(config), config.neuron_config.lora_config.max_lora_rank
+    stacked: dict[str, torch.Tensor] = {}
+    for key, weight in state_dict.items():
+        projection = key.removesuffix(".weight")
+        if key.endswith(".weight") and is_target(projection, names):
+            stacked[f"{projection}.lora_a"] = torch.zeros(count, rank, weight.shape[1])
+            stacked[f"{projection}.lora_b"] = torch.zeros(count, weight.shape[0], rank)
+            stacked[f"{projection}.lora_scale"] = torch.zeros(count)
+    by_id = {adapter.adapter_id: adapter for adapter in adapters(config)}
+    for adapter_id, slot in slots(config).items():
+        adapter = by_id[adapter_id]
+        write_slot(stacked, slot, adapter_id, adapter_matrices(adapter), adapter.scale)
+    return state_dict | stacked
+
+
+def write_slot(
+    weights: dict[str, torch.Tensor],
+    slot: int,
+    adapter_id: str,
+    matrices: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> None:
+    """Put one adapter's matrices into ``slot`` of the stacked LoRA weights (``P.lora_a``,
+    ``P.lora_b``, ``P.lora_scale`` by projection), zeros where it trains nothing."""
+    unknown = sorted(set(matrices) - {k.removesuffix(".lora_a") for k in weights})
+    if unknown:
+        raise CheckpointError(
+            f"LoRA adapter {adapter_id!r} has weights for {unknown}, which the model does not "
+            "carry LoRA weights for (an adapter for another model, or a projection outside "
+            "lora_config.target_modules)"
         )
-        for name, weight in projections.items()
-    }
-    for slot, adapter in enumerate(adapters(config), start=1):
-        for name, (a, b) in _adapter_matrices(adapter).items():
-            if name not in stacked:
-                raise CheckpointError(
-                    f"LoRA adapter {adapter.adapter_id!r} has weights for {name}, which the "
-                    "model does not have (an adapter for another model?)"
-                )
-            lora_a, lora_b, scale = stacked[name]
-            if a.shape[1] != lora_a.shape[2] or b.shape[0] != lora_b.shape[1]:
-                raise CheckpointError(
-                    f"LoRA adapter {adapter.adapter_id!r}: {name} is [{b.shape[0]} x "
-                    f"{a.shape[1]}] in the adapter but [{lora_b.shape[1]} x {lora_a.shape[2]}] "
-                    "in the model; it was trained for another model"
-                )
+    for key in [k for k in weights if k.endswith(".lora_a")]:
+        projection = key.removesuffix(".lora_a")
+        lora_a, lora_b = weights[key], weights[f"{projection}.lora_b"]
+        a, b = matrices.get(projection, (lora_a.new_zeros(0, lora_a.shape[2]), None))
+        if b is None:
+            b = lora_b.new_zeros(lora_b.shape[1], 0)
+        if a.shape[1] != lora_a.shape[2] or b.shape[0] != lora_b.shape[1]:
+            raise CheckpointError(
+                f"LoRA adapter {adapter_id!r}: {projection} is [{b.shape[0]} x {a.shape[1]}] in "
+                f"the adapter but [{lora_b.shape[1]} x {lora_a.shape[2]}] in the model; it was "
+                "trained for another model"
+            )
+        with torch.no_grad():
+            lora_a[slot].zero_()
+            lora_b[slot].zero_()
             lora_a[slot, : a.shape[0]] = a
             lora_b[slot, :, : b.shape[1]] = b
-            scale[slot] = adapter.scale
-    for name, (lora_a, lora_b, scale) in stacked.items():
-        state_dict |= {f"{name}.lora_a": lora_a, f"{name}.lora_b": lora_b}
-        state_dict[f"{name}.lora_scale"] = scale
-    return state_dict
+            weights[f"{projection}.lora_scale"][slot] = scale if projection in matrices else 0.0
 
 
-def _adapter_matrices(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def adapter_matrices(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Projection name -> (A [rank, in], B [out, rank]) of one adapter, in float32."""
     file = next(adapter.path / name for name in WEIGHT_FILES if (adapter.path / name).is_file())
     halves: dict[str, dict[str, torch.Tensor]] = {}

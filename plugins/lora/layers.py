@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
-from nxdplug.plugins.lora.adapters import is_target, slots, targets
+from nxdplug.plugins.lora.adapters import is_target, slot_count, targets
+from nxdplug.plugins.lora.store import AdapterStore
 from nxdplug.runtime.step import current_step
 
 
@@ -33,7 +34,7 @@ def add_lora_weights(model: nn.Module, context: Any) -> None:
     """The ``transform_model`` callback: stacked LoRA weights and the hook on every target."""
     config = context.config
     names = targets(config)
-    count, rank = len(slots(config)) + 1, config.neuron_config.lora_config.max_lora_rank
+    count, rank = slot_count(config), config.neuron_config.lora_config.max_lora_rank
     for name, module in model.named_modules():
         if not is_target(name, names):
             continue
@@ -44,12 +45,15 @@ def add_lora_weights(model: nn.Module, context: Any) -> None:
 
 
 class AdapterSlots:
-    """The host side of ``adapter_ids``: one entry per row, an adapter id from
-    ``lora_ckpt_paths`` or None for the base model (or, as a tensor, the slots themselves:
-    0 for the base model, i for the i-th adapter)."""
+    """The host side of ``adapter_ids``: one entry per row, an adapter id or None for the base
+    model (or, as a tensor, the slots themselves: 0 for the base model). With dynamic
+    multi-LoRA, ids not in a slot are brought in (see :mod:`nxdplug.plugins.lora.store`)."""
 
     def __init__(self, config: Any) -> None:
-        self.slots = slots(config)
+        self.store = AdapterStore(config)
+
+    def bind(self, application: Any) -> None:
+        self.store.bind(application.weight_tensors())
 
     def example(self, batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
         return {"adapter_ids": torch.zeros(batch_size, dtype=torch.long, device=device)}
@@ -71,22 +75,17 @@ class AdapterSlots:
     def _slots_of(self, given: Any) -> torch.Tensor:
         if isinstance(given, torch.Tensor):
             chosen = given.long().flatten()
-            bad = [int(s) for s in chosen if not 0 <= int(s) <= len(self.slots)]
+            last = self.store.max_slots
+            bad = [int(s) for s in chosen if not 0 <= int(s) <= last]
             if bad:
                 raise NxdPlugError(
-                    f"adapter_ids slots {bad} do not exist: 0 is the base model, 1..."
-                    f"{len(self.slots)} the adapters {list(self.slots)}"
+                    f"adapter_ids slots {bad} do not exist: 0 is the base model, 1...{last} "
+                    "the adapter slots"
                 )
             return chosen
         if isinstance(given, str) or not isinstance(given, Sequence):
             raise NxdPlugError("adapter_ids must be a list with an adapter id (or None) per row")
-        unknown = sorted({str(i) for i in given if i is not None and i not in self.slots})
-        if unknown:
-            raise NxdPlugError(
-                f"adapter_ids names {unknown}, not among the served adapters {list(self.slots)}"
-                " (lora_ckpt_paths)"
-            )
-        return torch.tensor([0 if i is None else self.slots[i] for i in given], dtype=torch.long)
+        return self.store.slots_for(given)
 
     def reset(self) -> None:
-        """Nothing carries over between generations."""
+        """Nothing carries over between generations (the slots stay as they are)."""
