@@ -164,12 +164,12 @@ def test_unknown_ids_and_lora_less_models_are_refused(adapters, tiny_checkpoint)
         generate(plain)
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, str]:
+def run_cli(capsys, *argv: str, stdout_only: bool = False) -> tuple[int, str]:
     from nxdplug.cli.main import main
 
     code = main(list(argv))
     captured = capsys.readouterr()
-    return code, captured.out + captured.err
+    return code, captured.out if stdout_only else captured.out + captured.err
 
 
 def generated_lines(text: str) -> list[str]:
@@ -216,3 +216,46 @@ def test_the_command_line_serves_adapters_per_prompt(adapters, capsys) -> None:
         f"code={paths['code']}",
     )
     assert code == 0 and "multi-lora" in listing, listing
+
+
+def test_benchmark_times_adapters_against_peft_mixed_batch(adapters, capsys, monkeypatch) -> None:
+    from nxdplug.benchmark import measurements
+
+    checkpoint, paths = adapters
+    seen = {}
+    run_ours, run_theirs = measurements._run_nxdplug, measurements._run_hf
+
+    def ours(model, input_ids, new_tokens, step_keywords):
+        seen["nxdplug"] = step_keywords
+        return run_ours(model, input_ids, new_tokens, step_keywords)
+
+    def theirs(hf_model, input_ids, new_tokens, generate_kwargs):
+        seen["hf"] = (type(hf_model).__name__, generate_kwargs)
+        return run_theirs(hf_model, input_ids, new_tokens, generate_kwargs)
+
+    monkeypatch.setattr(measurements, "_run_nxdplug", ours)
+    monkeypatch.setattr(measurements, "_run_hf", theirs)
+    code, out = run_cli(
+        capsys,
+        "benchmark",
+        "--model-path",
+        str(checkpoint),
+        "--batch-size",
+        "3",
+        "--torch-dtype",
+        "float32",
+        *("--runs", "1", "--prompt-length", "8", "--max-new-tokens", "4", "--quiet"),
+        "--compare-hf",
+        "--json",
+        "--lora-ckpt-paths",
+        *(f"{name}={path}" for name, path in paths.items()),
+        "--adapter-ids",
+        "code",
+        "chat",
+        "none",
+        stdout_only=True,
+    )
+    assert code == 0, out
+    assert json.loads(out)["ratios"]["decode_tokens_per_s"] > 0
+    assert seen["nxdplug"] == {"adapter_ids": ["code", "chat", None]}
+    assert seen["hf"] == ("PeftModelForCausalLM", {"adapter_names": ["code", "chat", "__base__"]})

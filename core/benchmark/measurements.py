@@ -17,7 +17,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -154,14 +154,16 @@ def random_prompt_ids(
     return torch.randint(1, vocab_size, (batch_size, length), generator=generator)
 
 
-def _run_nxdplug(model: Any, input_ids: torch.Tensor, new_tokens: int) -> RunTimes:
+def _run_nxdplug(
+    model: Any, input_ids: torch.Tensor, new_tokens: int, step_keywords: Mapping[str, Any]
+) -> RunTimes:
     model.reset()
     mask = torch.ones_like(input_ids)
     step_input = input_ids
     stamps = []
     start = time.perf_counter()
     for _ in range(new_tokens):
-        outputs = model(input_ids=step_input, attention_mask=mask)
+        outputs = model(input_ids=step_input, attention_mask=mask, **step_keywords)
         # A model that samples on device returns its tokens; otherwise take the greedy one here.
         step_input = outputs.tokens
         if step_input is None:
@@ -172,17 +174,24 @@ def _run_nxdplug(model: Any, input_ids: torch.Tensor, new_tokens: int) -> RunTim
 
 
 def measure_nxdplug(
-    model: Any, input_ids: torch.Tensor, new_tokens: int, runs: int, warmup: int = 1
+    model: Any,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    runs: int,
+    warmup: int = 1,
+    step_keywords: Mapping[str, Any] | None = None,
 ) -> tuple[RunTimes, ...]:
     """Greedy generation of exactly ``new_tokens`` tokens by a loaded NeuronBaseForCausalLM.
 
     The first forward after ``reset()`` is context encoding, each later one a token-generation
     step; end-of-sequence tokens are not looked for. ``warmup`` untimed runs come first.
+    ``step_keywords`` (a plugin's per-row inputs, e.g. ``adapter_ids``) go to every step.
     """
+    keywords = dict(step_keywords or {})
     with torch.inference_mode():
         for _ in range(warmup):
-            _run_nxdplug(model, input_ids, new_tokens)
-        return tuple(_run_nxdplug(model, input_ids, new_tokens) for _ in range(runs))
+            _run_nxdplug(model, input_ids, new_tokens, keywords)
+        return tuple(_run_nxdplug(model, input_ids, new_tokens, keywords) for _ in range(runs))
 
 
 class _TimestampStreamer:
@@ -201,7 +210,12 @@ class _TimestampStreamer:
         pass
 
 
-def _run_hf(hf_model: nn.Module, input_ids: torch.Tensor, new_tokens: int) -> RunTimes:
+def _run_hf(
+    hf_model: nn.Module,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    generate_kwargs: Mapping[str, Any],
+) -> RunTimes:
     streamer = _TimestampStreamer()
     pad_token_id = hf_model.generation_config.pad_token_id
     if pad_token_id is None:
@@ -215,6 +229,7 @@ def _run_hf(hf_model: nn.Module, input_ids: torch.Tensor, new_tokens: int) -> Ru
         do_sample=False,
         pad_token_id=pad_token_id,
         streamer=streamer,
+        **generate_kwargs,
     )
     end = time.perf_counter()
     tokens = tuple(streamer.stamps[1:])
@@ -227,31 +242,51 @@ def _run_hf(hf_model: nn.Module, input_ids: torch.Tensor, new_tokens: int) -> Ru
 
 
 def measure_hf(
-    hf_model: nn.Module, input_ids: torch.Tensor, new_tokens: int, runs: int, warmup: int = 1
+    hf_model: nn.Module,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    runs: int,
+    warmup: int = 1,
+    generate_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[RunTimes, ...]:
     """HF transformers' eager greedy ``generate()`` of exactly ``new_tokens`` tokens.
 
     ``min_new_tokens`` equal to ``max_new_tokens`` keeps an end-of-sequence token from ending a
-    run early. ``warmup`` untimed runs come first.
+    run early. ``warmup`` untimed runs come first. ``generate_kwargs`` are added to every call
+    (PEFT's ``adapter_names``, ...).
     """
+    kwargs = dict(generate_kwargs or {})
     with torch.inference_mode():
         for _ in range(warmup):
-            _run_hf(hf_model, input_ids, new_tokens)
-        return tuple(_run_hf(hf_model, input_ids, new_tokens) for _ in range(runs))
+            _run_hf(hf_model, input_ids, new_tokens, kwargs)
+        return tuple(_run_hf(hf_model, input_ids, new_tokens, kwargs) for _ in range(runs))
 
 
 def measure_alternating(
-    model: Any, hf_model: nn.Module, input_ids: torch.Tensor, new_tokens: int, runs: int
+    model: Any,
+    hf_model: nn.Module,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    runs: int,
+    step_keywords: Mapping[str, Any] | None = None,
+    hf_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[tuple[RunTimes, ...], tuple[RunTimes, ...]]:
     """nxdplug and HF runs taken in turn after a warm-up of each, so that load from other
     processes on a shared machine falls on both alike and their ratios stay meaningful."""
     nxdplug_runs: list[RunTimes] = []
     hf_runs: list[RunTimes] = []
-    measure_nxdplug(model, input_ids, new_tokens, runs=0)
-    measure_hf(hf_model, input_ids, new_tokens, runs=0)
+
+    def ours(runs: int, warmup: int) -> tuple[RunTimes, ...]:
+        return measure_nxdplug(model, input_ids, new_tokens, runs, warmup, step_keywords)
+
+    def theirs(runs: int, warmup: int) -> tuple[RunTimes, ...]:
+        return measure_hf(hf_model, input_ids, new_tokens, runs, warmup, hf_kwargs)
+
+    ours(runs=0, warmup=1)
+    theirs(runs=0, warmup=1)
     for _ in range(runs):
-        nxdplug_runs += measure_nxdplug(model, input_ids, new_tokens, runs=1, warmup=0)
-        hf_runs += measure_hf(hf_model, input_ids, new_tokens, runs=1, warmup=0)
+        nxdplug_runs += ours(runs=1, warmup=0)
+        hf_runs += theirs(runs=1, warmup=0)
     return tuple(nxdplug_runs), tuple(hf_runs)
 
 

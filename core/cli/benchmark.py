@@ -141,18 +141,29 @@ def run_benchmark(args: argparse.Namespace) -> int:
     if model.plugins.speculation_mode is not None:
         return _benchmark_speculation(args, model, input_ids, progress)
     new_tokens, runs = args.max_new_tokens, args.runs
+    # The enabled plugins' per-step inputs (LoRA's adapter_ids, ...), and their HF equivalent.
+    step_keywords = extensions.generate_keywords(args, model)
     hf_stats = None
     if args.compare_hf:
         progress("loading the HF transformers model")
-        hf_model = _load_hf_model(args.model_path, dtype, quiet=args.quiet)
+
+        def load(path: Path) -> Any:
+            return _load_hf_model(path, dtype, quiet=args.quiet)
+
+        hf_model, hf_kwargs = extensions.hf_comparison(args, model, load) or (
+            load(args.model_path),
+            {},
+        )
         progress(f"timing nxdplug and HF in turn: 1 warm-up + {runs} run(s) each")
         nxdplug_runs, hf_runs = benchmark.measure_alternating(
-            model, hf_model, input_ids, new_tokens, runs
+            model, hf_model, input_ids, new_tokens, runs, step_keywords, hf_kwargs
         )
         hf_stats = benchmark.GenerationStats.from_runs(hf_runs, batch_size)
     else:
         progress(f"timing nxdplug: 1 warm-up + {runs} run(s)")
-        nxdplug_runs = benchmark.measure_nxdplug(model, input_ids, new_tokens, runs)
+        nxdplug_runs = benchmark.measure_nxdplug(
+            model, input_ids, new_tokens, runs, step_keywords=step_keywords
+        )
 
     progress("measuring the memory read bandwidth")
     positions = benchmark.mean_decode_positions(args.prompt_length, new_tokens)

@@ -36,12 +36,12 @@ class LoraCommandLine:
         group.add_argument("--lora-ckpt-json", metavar="FILE", help="adapters listed in a file")
         group.add_argument("--max-loras", type=positive_int, metavar="N")
         group.add_argument("--max-lora-rank", type=positive_int, metavar="N")
-        if command == "run":
+        if command in ("run", "benchmark"):
             group.add_argument(
                 "--adapter-ids",
                 nargs="+",
                 metavar="ID",
-                help=f"each prompt's adapter id ({BASE_MODEL!r} for the base model)",
+                help=f"each prompt's (batch row's) adapter id ({BASE_MODEL!r} for the base model)",
             )
 
     def neuron_config_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
@@ -74,5 +74,24 @@ class LoraCommandLine:
 
     def hf_comparison(
         self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
-    ) -> None:
-        return None  # PEFT on HF transformers is not part of the benchmark yet
+    ) -> tuple[Any, dict[str, Any]]:
+        """PEFT on HF transformers with every served adapter, each row on its own
+        (``adapter_names``, PEFT's mixed batch)."""
+        from peft import PeftModel
+
+        from nxdplug.plugins.lora.store import adapter_store
+
+        paths = adapter_store(model).paths
+        if not paths:
+            raise NxdPlugError("--compare-hf with multi-LoRA needs at least one adapter")
+        names = iter(paths)
+        first = next(names)
+        peft_model = PeftModel.from_pretrained(
+            load_hf_model(args.model_path), str(paths[first]), adapter_name=first
+        )
+        for adapter_id in names:
+            peft_model.load_adapter(str(paths[adapter_id]), adapter_name=adapter_id)
+        rows = self.generate_keywords(args, model).get("adapter_ids")
+        batch = model.neuron_config.batch_size
+        adapter_names = [row or "__base__" for row in rows] if rows else ["__base__"] * batch
+        return peft_model.eval(), {"adapter_names": adapter_names}
