@@ -38,15 +38,19 @@ def hf_model(checkpoint):
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_checkpoint, tmp_path_factory):
-    checkpoint = tiny_checkpoint("llama", initializer_range=0.15)
-    folder = tmp_path_factory.mktemp("adapters")
-    for seed, (name, settings) in enumerate(ADAPTERS.items()):
+def save_adapters(checkpoint, folder, specs, first_seed=0) -> dict[str, str]:
+    """PEFT adapters of ``checkpoint`` (random A and B) saved under ``folder``, by name."""
+    for seed, (name, settings) in enumerate(specs.items(), start=first_seed):
         torch.manual_seed(seed)
         lora = LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **settings)
         get_peft_model(hf_model(checkpoint), lora).save_pretrained(folder / name)
-    return checkpoint, {name: str(folder / name) for name in ADAPTERS}
+    return {name: str(folder / name) for name in specs}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoint, tmp_path_factory):
+    checkpoint = tiny_checkpoint("llama", initializer_range=0.15)
+    return checkpoint, save_adapters(checkpoint, tmp_path_factory.mktemp("adapters"), ADAPTERS)
 
 
 def peft_oracle(checkpoint, paths):

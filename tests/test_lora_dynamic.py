@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
+from peft import PeftModel
+from test_lora import hf_model, save_adapters
 
 from nxdplug import HuggingFaceGenerationAdapter, LoraServingConfig, NeuronConfig, from_pretrained
 from nxdplug.errors import NotSupportedError, NxdPlugError
@@ -26,19 +26,11 @@ MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
 NEW_TOKENS = 10
 
 
-def hf_model(checkpoint):
-    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_checkpoint, tmp_path_factory):
     checkpoint = tiny_checkpoint("llama", initializer_range=0.15)
     folder = tmp_path_factory.mktemp("adapters")
-    for seed, (name, settings) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(10 + seed)
-        lora = LoraConfig(init_lora_weights=False, task_type="CAUSAL_LM", **settings)
-        get_peft_model(hf_model(checkpoint), lora).save_pretrained(folder / name)
-    return checkpoint, {name: str(folder / name) for name in ADAPTERS}
+    return checkpoint, save_adapters(checkpoint, folder, ADAPTERS, first_seed=10)
 
 
 @pytest.fixture(scope="module")
