@@ -15,7 +15,7 @@ from nxdplug.types import CompileBackend, Feature
 
 NXDPLUG_API_VERSION = 1
 
-# The same names as in nxdplug.plugins.neuron_backend.kernels (this module imports no torch).
+# NeuronConfig's NKI kernel switches and the capability that runs them; kernels.py checks them.
 CAPABILITY = "nki-kernels"
 KERNEL_FLAGS = (
     "attn_kernel_enabled",
