@@ -47,7 +47,6 @@ PLUGIN_PROVIDED_ATTRIBUTES = (
     "lora_config",
     "flash_decoding_enabled",
     "async_mode",
-    "qk_layernorm",
     "draft_model_modules_to_not_convert",
 )
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from nxdplug.modules.gqa import determine_sharding_strategy, shardable_head_counts
 from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.norms import RMSNorm
 from nxdplug.modules.parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -81,11 +82,24 @@ def attention_mask_4d(
     return allowed[:, None, :, :]
 
 
+def qk_norms(config: Any, head_dim: int, enabled: bool) -> tuple[nn.Module, nn.Module]:
+    """The per-head query and key norms: RMSNorms over ``head_dim`` (eps ``rms_norm_eps``, HF's
+    1e-6 when the config has none), or identities when QK layer normalization is off."""
+    if not enabled:
+        return nn.Identity(), nn.Identity()
+    eps = getattr(config, "rms_norm_eps", 1e-6)
+    return RMSNorm(head_dim, eps=eps), RMSNorm(head_dim, eps=eps)
+
+
 class NeuronAttentionBase(nn.Module):
     """Q/K/V projections (fused or not), rotary, cache update, softmax(QK^T/sqrt(d))V, output.
 
     The rotary table decides how many dims of each head turn (all of them, or the first ones
     for partial rotary); ``qkv_bias`` / ``o_bias`` add biases to the projections.
+    ``qk_layernorm`` (the argument, or ``neuron_config.qk_layernorm``) normalizes each query and
+    key head with an RMSNorm over ``head_dim`` before rotary, as Qwen3 does; the weights
+    (``q_norm.weight``, ``k_norm.weight``) are shared by all heads, so a rank normalizes its own
+    heads and replicated K/V heads need nothing more.
     """
 
     def __init__(
@@ -96,6 +110,7 @@ class NeuronAttentionBase(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         sliding_window: int | None = None,
+        qk_layernorm: bool = False,
     ) -> None:
         super().__init__()
         neuron_config = config.neuron_config
@@ -124,6 +139,9 @@ class NeuronAttentionBase(nn.Module):
         self.o_proj = RowParallelLinear(
             q_size, hidden, bias=o_bias, reduce_dtype=neuron_config.rpl_reduce_dtype, **tp
         )
+        self.q_norm, self.k_norm = qk_norms(
+            config, self.head_dim, qk_layernorm or bool(neuron_config.qk_layernorm)
+        )
         self.sliding_window = sliding_window
         self.attention_dtype = neuron_config.attention_dtype
 
@@ -143,8 +161,8 @@ class NeuronAttentionBase(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q, k, v = self.project_qkv(x)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_norm(q.view(batch, seq, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(batch, seq, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, *rope)
 
