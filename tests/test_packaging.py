@@ -106,9 +106,11 @@ def test_public_api_names_resolve() -> None:
     from nxdplug.contrib_models.llama import LlamaInferenceConfig, NeuronLlamaForCausalLM
     from nxdplug.contrib_models.mistral import NeuronMistralForCausalLM
     from nxdplug.contrib_models.qwen2 import NeuronQwen2ForCausalLM
+    from nxdplug.contrib_models.qwen3 import NeuronQwen3ForCausalLM
 
     assert issubclass(NeuronLlamaForCausalLM, nxdplug.NeuronBaseForCausalLM)
     assert issubclass(NeuronMistralForCausalLM, NeuronLlamaForCausalLM)
     assert issubclass(NeuronQwen2ForCausalLM, NeuronLlamaForCausalLM)
+    assert issubclass(NeuronQwen3ForCausalLM, NeuronLlamaForCausalLM)
     assert issubclass(LlamaInferenceConfig, nxdplug.InferenceConfig)
     assert NeuronLlamaForCausalLM.get_config_cls() is LlamaInferenceConfig

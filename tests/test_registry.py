@@ -97,6 +97,7 @@ def test_provided_by_lists_a_plugins_names(plugin_manager) -> None:
 def test_find_architecture_by_hf_name_then_model_type(plugin_manager) -> None:
     registry = get_registry()
     assert registry.find_architecture(["Qwen2ForCausalLM"], None).name == "qwen2"
+    assert registry.find_architecture(["Qwen3ForCausalLM"], "qwen3").name == "qwen3"
     assert registry.find_architecture([], "mistral").name == "mistral"
     with pytest.raises(UnknownNameError, match="LlamaForCausalLM"):
         registry.find_architecture(["GPTNeoXForCausalLM"], "gpt_neox")
