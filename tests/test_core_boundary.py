@@ -27,6 +27,10 @@ FEATURE_WORDS = re.compile(
     r"medusa|eagle|lora|quant|fp8|float8|f8e4m3|f8e5m2|int8|moe|expert|on_device|on-device",
     re.IGNORECASE,
 )
+# Building blocks the reference names as reusable modules of the core (NxD's RouterTopK,
+# ExpertMLPs and MoE, NxD Inference's initialize_moe_module), which may use the words of their
+# own subject inside their folder.
+BUILDING_BLOCKS = {CORE / "modules" / "moe": re.compile(r"moe|expert", re.IGNORECASE)}
 # Names of the contract of an extension point the core defines (the quantization-methods
 # record's implementation is asked for quantize_state_dict, as NxD Inference names it).
 EXTENSION_CONTRACT = {"quantize_state_dict"}
@@ -112,12 +116,22 @@ def code_words(path: Path) -> list[tuple[int, str]]:
     return words
 
 
+def own_subject(path: Path, word: str) -> bool:
+    """Whether ``word`` names only the subject of the building block ``path`` belongs to."""
+    for folder, subject in BUILDING_BLOCKS.items():
+        if path.is_relative_to(folder) and not FEATURE_WORDS.search(subject.sub("", word)):
+            return True
+    return False
+
+
 def feature_words(paths: list[Path], allowed: set[str]) -> list[str]:
     return [
         f"{path.name}:{line} {word}"
         for path in paths
         for line, word in code_words(path)
-        if FEATURE_WORDS.search(word) and word.lstrip("_") not in allowed
+        if FEATURE_WORDS.search(word)
+        and word.lstrip("_") not in allowed
+        and not own_subject(path, word)
     ]
 
 
@@ -150,3 +164,14 @@ def build_medusa_tree(is_medusa):  # a medusa comment
         "sample.py:4 build_medusa_tree",
         "sample.py:5 eagle",
     ]
+
+
+@needs_reference
+def test_a_building_block_may_name_its_own_subject_only(monkeypatch, tmp_path: Path) -> None:
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    sample = folder / "blocks.py"
+    sample.write_text("def route(expert_index, moe_degrees, lora_slots, expert_lora):\n    pass\n")
+    monkeypatch.setitem(BUILDING_BLOCKS, folder, BUILDING_BLOCKS[CORE / "modules" / "moe"])
+    allowed = documented_names() | extension_point_names()
+    assert feature_words([sample], allowed) == ["blocks.py:1 lora_slots", "blocks.py:1 expert_lora"]

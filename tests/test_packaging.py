@@ -45,7 +45,9 @@ def test_every_plugin_folder_is_an_entry_point() -> None:
     entry_points = pyproject()["project"]["entry-points"]["nxdplug"]
     modules = {value.rsplit(".", 1)[0] for value in entry_points.values()}
     plugin_packages = {
-        p for p in packages_on_disk() if p.count(".") == 2 and not p.endswith("__pycache__")
+        p
+        for p in packages_on_disk()
+        if p.startswith(("nxdplug.plugins.", "nxdplug.contrib_models.")) and p.count(".") == 2
     }
     assert plugin_packages == modules
 

@@ -1,7 +1,6 @@
-"""Mixture-of-experts settings: MoENeuronConfig and its sub-configs.
-
-They exist before the MoE models do, so that configs naming them load and save. Enumerations of
-NxD (``GLUType``, ``BlockShardStrategy``) are stored by name: ``"glu"``, ``"HI_LO"``.
+"""Mixture-of-experts settings: MoENeuronConfig and its sub-configs, and the core's checks of
+them. Enumerations of NxD (``GLUType``, ``BlockShardStrategy``) are stored by name: ``"glu"``,
+``"HI_LO"``. The building blocks that read them are in :mod:`nxdplug.modules.moe`.
 """
 
 from __future__ import annotations
@@ -143,3 +142,52 @@ class MoENeuronConfig(NeuronConfig):
     fused_shared_experts: bool = False
     shared_experts_sequence_parallel_enabled: bool = False
     transpose_shared_experts_weights: bool = False
+
+
+GLU_TYPES = ("glu", "swiglu")
+ROUTER_ACTIVATIONS = ("softmax", "sigmoid")
+
+
+def parallel_degree_problems(neuron_config: MoENeuronConfig) -> list[str]:
+    """What is wrong with the MoE parallel degrees, with what to set: the experts are laid out
+    over all ``tp_degree`` ranks, ``moe_tp_degree x moe_ep_degree`` of them (both 1: each
+    expert split over all ranks)."""
+    tp_degree = neuron_config.tp_degree
+    tp, ep = neuron_config.moe_tp_degree, neuron_config.moe_ep_degree
+    if tp < 1 or ep < 1:
+        return [f"moe_tp_degree ({tp}) and moe_ep_degree ({ep}) must be at least 1"]
+    if tp * ep in (1, tp_degree):
+        return []
+    fix = (
+        f"e.g. moe_tp_degree={tp_degree // ep} with moe_ep_degree={ep}"
+        if tp_degree % ep == 0
+        else "moe_ep_degree must divide tp_degree"
+    )
+    return [
+        f"moe_tp_degree ({tp}) x moe_ep_degree ({ep}) must equal tp_degree "
+        f"({tp_degree}), the ranks the experts are laid out over: {fix}"
+    ]
+
+
+def routed_mlp_problems(config: Any, neuron_config: Any) -> list[str]:
+    """The core's checks of a MoENeuronConfig (nothing for other NeuronConfigs)."""
+    if not isinstance(neuron_config, MoENeuronConfig):
+        return []
+    problems = parallel_degree_problems(neuron_config)
+    if neuron_config.hybrid_sharding_config is not None:
+        problems.append(
+            "hybrid_sharding_config (separate expert layouts for context encoding and token "
+            "generation) is not implemented yet; leave it unset and use moe_tp_degree / "
+            "moe_ep_degree"
+        )
+    if neuron_config.glu_type not in GLU_TYPES:
+        problems.append(f"glu_type is {neuron_config.glu_type!r}; expected one of {GLU_TYPES}")
+    if neuron_config.router_config.act_fn not in ROUTER_ACTIVATIONS:
+        problems.append(
+            f"router_config.act_fn is {neuron_config.router_config.act_fn!r}; expected one of "
+            f"{ROUTER_ACTIVATIONS}"
+        )
+    factor = neuron_config.capacity_factor
+    if factor is not None and factor <= 0:
+        problems.append(f"capacity_factor must be positive or None; got {factor}")
+    return problems

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nxdplug.config.dtypes import dtype_name
+from nxdplug.config.moe import routed_mlp_problems
 from nxdplug.config.neuron_config import NeuronConfig
 from nxdplug.config.suggestions import did_you_mean
 
@@ -233,4 +234,5 @@ RULES: tuple[Rule, ...] = (
     _buckets,
     _sampling,
     _lora_config,
+    routed_mlp_problems,
 )

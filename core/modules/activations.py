@@ -17,6 +17,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
     "gelu_new": partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
+    "sigmoid": torch.sigmoid,
 }
 
 

@@ -1,0 +1,188 @@
+"""ExpertMLPs: each token through the MLPs of the experts its router chose, weighted by
+affinity.
+
+Every expert is ``down(act(gate(x)) * up(x))`` (``glu_mlp``) or ``down(act(up(x)))``. The weights
+of all experts are stacked: ``gate_up_proj`` [experts, 2 * intermediate, hidden] (gate rows, then
+up rows), ``down_proj`` [experts, hidden, intermediate]. The (token, chosen expert) pairs are
+sorted by expert and run through ``nxdplug::grouped_linear``, so only the chosen experts'
+weights are read, at decode as at prefill.
+
+Sharding: ``ep_degree`` ranks each hold ``num_experts / ep_degree`` whole experts, and
+``tp_degree`` ranks split each expert's intermediate dim; a rank computes its partial sum of
+every token's output (zero for experts it does not hold) and the partial sums are added over the
+``group`` of all ``tp_degree * ep_degree`` ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from nxdplug.config import RoutedExpertsMLPOpsConfig
+from nxdplug.config.moe import GLU_TYPES
+from nxdplug.errors import ConfigError
+from nxdplug.modules.activations import activation
+from nxdplug.modules.moe.grouped_linear import grouped_linear
+from nxdplug.modules.parallel_linear import TP, all_reduce_sum, shard_tensor, use_collectives
+
+
+def expert_capacity(tokens: int, config: RoutedExpertsMLPOpsConfig) -> int | None:
+    """How many tokens one expert takes in a step of ``tokens`` tokens; None: all of them.
+
+    ``ceil(tokens * top_k * capacity_factor / num_experts)``, at most ``tokens``; a
+    ``capacity_factor`` of ``num_experts / top_k`` or more can never drop a token.
+    """
+    factor = config.capacity_factor
+    if factor is None or factor >= config.num_experts / config.top_k:
+        return None
+    return min(math.ceil(tokens * config.top_k * factor / config.num_experts), tokens)
+
+
+def within_capacity(expert_index: torch.Tensor, capacity: int, num_experts: int) -> torch.Tensor:
+    """[tokens, top_k] booleans: whether each (token, choice) pair fits in its expert.
+
+    Tokens queue at an expert in token order; the ones after the first ``capacity`` are dropped
+    (they get nothing from that expert), as NxD's capacity-factor path does.
+    """
+    chosen = nn.functional.one_hot(expert_index, num_experts).sum(dim=1)  # [tokens, experts]
+    position = torch.cumsum(chosen, dim=0)  # 1-based place of each token in each queue
+    return torch.gather(position, 1, expert_index) <= capacity
+
+
+def validate_routed_experts(config: RoutedExpertsMLPOpsConfig) -> list[str]:
+    problems = []
+    if not 0 < config.top_k <= config.num_experts:
+        problems.append(f"top_k ({config.top_k}) must be in 1..num_experts ({config.num_experts})")
+    if config.glu_type not in GLU_TYPES:
+        problems.append(f"glu_type is {config.glu_type!r}; expected one of {GLU_TYPES}")
+    if config.normalize_top_k_affinities and config.top_k == 1:
+        problems.append("normalize_top_k_affinities needs top_k > 1 (one affinity is always 1)")
+    if config.capacity_factor is not None and config.capacity_factor <= 0:
+        problems.append(f"capacity_factor must be positive or None; got {config.capacity_factor}")
+    return problems
+
+
+def clamp(x: torch.Tensor, lower: float | None, upper: float | None) -> torch.Tensor:
+    return x if lower is None and upper is None else x.clamp(min=lower, max=upper)
+
+
+class ExpertMLPs(nn.Module):
+    def __init__(
+        self,
+        routed_experts_mlp_config: RoutedExpertsMLPOpsConfig,
+        *,
+        tp_degree: int = 1,
+        tp_rank: int = 0,
+        ep_degree: int = 1,
+        ep_rank: int = 0,
+        group: str = TP,
+    ) -> None:
+        super().__init__()
+        config = routed_experts_mlp_config
+        problems = validate_routed_experts(config)
+        for size, degree, what in (
+            (config.num_experts, ep_degree, "num_experts by moe_ep_degree"),
+            (config.intermediate_size, tp_degree, "intermediate_size by moe_tp_degree"),
+        ):
+            if size % degree:
+                problems.append(f"cannot split {what}: {size} % {degree} != 0")
+        if problems:
+            raise ConfigError(problems)
+        self.config = config
+        self.act = activation(config.hidden_act)
+        self.tp_degree, self.tp_rank = tp_degree, tp_rank
+        self.ep_degree, self.ep_rank = ep_degree, ep_rank
+        self.group = group
+        self.local_experts = config.num_experts // ep_degree
+        self.local_intermediate = config.intermediate_size // tp_degree
+        projections = 2 if config.glu_mlp else 1
+        hidden, inner = config.hidden_size, self.local_intermediate
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(self.local_experts, projections * inner, hidden)
+        )
+        self.down_proj = nn.Parameter(torch.empty(self.local_experts, hidden, inner))
+        self.gate_up_proj_bias = (
+            nn.Parameter(torch.zeros(self.local_experts, projections * inner))
+            if config.bias
+            else None
+        )
+        self.down_proj_bias = (
+            nn.Parameter(torch.zeros(self.local_experts, hidden)) if config.bias else None
+        )
+        for weight, fan_in in ((self.gate_up_proj, hidden), (self.down_proj, inner)):
+            nn.init.uniform_(weight, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's experts, and its slice of each one's intermediate dim. The down
+        projection's bias is added by the first tensor-parallel rank of each expert only, so that
+        the sum over ranks counts it once."""
+        shards = {}
+        for name, tensor in full.items():
+            tensor = shard_tensor(tensor, 0, self.ep_degree, self.ep_rank)
+            if name.startswith("gate_up_proj"):
+                parts = tensor.chunk(2 if self.config.glu_mlp else 1, dim=1)
+                tensor = torch.cat(
+                    [shard_tensor(p, 1, self.tp_degree, self.tp_rank) for p in parts], 1
+                )
+            elif name == "down_proj":
+                tensor = shard_tensor(tensor, 2, self.tp_degree, self.tp_rank)
+            elif name == "down_proj_bias" and self.tp_rank:
+                tensor = torch.zeros_like(tensor)
+            shards[name] = tensor
+        return shards
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        config = self.config
+        if not config.glu_mlp:
+            return self.act(h)
+        gate, up = h.chunk(2, dim=-1)
+        gate = clamp(gate, config.gate_clamp_lower_limit, config.gate_clamp_upper_limit)
+        up = clamp(up, config.up_clamp_lower_limit, config.up_clamp_upper_limit)
+        gated = self.act(config.hidden_act_scaling_factor * gate)
+        if config.glu_type == "swiglu":
+            gated = gate * gated
+        return gated * (up + config.hidden_act_bias)
+
+    def forward(
+        self, hidden: torch.Tensor, affinities: torch.Tensor, expert_index: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden: [tokens, hidden]; affinities: [tokens, experts]; expert_index: [tokens,
+        top_k]. Returns [tokens, hidden]."""
+        config = self.config
+        tokens, top_k = expert_index.shape
+        weights = torch.gather(affinities, 1, expert_index)
+        capacity = expert_capacity(tokens, config)
+        kept = (
+            within_capacity(expert_index, capacity, config.num_experts)
+            if capacity is not None
+            else torch.ones_like(expert_index, dtype=torch.bool)
+        )
+        weights = weights * kept
+        if config.normalize_top_k_affinities:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+
+        # Pairs (token, choice) sorted by local expert; pairs for no local expert go last,
+        # where grouped_linear leaves them out.
+        local = expert_index.flatten() - self.ep_rank * self.local_experts
+        runs_here = (local >= 0) & (local < self.local_experts) & kept.flatten()
+        group_of_pair = torch.where(runs_here, local, self.local_experts)
+        order = torch.argsort(group_of_pair, stable=True)
+        counts = group_of_pair.new_zeros(self.local_experts + 1).scatter_add(
+            0, group_of_pair, torch.ones_like(group_of_pair)
+        )[: self.local_experts]
+        token_of_pair = order // top_k
+        pair_weights = weights.flatten()[order].to(hidden.dtype).unsqueeze(-1)
+
+        x = hidden[token_of_pair]
+        if config.early_expert_affinity_modulation:
+            x = x * pair_weights
+        h = self.activation(grouped_linear(x, self.gate_up_proj, counts, self.gate_up_proj_bias))
+        y = grouped_linear(h, self.down_proj, counts, self.down_proj_bias)
+        if not config.early_expert_affinity_modulation:
+            y = y * pair_weights
+        out = torch.zeros_like(hidden).index_add(0, token_of_pair, y)
+        if use_collectives(self.tp_degree * self.ep_degree, self.group):
+            out = all_reduce_sum(out, self.group)
+        return out
