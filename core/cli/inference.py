@@ -30,13 +30,14 @@ def _add_model_path(parser: argparse.ArgumentParser) -> None:
 
 
 def inference_config(model_path: Path, options: dict[str, Any]) -> Any:
-    from nxdplug.config import NeuronConfig, load_pretrained_config
+    from nxdplug.config import load_pretrained_config
     from nxdplug.runtime.application import architecture_for
 
     if not model_path.is_dir():
         raise NxdPlugError(f"--model-path {model_path} is not a folder")
     config_cls = architecture_for(model_path).load("application").get_config_cls()
-    return config_cls(NeuronConfig(**options), load_config=load_pretrained_config(model_path))
+    neuron_config = config_cls.get_neuron_config_cls()(**options)
+    return config_cls(neuron_config, load_config=load_pretrained_config(model_path))
 
 
 # check-config ---------------------------------------------------------------------------------

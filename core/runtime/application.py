@@ -77,8 +77,10 @@ class NeuronApplicationBase(nn.Module):
     ) -> None:
         super().__init__()
         if config is None:
-            config = self.get_config_cls()(
-                neuron_config or NeuronConfig(), load_config=load_pretrained_config(model_path)
+            config_cls = self.get_config_cls()
+            config = config_cls(
+                neuron_config or config_cls.get_neuron_config_cls()(),
+                load_config=load_pretrained_config(model_path),
             )
         self.context = PipelineContext(config, self.validate_config(config), self._model_cls)
         join_launched_ranks(config.neuron_config.tp_degree)
@@ -484,7 +486,9 @@ def from_pretrained(
     """The application for a checkpoint, its class chosen from ``config.json`` by the registry."""
     application_cls = architecture_for(model_path).load("application")
     if config is None:
-        config = application_cls.get_config_cls()(
-            neuron_config or NeuronConfig(), load_config=load_pretrained_config(model_path)
+        config_cls = application_cls.get_config_cls()
+        config = config_cls(
+            neuron_config or config_cls.get_neuron_config_cls()(),
+            load_config=load_pretrained_config(model_path),
         )
     return application_cls(model_path, config)

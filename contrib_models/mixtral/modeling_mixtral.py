@@ -1,0 +1,93 @@
+"""Mixtral for nxdplug: Llama's attention, and a sparse MLP of routed experts in every layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
+from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM, NeuronLlamaModel
+from nxdplug.errors import ConfigError
+from nxdplug.modules.attention import NeuronAttentionBase
+from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.moe import initialize_moe_module
+from nxdplug.modules.norms import RMSNorm
+
+
+@attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
+class MixtralNeuronConfig(MoENeuronConfig):
+    """MoENeuronConfig with gated experts by default: Mixtral's experts are SwiGLU MLPs."""
+
+    glu_mlp: bool = True
+
+
+class MixtralInferenceConfig(InferenceConfig):
+    def get_required_attributes(self) -> list[str]:
+        return [
+            "hidden_size",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "num_key_value_heads",
+            "vocab_size",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "intermediate_size",
+            "hidden_act",
+            "num_local_experts",
+            "num_experts_per_tok",
+        ]
+
+    def validate_config(self) -> None:
+        super().validate_config()
+        if not isinstance(self.neuron_config, MoENeuronConfig):
+            raise ConfigError(
+                [
+                    f"Mixtral needs a MoENeuronConfig (got {type(self.neuron_config).__name__}): "
+                    "build it with MixtralNeuronConfig(...) or MoENeuronConfig(...)"
+                ]
+            )
+        if not self.neuron_config.glu_mlp:
+            raise ConfigError(["Mixtral's experts are gated MLPs: set glu_mlp=True"])
+
+    @classmethod
+    def get_neuron_config_cls(cls) -> type[NeuronConfig]:
+        return MixtralNeuronConfig
+
+
+class NeuronMixtralDecoderLayer(nn.Module):
+    """x + attention(norm(x)), then h + moe(norm(h))."""
+
+    def __init__(self, config: Any, layer_idx: int) -> None:
+        super().__init__()
+        window = getattr(config, "sliding_window", None)
+        self.self_attn = NeuronAttentionBase(config, layer_idx, sliding_window=window)
+        self.mlp = initialize_moe_module(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: CacheSlot,
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        out = self.mlp(self.post_attention_layernorm(h))
+        return h + (out[0] if isinstance(out, tuple) else out)
+
+
+class NeuronMixtralModel(NeuronLlamaModel):
+    def make_decoder_layer(self, config: Any, index: int) -> nn.Module:
+        return NeuronMixtralDecoderLayer(config, index)
+
+
+class NeuronMixtralForCausalLM(NeuronLlamaForCausalLM):
+    _model_cls = NeuronMixtralModel
+
+    @classmethod
+    def get_config_cls(cls) -> type[InferenceConfig]:
+        return MixtralInferenceConfig
