@@ -228,7 +228,7 @@ def _staged_folder_of_all_ranks(destination: Path) -> Iterator[Path]:
 
 def _phase_function(skeleton: Skeleton, wrapper: Any) -> GraphFunction:
     phase = wrapper.phase_module(skeleton.model)
-    return GraphFunction(skeleton.model, phase, wrapper.extra_input_names)
+    return GraphFunction(skeleton.model, phase, wrapper.extra_input_names, wrapper.phase)
 
 
 def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: bool = False) -> None:

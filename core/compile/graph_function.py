@@ -6,12 +6,14 @@ the sub-models and buckets of one model share a single copy of each.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from nxdplug.modules.kv_cache import KVCacheManager
-from nxdplug.runtime.step import StepInputs
+from nxdplug.runtime.step import Phase, StepInputs, in_phase
 
 
 def weight_names(model: nn.Module) -> list[str]:
@@ -44,15 +46,18 @@ class GraphFunction(nn.Module):
         model: nn.Module,
         phase: nn.Module | None = None,
         extra_input_names: tuple[str, ...] = (),
+        phase_record: Phase | None = None,
     ) -> None:
         """``phase``: the module a phase runs (see ``ModelWrapper.phase_module``), holding
-        ``model`` as its ``model`` attribute; the model itself by default."""
+        ``model`` as its ``model`` attribute; the model itself by default. ``phase_record``:
+        what ``current_phase()`` says while the graph is traced."""
         super().__init__()
         object.__setattr__(self, "model", model if phase is None else phase)
         self.extra_input_names = extra_input_names
         self.weight_names = weight_names(model)
         self.cache_names = cache_names(model)
         self.prefix = "" if phase is None or phase is model else "model."
+        self.phase_record = phase_record
 
     def forward(
         self,
@@ -64,4 +69,6 @@ class GraphFunction(nn.Module):
         tensors |= dict(zip(self.cache_names, caches, strict=True))
         tensors = {self.prefix + name: tensor for name, tensor in tensors.items()}
         step = StepInputs.unflatten(self.extra_input_names, inputs)
-        return functional_call(self.model, tensors, (step,))
+        scope = nullcontext() if self.phase_record is None else in_phase(self.phase_record)
+        with scope:
+            return functional_call(self.model, tensors, (step,))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
-from nxdplug.runtime.step import StepInputs
+from nxdplug.runtime.step import Phase, StepInputs, in_phase
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
@@ -68,6 +68,11 @@ class ModelWrapper(nn.Module):
         this phase (what its graphs take after the core's four)."""
         self.context = context
         self.step_inputs = context.step_inputs_for(self.tag, self.takes_step_inputs)
+
+    @property
+    def phase(self) -> Phase:
+        """What :func:`~nxdplug.runtime.step.current_phase` says while this sub-model runs."""
+        return Phase(self.tag, self.is_context_encoding)
 
     @property
     def extra_input_names(self) -> tuple[str, ...]:
@@ -154,7 +159,8 @@ class ModelWrapper(nn.Module):
     def run_padded(self, rows: int, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run ``step`` (already of a bucket's width) padded to the batch size, and return the
         outputs of its first ``rows`` rows."""
-        outputs = self.model(self.pad_batch(step))
+        with in_phase(self.phase):
+            outputs = self.model(self.pad_batch(step))
         if isinstance(outputs, torch.Tensor):
             return outputs[:rows]
         return tuple(output[:rows] for output in outputs)

@@ -135,6 +135,42 @@ def current_step() -> StepInputs:
     return step
 
 
+@attrs.frozen
+class Phase:
+    """Which sub-model a step runs: its tag, and whether it encodes prompts (context
+    encoding) or extends them (token generation, speculation)."""
+
+    tag: str
+    is_context_encoding: bool
+
+
+_PHASE: ContextVar[Phase | None] = ContextVar("nxdplug_phase", default=None)
+
+
+@contextmanager
+def in_phase(phase: Phase) -> Iterator[Phase]:
+    """Make ``phase`` the one :func:`current_phase` returns while the block runs (or traces)
+    the model."""
+    token = _PHASE.set(phase)
+    try:
+        yield phase
+    finally:
+        _PHASE.reset(token)
+
+
+def current_phase() -> Phase:
+    """The phase being run or traced, for a module that differs between phases (weights laid
+    out per phase, work done on prompts only). The choice is made on the host, so a compiled
+    graph holds one phase's branch."""
+    phase = _PHASE.get()
+    if phase is None:
+        raise NxdPlugError(
+            "no phase is running: current_phase() is for modules inside a model that a "
+            "sub-model (ModelWrapper) runs"
+        )
+    return phase
+
+
 class StepInputBuilder(Protocol):
     """The host side of a step-input plugin; built once per application with its config.
 
