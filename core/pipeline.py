@@ -45,6 +45,7 @@ PLUGIN_PROVIDED_ATTRIBUTES = (
     "enable_fused_speculation",
     "is_eagle_draft",
     "lora_config",
+    "hybrid_sharding_config",
     "flash_decoding_enabled",
     "async_mode",
     "draft_model_modules_to_not_convert",

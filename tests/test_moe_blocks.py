@@ -248,7 +248,6 @@ CONFIG_PROBLEMS = {
     "glu_type is 'geglu'": {"glu_type": "geglu"},
     "router_config.act_fn is 'relu'": {"router_config": {"act_fn": "relu"}},
     "capacity_factor must be positive": {"capacity_factor": 0.0},
-    "hybrid_sharding_config": {"hybrid_sharding_config": {"moe_cte_tp_degree": 2}},
 }
 
 

@@ -174,12 +174,6 @@ def routed_mlp_problems(config: Any, neuron_config: Any) -> list[str]:
     if not isinstance(neuron_config, MoENeuronConfig):
         return []
     problems = parallel_degree_problems(neuron_config)
-    if neuron_config.hybrid_sharding_config is not None:
-        problems.append(
-            "hybrid_sharding_config (separate expert layouts for context encoding and token "
-            "generation) is not implemented yet; leave it unset and use moe_tp_degree / "
-            "moe_ep_degree"
-        )
     if neuron_config.glu_type not in GLU_TYPES:
         problems.append(f"glu_type is {neuron_config.glu_type!r}; expected one of {GLU_TYPES}")
     if neuron_config.router_config.act_fn not in ROUTER_ACTIVATIONS:
