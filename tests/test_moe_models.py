@@ -105,3 +105,20 @@ def test_mixtral_refuses_a_dense_neuron_config(tiny_checkpoint) -> None:
 def test_mixtral_default_neuron_config_has_gated_experts(tiny_checkpoint) -> None:
     app = from_pretrained(tiny_checkpoint("mixtral", **CHECKPOINTS["mixtral"]))
     assert isinstance(app.neuron_config, MoENeuronConfig) and app.neuron_config.glu_mlp
+
+
+def test_decode_bytes_count_only_the_experts_a_step_can_route_to(tiny_checkpoint) -> None:
+    from nxdplug.benchmark.measurements import decode_bytes_per_step, weight_bytes
+
+    path = tiny_checkpoint("mixtral", **CHECKPOINTS["mixtral"])
+    app = from_pretrained(path, neuron_config_for(path, torch_dtype=torch.bfloat16))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    config = app.config
+    everything = weight_bytes(hf, torch.bfloat16)
+    embedding_rows = lambda batch: (config.vocab_size - batch) * config.hidden_size * 2  # noqa: E731
+    # gate, up and down of one expert in one layer, in bfloat16
+    per_expert = 3 * config.hidden_size * config.intermediate_size * 2
+    unread = lambda batch: (8 - min(8, 2 * batch)) * per_expert * config.num_hidden_layers  # noqa: E731
+    for batch in (1, 2, 4):
+        counted = decode_bytes_per_step(app, batch_size=batch, positions=0).weights
+        assert counted == everything - embedding_rows(batch) - unread(batch), batch

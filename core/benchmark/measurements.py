@@ -336,6 +336,29 @@ def weight_bytes(module: nn.Module, dtype: torch.dtype, tie_word_embeddings: boo
     )
 
 
+def decode_weight_bytes(
+    module: nn.Module, dtype: torch.dtype, batch_size: int, tie_word_embeddings: bool = False
+) -> int:
+    """The weight bytes one decode step of ``batch_size`` rows reads: :func:`weight_bytes`,
+    except for submodules that read only part of their weights per step (routed experts) and
+    say how much through a ``decode_weight_bytes(batch_size, dtype)`` method."""
+    partial = {
+        name: sub
+        for name, sub in module.named_modules()
+        if name and callable(getattr(sub, "decode_weight_bytes", None))
+    }
+    outermost = [n for n in partial if not any(n.startswith(f"{o}.") for o in partial)]
+    inside = tuple(f"{name}." for name in outermost)
+    whole = sum(
+        parameter.numel()
+        * (dtype.itemsize if parameter.is_floating_point() else parameter.element_size())
+        for name, parameter in module.named_parameters()
+        if not name.startswith(inside)
+        and not (tie_word_embeddings and name.endswith(TIED_OUTPUT_WEIGHT))
+    )
+    return whole + sum(partial[n].decode_weight_bytes(batch_size, dtype) for n in outermost)
+
+
 def kv_cache_bytes(config: Any, batch_size: int, positions: float) -> float:
     """Bytes of keys and values of ``positions`` cached tokens for every layer and row."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -355,8 +378,9 @@ def mean_decode_positions(prompt_length: int, new_tokens: int) -> float:
 
 def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> DecodeBytes:
     """What one token-generation step of a NeuronBaseForCausalLM reads: every weight in the
-    config's dtype (a tied one once; of an untied input embedding, only the rows of the batch)
-    and the KV cache of ``positions`` tokens per row.
+    config's dtype (a tied one once; of an untied input embedding, only the rows of the batch;
+    of routed experts, those a step can route to) and the KV cache of ``positions`` tokens per
+    row.
 
     The weights are counted on the model class built on the meta device, so the count is the
     same whether the model runs eagerly or from compiled graphs, and costs no memory.
@@ -368,7 +392,7 @@ def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> Deco
         skeleton = model.context_encoding_model.model_cls(config, optimize_inference=False)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     dtype = config.neuron_config.torch_dtype
-    weights = weight_bytes(skeleton, dtype, tied)
+    weights = decode_weight_bytes(skeleton, dtype, batch_size, tied)
     if not tied:
         # A step reads one embedding row per sequence; the LM head, a separate table, is read
         # whole. (Tied, the one table is read whole by the LM head.)

@@ -88,6 +88,10 @@ class PhaseLayoutExperts(nn.Module):
             )
             self.add_module(phase, layout)
 
+    def decode_weight_bytes(self, batch_size: int, dtype: torch.dtype) -> int:
+        """Decoding reads the token-generation layout only."""
+        return self.token_generation.decode_weight_bytes(batch_size, dtype)
+
     def forward(
         self, hidden: torch.Tensor, affinities: torch.Tensor, expert_index: torch.Tensor
     ) -> torch.Tensor:

@@ -133,6 +133,13 @@ class ExpertMLPs(nn.Module):
             shards[name] = tensor
         return shards
 
+    def decode_weight_bytes(self, batch_size: int, dtype: torch.dtype) -> int:
+        """The weight bytes a step of ``batch_size`` single tokens reads: those of at most
+        ``batch_size * top_k`` experts (fewer when the rank holds fewer)."""
+        experts = min(self.local_experts, batch_size * self.config.top_k)
+        per_expert = sum(p[0].numel() for p in self.parameters()) * dtype.itemsize
+        return experts * per_expert
+
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         config = self.config
         if not config.glu_mlp:
