@@ -1,0 +1,21 @@
+"""Qwen3-MoE for nxdplug. Heavy imports are deferred until a name is used."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = (
+    "NeuronQwen3MoeDecoderLayer",
+    "NeuronQwen3MoeForCausalLM",
+    "NeuronQwen3MoeModel",
+    "Qwen3MoeInferenceConfig",
+    "Qwen3MoeNeuronConfig",
+)
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.modeling_qwen3_moe"), name)
