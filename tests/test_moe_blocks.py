@@ -266,3 +266,16 @@ def test_a_consistent_moe_config_has_no_problems() -> None:
 def test_expert_mlps_refuse_uneven_splits() -> None:
     with pytest.raises(ConfigError, match="num_experts by moe_ep_degree"):
         ExpertMLPs(experts_config(), ep_degree=3)
+
+
+def test_moe_block_exports_and_compiles_in_bfloat16(tmp_path) -> None:
+    """AOTInductor runs the block as one graph with the grouped op called back (index_add,
+    which its CPU runtime cannot run in bfloat16, is avoided)."""
+    torch.manual_seed(0)
+    router = RouterTopK(EXPERTS, TOP_K, HIDDEN)
+    block = MoE(router, random_experts(experts_config())).to(torch.bfloat16)
+    x = torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16)
+    program = torch.export.export(block, (x,))
+    package = torch._inductor.aoti_compile_and_package(program, package_path=tmp_path / "b.pt2")
+    compiled = torch._inductor.aoti_load_package(package)
+    torch.testing.assert_close(compiled(x), block(x), atol=2e-2, rtol=2e-2)

@@ -189,7 +189,9 @@ class ExpertMLPs(nn.Module):
         y = grouped_linear(h, self.down_proj, counts, self.down_proj_bias)
         if not config.early_expert_affinity_modulation:
             y = y * pair_weights
-        out = torch.zeros_like(hidden).index_add(0, token_of_pair, y)
+        # Back to (token, choice) order, then each token's choices added. (A gather rather
+        # than index_add, which AOTInductor's CPU runtime cannot run in bfloat16.)
+        out = y[torch.argsort(order)].view(tokens, top_k, -1).sum(dim=1)
         if use_collectives(self.tp_degree * self.ep_degree, self.group):
             out = all_reduce_sum(out, self.group)
         return out
