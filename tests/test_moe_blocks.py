@@ -276,6 +276,8 @@ def test_moe_block_exports_and_compiles_in_bfloat16(tmp_path) -> None:
     block = MoE(router, random_experts(experts_config())).to(torch.bfloat16)
     x = torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16)
     program = torch.export.export(block, (x,))
-    package = torch._inductor.aoti_compile_and_package(program, package_path=tmp_path / "b.pt2")
+    package = torch._inductor.aoti_compile_and_package(
+        program, package_path=str(tmp_path / "b.pt2")
+    )
     compiled = torch._inductor.aoti_load_package(package)
     torch.testing.assert_close(compiled(x), block(x), atol=2e-2, rtol=2e-2)
