@@ -84,7 +84,7 @@ def test_tokenizer_refuses_a_vocabulary_smaller_than_the_bytes(tmp_path):
 
 
 def test_the_builtin_architectures_are_buildable():
-    assert {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"} <= set(ARCHITECTURES)
+    assert {"dbrx", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"} <= set(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

@@ -1,0 +1,38 @@
+"""DBRX (fine-grained mixture of experts, clipped fused QKV) as a model plugin."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nxdplug.hookspecs import hookimpl
+from nxdplug.types import ModelArchitecture, StateDictConverter
+
+NXDPLUG_API_VERSION = 1
+
+MODULE = "nxdplug.contrib_models.dbrx.modeling_dbrx"
+
+
+@hookimpl
+def nxdplug_model_architectures() -> Iterable[ModelArchitecture]:
+    yield ModelArchitecture(
+        name="dbrx",
+        model_type="dbrx",
+        hf_architectures=("DbrxForCausalLM",),
+        application=f"{MODULE}:NeuronDbrxForCausalLM",
+        config_class=f"{MODULE}:DbrxInferenceConfig",
+        hf_config_class="transformers:DbrxConfig",
+        hf_model_class="transformers:DbrxForCausalLM",
+        capabilities={"gqa", "fused_qkv"},
+        description="DBRX mixture-of-experts decoders (top-k routed gated MLPs, clipped QKV)",
+    )
+
+
+@hookimpl
+def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
+    yield StateDictConverter(
+        name="dbrx-hf",
+        converter="nxdplug.contrib_models.dbrx.convert:convert_hf_dbrx_state_dict",
+        model_types=("dbrx",),
+        order=10,
+        description="blocks renamed; Wqkv split; flat w1/v1/w2 experts stacked",
+    )
