@@ -263,3 +263,9 @@ def test_benchmark_times_adapters_against_peft_mixed_batch(adapters, capsys, mon
     assert json.loads(out)["ratios"]["decode_tokens_per_s"] > 0
     assert seen["nxdplug"] == {"adapter_ids": ["code", "chat", None]}
     assert seen["hf"] == ("PeftModelForCausalLM", {"adapter_names": ["code", "chat", "__base__"]})
+
+
+def test_lora_memory_transpose_is_reported_as_having_no_effect(adapters) -> None:
+    checkpoint, paths = adapters
+    with pytest.warns(RuntimeWarning, match="lora_memory_transpose=False has no effect"):
+        make_app(checkpoint, paths, lora_memory_transpose=False)

@@ -231,10 +231,16 @@ class RowParallelLinear(nn.Module):
         """The weight to multiply inputs of ``dtype`` by (see ColumnParallelLinear.weight_for)."""
         return self.weight
 
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the output, ``x`` being its slice of the input features; the
+        terms are summed over the ranks. A layer adding a term of its own overrides this, so
+        that one all-reduce sums both."""
+        return F.linear(x, self.weight_for(x.dtype))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = x.narrow(-1, self.rank * self.local_in, self.local_in)
-        out = F.linear(x, self.weight_for(x.dtype))
+        out = self.partial_sum(x)
         if use_collectives(self.tp_degree, self.group):
             dtype = out.dtype
             out = all_reduce_sum(out.to(self.reduce_dtype or dtype), self.group).to(dtype)

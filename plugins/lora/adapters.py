@@ -1,9 +1,10 @@
-"""PEFT LoRA adapters: where they are, what they hold, and their weights stacked into slots.
+"""PEFT LoRA adapters: where they are, what they hold, and what the config allows of them.
 
 An adapter is a PEFT folder: ``adapter_config.json`` and ``adapter_model.safetensors`` (or
 ``adapter_model.bin``, read with ``weights_only``). Each adapter's rank and alpha are its own;
 ``use_rslora`` scales by ``alpha / sqrt(rank)`` instead of ``alpha / rank``. Every problem of
-every adapter is reported at once, naming the adapter, before anything is built.
+every adapter is reported at once, naming the adapter, before anything is built. How their
+matrices are laid out in the model is :mod:`nxdplug.plugins.lora.layout`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,6 @@ WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _PEFT_KEY = re.compile(
     r"(layers\.\d+\.[\w.]*?\b(?:" + "|".join(TARGETS) + r"))\.lora_([AB])\.weight$"
 )
-_PROJECTION = re.compile(r"^layers\.\d+\.(self_attn|mlp)\.(" + "|".join(TARGETS) + r")$")
 # adapter_config.json settings that change what an adapter computes, and their neutral values.
 _UNSUPPORTED = {
     "use_dora": False,
@@ -147,12 +148,6 @@ def targets(config: Any) -> tuple[str, ...]:
     return tuple(name for name in TARGETS if name in trained)
 
 
-def is_target(module_name: str, names: tuple[str, ...]) -> bool:
-    """Whether ``module_name`` (``layers.3.self_attn.q_proj``) is a projection in ``names``."""
-    match = _PROJECTION.match(module_name)
-    return match is not None and match.group(2) in names
-
-
 def validate(context: Any) -> list[str]:
     """The ``validate`` callback of the multi-lora feature: every problem at once."""
     neuron_config = context.neuron_config
@@ -161,6 +156,14 @@ def validate(context: Any) -> list[str]:
         f"{setting} with lora_config is not implemented yet; {fix}"
         for setting, fix in _not_yet(neuron_config, context.selection)
     ]
+    if not lora_config.lora_memory_transpose:
+        warnings.warn(
+            f"lora_memory_transpose=False has no effect with the "
+            f"{context.selection.compile_backend.name!r} backend: the adapters' A [rank, in] and "
+            "B [out, rank] are kept as PEFT saves them whatever it is set to",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     try:
         paths = adapter_paths(lora_config)
         host_paths = adapter_paths(lora_config, on_host=True)
@@ -211,71 +214,10 @@ def validate(context: Any) -> list[str]:
 
 
 def _not_yet(neuron_config: Any, selection: Any) -> Iterator[tuple[str, str]]:
-    if neuron_config.tp_degree > 1:
-        yield f"tp_degree={neuron_config.tp_degree}", "use tp_degree=1"
-    if neuron_config.fused_qkv:
-        yield "fused_qkv", "set fused_qkv=False"
     if neuron_config.quantized:
         yield "quantized", "serve adapters on unquantized weights"
     if selection.speculation_mode is not None:
         yield f"speculation ({selection.speculation_mode.name})", "turn speculation off"
-
-
-def add_adapter_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, Any]:
-    """The converter: for every target projection ``P`` of the checkpoint, ``P.lora_a``
-    [slots, max_lora_rank, in], ``P.lora_b`` [slots, out, max_lora_rank] and ``P.lora_scale``
-    [slots], the start-up adapters in their slots; slot 0, empty slots and the ranks above an
-    adapter's own are zeros."""
-    names = targets(config)
-    count, rank = slot_count(config), config.neuron_config.lora_config.max_lora_rank
-    stacked: dict[str, torch.Tensor] = {}
-    for key, weight in state_dict.items():
-        projection = key.removesuffix(".weight")
-        if key.endswith(".weight") and is_target(projection, names):
-            stacked[f"{projection}.lora_a"] = torch.zeros(count, rank, weight.shape[1])
-            stacked[f"{projection}.lora_b"] = torch.zeros(count, weight.shape[0], rank)
-            stacked[f"{projection}.lora_scale"] = torch.zeros(count)
-    by_id = {adapter.adapter_id: adapter for adapter in adapters(config)}
-    for adapter_id, slot in slots(config).items():
-        adapter = by_id[adapter_id]
-        write_slot(stacked, slot, adapter_id, adapter_matrices(adapter), adapter.scale)
-    return state_dict | stacked
-
-
-def write_slot(
-    weights: dict[str, torch.Tensor],
-    slot: int,
-    adapter_id: str,
-    matrices: dict[str, tuple[torch.Tensor, torch.Tensor]],
-    scale: float,
-) -> None:
-    """Put one adapter's matrices into ``slot`` of the stacked LoRA weights (``P.lora_a``,
-    ``P.lora_b``, ``P.lora_scale`` by projection), zeros where it trains nothing."""
-    unknown = sorted(set(matrices) - {k.removesuffix(".lora_a") for k in weights})
-    if unknown:
-        raise CheckpointError(
-            f"LoRA adapter {adapter_id!r} has weights for {unknown}, which the model does not "
-            "carry LoRA weights for (an adapter for another model, or a projection outside "
-            "lora_config.target_modules)"
-        )
-    for key in [k for k in weights if k.endswith(".lora_a")]:
-        projection = key.removesuffix(".lora_a")
-        lora_a, lora_b = weights[key], weights[f"{projection}.lora_b"]
-        a, b = matrices.get(projection, (lora_a.new_zeros(0, lora_a.shape[2]), None))
-        if b is None:
-            b = lora_b.new_zeros(lora_b.shape[1], 0)
-        if a.shape[1] != lora_a.shape[2] or b.shape[0] != lora_b.shape[1]:
-            raise CheckpointError(
-                f"LoRA adapter {adapter_id!r}: {projection} is [{b.shape[0]} x {a.shape[1]}] in "
-                f"the adapter but [{lora_b.shape[1]} x {lora_a.shape[2]}] in the model; it was "
-                "trained for another model"
-            )
-        with torch.no_grad():
-            lora_a[slot].zero_()
-            lora_b[slot].zero_()
-            lora_a[slot, : a.shape[0]] = a
-            lora_b[slot, :, : b.shape[1]] = b
-            weights[f"{projection}.lora_scale"][slot] = scale if projection in matrices else 0.0
 
 
 def adapter_matrices(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

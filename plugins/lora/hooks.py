@@ -48,7 +48,7 @@ def nxdplug_step_inputs() -> Iterable[StepInput]:
 def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
     yield StateDictConverter(
         name="lora-adapters",
-        converter=f"{PACKAGE}.adapters:add_adapter_weights",
+        converter=f"{PACKAGE}.layout:add_adapter_weights",
         enabled_by=ENABLED_BY,
         order=190,
         description="the adapters' A and B matrices stacked per target projection",

@@ -4,6 +4,12 @@
 the step's ``adapter_ids``; slot 0 holds zeros, so a row without an adapter gets the base
 projection exactly. The stacked A and B are parameters of the projection, filled from the
 adapters by the ``lora-adapters`` state-dict converter.
+
+A target projection becomes its LoRA twin (its class swapped in place, as
+``torch.nn.utils.parametrize`` does, so its weights and sharding stay as they are): a column
+parallel one adds the delta to its output slice, a row parallel one adds its partial delta to
+its partial sum, before the all-reduce (see :mod:`nxdplug.plugins.lora.layout` for which part of
+A and B each rank holds and uses).
 """
 
 from __future__ import annotations
@@ -14,34 +20,107 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.errors import NxdPlugError
-from nxdplug.plugins.lora.adapters import is_target, slot_count, targets
+from nxdplug.errors import NotSupportedError, NxdPlugError
+from nxdplug.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from nxdplug.plugins.lora.adapters import slot_count
+from nxdplug.plugins.lora.layout import (
+    Placement,
+    is_model_target,
+    model_targets,
+    placement,
+    stacked_rank,
+)
 from nxdplug.plugins.lora.store import AdapterStore
 from nxdplug.runtime.step import current_step
 
+LORA_WEIGHTS = ("lora_a", "lora_b", "lora_scale")
 
-def lora_delta(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> Any:
-    """A forward hook of a target projection: its output plus each row's adapter term."""
-    x = inputs[0]
-    chosen = current_step()["adapter_ids"]
-    a = module.lora_a[chosen]  # [batch, rank, in]
-    b = module.lora_b[chosen]  # [batch, out, rank]
-    delta = torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))
-    return output + (delta * module.lora_scale[chosen][:, None, None]).to(output.dtype)
+
+class LoraProjection:
+    """What a target projection gains: stacked ``lora_a`` [slots, rank, in], ``lora_b``
+    [slots, out, rank] and ``lora_scale`` [slots] (as this rank keeps them), and the delta."""
+
+    lora_a: nn.Parameter
+    lora_b: nn.Parameter
+    lora_scale: nn.Parameter
+    lora_placement: Placement
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's adapter term for this rank's part of the projection."""
+        chosen = current_step()["adapter_ids"]
+        a, b = self.lora_placement.used(self.lora_a[chosen], self.lora_b[chosen])
+        delta = torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))
+        return delta * self.lora_scale[chosen][:, None, None]
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The base layer's shard, and the part of the whole LoRA weights this rank keeps."""
+        lora = {name: full[name] for name in LORA_WEIGHTS if name in full}
+        base = {name: t for name, t in full.items() if name not in lora}
+        if "lora_a" in lora:
+            lora["lora_a"], lora["lora_b"] = self.lora_placement.stored(
+                lora["lora_a"], lora["lora_b"]
+            )
+        return super().shard_state_dict(base) | lora
+
+
+class LoraColumnParallelLinear(LoraProjection, ColumnParallelLinear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + self.lora_delta(x).to(out.dtype)
+
+
+class LoraRowParallelLinear(LoraProjection, RowParallelLinear):
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().partial_sum(x)
+        return out + self.lora_delta(x).to(out.dtype)
+
+
+LORA_TWINS: dict[type[nn.Module], type[nn.Module]] = {
+    ColumnParallelLinear: LoraColumnParallelLinear,
+    RowParallelLinear: LoraRowParallelLinear,
+}
 
 
 def add_lora_weights(model: nn.Module, context: Any) -> None:
-    """The ``transform_model`` callback: stacked LoRA weights and the hook on every target."""
+    """The ``transform_model`` callback: every target projection becomes its LoRA twin."""
     config = context.config
-    names = targets(config)
-    count, rank = slot_count(config), config.neuron_config.lora_config.max_lora_rank
+    names = model_targets(config)
+    count = slot_count(config)
     for name, module in model.named_modules():
-        if not is_target(name, names):
-            continue
-        module.lora_a = nn.Parameter(torch.zeros(count, rank, module.in_features))
-        module.lora_b = nn.Parameter(torch.zeros(count, module.out_features, rank))
-        module.lora_scale = nn.Parameter(torch.zeros(count))
-        module.register_forward_hook(lora_delta)
+        if is_model_target(name, names):
+            _become_lora_twin(name, module, placement(name, config), count, config)
+
+
+def _become_lora_twin(
+    name: str, module: nn.Module, where: Placement, count: int, config: Any
+) -> None:
+    twin = LORA_TWINS.get(type(module))
+    if twin is None:
+        raise NotSupportedError(
+            f"{name} is a {type(module).__name__}; LoRA adapters apply to ColumnParallelLinear "
+            "and RowParallelLinear projections"
+        )
+    column = twin is LoraColumnParallelLinear
+    layout = (module.tp_degree, module.rank, tuple(module.partitions) if column else ())
+    if layout != (where.tp_degree, where.rank, where.partitions or layout[2]):
+        raise NotSupportedError(
+            f"{name} is split over its {module.tp_degree} rank(s) as (ranks, rank, parts) = "
+            f"{layout}, not as multi-LoRA lays its adapters out ({where})"
+        )
+    if column and module.gather_output and module.tp_degree > 1:
+        raise NotSupportedError(
+            f"{name} gathers its output over the ranks (gather_output=True); LoRA adds each "
+            "rank's slice of the delta, so it serves projections that keep their slice"
+        )
+    rank = stacked_rank(name, config)
+    a, b = where.stored(
+        torch.zeros(count, rank, module.in_features), torch.zeros(count, module.out_features, rank)
+    )
+    module.__class__ = twin
+    module.lora_placement = where
+    module.lora_a = nn.Parameter(a)
+    module.lora_b = nn.Parameter(b)
+    module.lora_scale = nn.Parameter(torch.zeros(count))
 
 
 class AdapterSlots:

@@ -6,7 +6,9 @@ A request naming an adapter that is not in a slot brings it in: into a free slot
 least recently used one that no row of the request uses (its adapter stays on the host). The
 host keeps at most ``max_cpu_loras`` adapters' matrices, dropping the least recently used;
 an adapter dropped there is read from its folder again when asked for. Slots are rows of the
-stacked LoRA weights, which every graph takes as inputs, so nothing is recompiled.
+stacked LoRA weights, which every graph takes as inputs, so nothing is recompiled. The host
+holds an adapter's matrices whole, in the model's layout; each rank writes its own part of
+them into its weights.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from nxdplug.plugins.lora.adapters import (
     adapter_paths,
     read_adapter,
     slots,
-    write_slot,
 )
+from nxdplug.plugins.lora.layout import Placement, in_model_layout, placement, write_slot
 
 LORA_WEIGHTS = (".lora_a", ".lora_b", ".lora_scale")
 
@@ -34,6 +36,7 @@ LORA_WEIGHTS = (".lora_a", ".lora_b", ".lora_scale")
 class AdapterStore:
     def __init__(self, config: Any) -> None:
         lora_config = config.neuron_config.lora_config
+        self.config = config
         self.dynamic = lora_config.enable_dynamic_multi_lora
         self.max_slots = lora_config.max_loras
         self.max_on_host = lora_config.max_cpu_loras
@@ -95,9 +98,13 @@ class AdapterStore:
         slot = self.slot_of.pop(adapter_id, None)
         if slot is not None:
             self.recent.pop(adapter_id)
-            write_slot(self.weights, slot, adapter_id, {}, 0.0)
+            write_slot(self.weights, slot, adapter_id, {}, 0.0, self._placement)
         self.on_host.pop(adapter_id, None)
         del self.paths[adapter_id]
+
+    def _placement(self, projection: str) -> Placement:
+        """Which part of ``projection``'s LoRA weights this rank holds."""
+        return placement(projection, self.config)
 
     def _require_dynamic(self, what: str) -> None:
         if not self.dynamic:
@@ -116,7 +123,7 @@ class AdapterStore:
             slot = self.slot_of.pop(evicted)
             self.recent.pop(evicted)
         adapter, matrices = self._held(adapter_id, self.paths[adapter_id], check_fit=False)
-        write_slot(self.weights, slot, adapter_id, matrices, adapter.scale)
+        write_slot(self.weights, slot, adapter_id, matrices, adapter.scale, self._placement)
         self.slot_of[adapter_id] = slot
         self.recent[adapter_id] = None
 
@@ -131,10 +138,10 @@ class AdapterStore:
                 f"LoRA adapter {adapter_id!r} has rank {adapter.rank}, above max_lora_rank "
                 f"({self.max_rank})"
             )
-        matrices = adapter_matrices(adapter)
+        matrices = in_model_layout(adapter_matrices(adapter), adapter_id, self.config)
         if check_fit and self.weights:  # write it to nowhere: the shapes are checked now
             scratch = {k: t[:1].clone() for k, t in self.weights.items()}
-            write_slot(scratch, 0, adapter_id, matrices, adapter.scale)
+            write_slot(scratch, 0, adapter_id, matrices, adapter.scale, self._placement)
         self.on_host[adapter_id] = (adapter, matrices)
         while len(self.on_host) > self.max_on_host:
             self.on_host.popitem(last=False)
