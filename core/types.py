@@ -101,7 +101,9 @@ class ModelArchitecture(PluginRecord):
     ``hf_architectures`` are the ``architectures`` entries of an HF ``config.json`` this plugin
     serves; ``application`` and ``config_class`` point at the NeuronBaseForCausalLM subclass and
     its InferenceConfig subclass; ``hf_config_class`` / ``hf_model_class`` at the transformers
-    classes used to build tiny checkpoints and as the accuracy oracle.
+    classes used to build tiny checkpoints and as the accuracy oracle; ``tiny_config`` the
+    config values a tiny random checkpoint of the family needs on top of the common tiny
+    defaults (sizes under other names, nested sub-configs).
     """
 
     model_type: str = attrs.field(validator=_check_name)
@@ -111,6 +113,7 @@ class ModelArchitecture(PluginRecord):
     hf_config_class: str | None = _ref_field(default=None)
     hf_model_class: str | None = _ref_field(default=None)
     capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    tiny_config: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, hash=False)
 
 
 @attrs.frozen(kw_only=True)

@@ -23,6 +23,13 @@ def nxdplug_model_architectures() -> Iterable[ModelArchitecture]:
         hf_config_class="transformers:DbrxConfig",
         hf_model_class="transformers:DbrxForCausalLM",
         capabilities={"gqa", "fused_qkv"},
+        # DBRX keeps its sizes under its own names and in nested configs; transformers' DBRX
+        # needs a rope_theta in attn_config and a numeric clip_qkv.
+        tiny_config={
+            "d_model": 64,
+            "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0},
+            "ffn_config": {"moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 128},
+        },
         description="DBRX mixture-of-experts decoders (top-k routed gated MLPs, clipped QKV)",
     )
 

@@ -9,7 +9,6 @@ transformers config and model classes a model plugin names (``hf_config_class``,
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -75,23 +74,27 @@ def make_tiny_checkpoint(
 def summarize_checkpoint(path: str | os.PathLike[str]) -> str:
     """One line about a checkpoint folder: model type, layers, heads, sizes, parameters."""
     from safetensors import safe_open
+    from transformers import AutoConfig
 
     folder = Path(path)
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)  # reads aliased names
     parameters = 0
     for weights in sorted(folder.glob("*.safetensors")):
         with safe_open(weights, framework="pt") as tensors:
             for key in tensors.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 parameters += math.prod(tensors.get_slice(key).get_shape())
-    heads = config.get("num_attention_heads")
-    kv_heads = config.get("num_key_value_heads", heads)
-    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"  # transformers 5 / 4
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return (
-        f"{config.get('model_type')}: {parameters:,} parameters, "
-        f"{config.get('num_hidden_layers')} layers, {heads} attention heads "
-        f"({kv_heads} key-value), hidden size {config.get('hidden_size')}, "
-        f"vocab {config.get('vocab_size')}, {dtype}"
+        f"{config.model_type}: {parameters:,} parameters, "
+        f"{getattr(config, 'num_hidden_layers', None)} layers, {heads} attention heads "
+        f"({kv_heads} key-value), hidden size {getattr(config, 'hidden_size', None)}, "
+        f"vocab {getattr(config, 'vocab_size', None)}, {_dtype_name(config.dtype)}"
     )
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype or "float32").removeprefix("torch.")
 
 
 def _check_output(output: Path, force: bool) -> None:
@@ -119,7 +122,7 @@ def _build_config(record: ModelArchitecture, overrides: Mapping[str, Any]) -> An
     # be kept as a stray attribute and mislead readers of config.json: leave it out.
     declared = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
     defaults = {k: v for k, v in _TINY_CONFIG_DEFAULTS.items() if k in declared}
-    values = {**defaults, **overrides}
+    values = {**defaults, **record.tiny_config, **overrides}
     try:
         return config_class(**values)
     except Exception as exc:  # transformers' validation errors share no base class
