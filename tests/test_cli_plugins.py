@@ -81,7 +81,7 @@ def test_plugins_list_json_shows_every_builtin_active(fresh_manager, capsys):
     architectures = {
         n for row in rows.values() for n in row["provides"].get("model_architectures", [])
     }
-    assert {"dbrx", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"} <= architectures
+    assert {"dbrx", "gpt_oss", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe"} <= architectures
 
 
 def test_plugins_list_table_shows_every_builtin_and_what_it_provides(fresh_manager, capsys):

@@ -167,13 +167,19 @@ class NeuronAttentionBase(nn.Module):
         q, k = apply_rotary(q, k, *rope)
 
         k, v = cache.store_and_fetch(k, v)
+        out = self.attend(q, k, v, mask).to(x.dtype)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d), masked) v: q [batch, heads, queries, dim] over the cached
+        k, v [batch, kv_heads, keys, dim]. A model whose attention weighs keys otherwise
+        (learned sinks) overrides this step only."""
         dtype = self.attention_dtype or q.dtype
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        if seq <= MAX_QUERIES_WRITTEN_OUT:
-            out = grouped_attention(q, k, v, mask)
-        else:
-            groups = self.num_heads // self.num_kv_heads
-            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.to(x.dtype)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        if q.shape[2] <= MAX_QUERIES_WRITTEN_OUT:
+            return grouped_attention(q, k, v, mask)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
