@@ -190,6 +190,7 @@ def _tp_rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> Non
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_generate_hf_greedy_tokens(gpt_oss_checkpoint, tmp_path) -> None:
     """Each rank holds half of the heads (and their sinks) and half of every expert."""
     checkpoint = gpt_oss_checkpoint()

@@ -132,6 +132,7 @@ def test_one_process_with_the_tp_head_layout_gives_peft_tokens(adapters, peft_to
     assert torch.equal(generate(app, ROWS), peft_tokens(ROWS))
 
 
+@pytest.mark.slow
 def test_two_ranks_give_peft_tokens(adapters, peft_tokens, tmp_path) -> None:
     checkpoint, paths = adapters
     mp.spawn(

@@ -111,9 +111,18 @@ VARIANTS = {
 }
 
 
+@pytest.fixture(params=["grouped", "gathered"])
+def path(request, monkeypatch) -> str:
+    """Which computation runs: the grouped op (eager), or the experts' weights indexed in the
+    graph, which compiled graphs use for up to num_experts (token, choice) pairs."""
+    if request.param == "gathered":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    return request.param
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("tokens", [1, 3, 40])
-def test_expert_mlps_match_the_direct_computation(variant, tokens) -> None:
+def test_expert_mlps_match_the_direct_computation(variant, tokens, path) -> None:
     experts = random_experts(experts_config(**VARIANTS[variant]))
     x, affinities, index = routing(tokens)
     expected = direct(experts, x, affinities, index)
@@ -140,7 +149,7 @@ def test_full_capacity_drops_nothing(capacity_factor) -> None:
     torch.testing.assert_close(experts(x, affinities, index), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_decode_step_reads_only_the_routed_experts() -> None:
+def test_a_decode_step_reads_only_the_routed_experts(path) -> None:
     experts = random_experts(experts_config())
     x, affinities, index = routing(1)
     expected = experts(x, affinities, index)

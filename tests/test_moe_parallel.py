@@ -21,6 +21,8 @@ from nxdplug.contrib_models.mixtral.modeling_mixtral import (
 from nxdplug.pipeline import config_problems
 from nxdplug.testing import end_rank_process, hf_greedy
 
+pytestmark = pytest.mark.slow
+
 SETTINGS = {
     "torch_dtype": "float32",
     "batch_size": 2,

@@ -107,18 +107,21 @@ def two_ranks(tiny_checkpoint, tmp_path_factory):
     return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
 
 
+@pytest.mark.slow
 def test_a_plugin_group_is_laid_out_on_every_rank(two_ranks) -> None:
     for rank, result in enumerate(two_ranks):
         assert result["solo"] == (1, 0, (rank,))
         assert result["tp"] == (2, rank)
 
 
+@pytest.mark.slow
 def test_collectives_reach_only_their_groups_ranks(two_ranks) -> None:
     for rank, result in enumerate(two_ranks):
         assert torch.equal(result["sum_tp"], torch.full((3,), 3.0))  # 1 + 2
         assert torch.equal(result["sum_solo"], torch.full((3,), float(rank + 1)))
 
 
+@pytest.mark.slow
 def test_a_layer_is_sharded_over_the_group_it_names(two_ranks) -> None:
     for result in two_ranks:
         torch.testing.assert_close(result["row_tp"], result["expected"])

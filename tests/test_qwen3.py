@@ -218,6 +218,7 @@ def _tp_rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> Non
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_generate_hf_greedy_tokens(qwen3_checkpoint, tmp_path) -> None:
     checkpoint = qwen3_checkpoint()
     mp.spawn(_tp_rank, args=(2, free_port(), str(checkpoint), str(tmp_path)), nprocs=2)

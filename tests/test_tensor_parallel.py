@@ -22,6 +22,8 @@ from nxdplug.errors import ConfigError
 from nxdplug.runtime.tensor_parallel import join_launched_ranks
 from nxdplug.testing import end_rank_process, hf_greedy
 
+pytestmark = pytest.mark.slow
+
 SETTINGS = {
     "torch_dtype": "float32",
     "batch_size": 2,

@@ -23,6 +23,8 @@ def nxdplug_model_architectures() -> Iterable[ModelArchitecture]:
         hf_config_class="transformers:Qwen3MoeConfig",
         hf_model_class="transformers:Qwen3MoeForCausalLM",
         capabilities={"gqa", "fused_qkv", "qk_layernorm", "sliding_window", "tied_embeddings"},
+        # transformers' defaults are 128 experts of width 768: 38M parameters for a tiny model
+        tiny_config={"num_experts": 8, "moe_intermediate_size": 32},
         description="Qwen3-MoE decoders (top-k routed gated experts, per-head Q/K norms)",
     )
 

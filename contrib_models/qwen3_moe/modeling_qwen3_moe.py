@@ -14,15 +14,15 @@ from torch import nn
 
 from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
 from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM, NeuronLlamaModel
-from nxdplug.contrib_models.qwen3_moe.checkpoint_settings import (
-    agree_with_checkpoint,
-    moe_neuron_config_problems,
-)
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import NeuronAttentionBase
 from nxdplug.modules.kv_cache import CacheSlot
 from nxdplug.modules.mlp import GatedMLP
 from nxdplug.modules.moe import MoE, initialize_moe_module
+from nxdplug.modules.moe.checkpoint_settings import (
+    agree_with_checkpoint,
+    moe_neuron_config_problems,
+)
 from nxdplug.modules.norms import RMSNorm
 
 

@@ -3,9 +3,12 @@ affinity.
 
 Every expert is ``down(act(gate(x)) * up(x))`` (``glu_mlp``) or ``down(act(up(x)))``. The weights
 of all experts are stacked: ``gate_up_proj`` [experts, 2 * intermediate, hidden] (gate rows, then
-up rows), ``down_proj`` [experts, hidden, intermediate]. The (token, chosen expert) pairs are
-sorted by expert and run through ``nxdplug::grouped_linear``, so only the chosen experts'
-weights are read, at decode as at prefill.
+up rows), ``down_proj`` [experts, hidden, intermediate]. Only the chosen experts' weights are
+read, at decode as at prefill: the (token, chosen expert) pairs are sorted by expert and run
+through ``nxdplug::grouped_linear`` (prompts, eager runs), or, in a compiled graph with no more
+pairs than experts (decode), each pair's expert weights are indexed in the graph, which the
+compiler fuses into the matrix-vector products (half the time of the op's calls back, measured
+on the README's Mixtral-shaped model).
 
 Sharding: ``ep_degree`` ranks each hold ``num_experts / ep_degree`` whole experts, and
 ``tp_degree`` ranks split each expert's intermediate dim; a rank computes its partial sum of
@@ -170,6 +173,26 @@ class ExpertMLPs(nn.Module):
         if config.normalize_top_k_affinities:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-12)
 
+        pairs = tokens * top_k
+        if torch.compiler.is_compiling() and self.ep_degree == 1 and pairs <= self.local_experts:
+            out = self.gathered(hidden, weights, expert_index)
+        else:
+            out = self.grouped(hidden, weights, expert_index, kept)
+        if use_collectives(self.tp_degree * self.ep_degree, self.group):
+            out = all_reduce_sum(out, self.group)
+        return out
+
+    def grouped(
+        self,
+        hidden: torch.Tensor,
+        weights: torch.Tensor,
+        expert_index: torch.Tensor,
+        kept: torch.Tensor,
+    ) -> torch.Tensor:
+        """The (token, choice) pairs sorted by expert and multiplied expert by expert
+        (``nxdplug::grouped_linear``): each routed expert's weights read once."""
+        config = self.config
+        tokens, top_k = expert_index.shape
         # Pairs (token, choice) sorted by local expert; pairs for no local expert go last,
         # where grouped_linear leaves them out.
         local = expert_index.flatten() - self.ep_rank * self.local_experts
@@ -192,6 +215,27 @@ class ExpertMLPs(nn.Module):
         # Back to (token, choice) order, then each token's choices added. (A gather rather
         # than index_add, which AOTInductor's CPU runtime cannot run in bfloat16.)
         out = y[torch.argsort(order)].view(tokens, top_k, -1).sum(dim=1)
-        if use_collectives(self.tp_degree * self.ep_degree, self.group):
-            out = all_reduce_sum(out, self.group)
         return out
+
+    def gathered(
+        self, hidden: torch.Tensor, weights: torch.Tensor, expert_index: torch.Tensor
+    ) -> torch.Tensor:
+        """Each pair's expert weights indexed in the graph (a compiled graph fuses the index
+        into the matrix-vector product, reading those experts' rows in place): the decode path
+        when there are no more pairs than experts. Dropped pairs have weight 0."""
+        tokens, top_k = expert_index.shape
+        experts = expert_index.flatten()
+        x = hidden.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [pairs, hidden, 1]
+        pair_weights = weights.flatten().to(hidden.dtype).unsqueeze(-1)
+        if self.config.early_expert_affinity_modulation:
+            x = x * pair_weights.unsqueeze(-1)
+        h = torch.bmm(self.gate_up_proj[experts], x).squeeze(-1)
+        if self.gate_up_proj_bias is not None:
+            h = h + self.gate_up_proj_bias[experts]
+        h = self.activation(h).unsqueeze(-1)
+        y = torch.bmm(self.down_proj[experts], h).squeeze(-1)
+        if self.down_proj_bias is not None:
+            y = y + self.down_proj_bias[experts]
+        if not self.config.early_expert_affinity_modulation:
+            y = y * pair_weights
+        return y.view(tokens, top_k, -1).sum(dim=1)

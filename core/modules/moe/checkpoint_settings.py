@@ -48,7 +48,7 @@ def agree_with_checkpoint(
 
 
 def moe_neuron_config_problems(neuron_config: Any, model: str, config_cls: str) -> list[str]:
-    """A MoE model needs a MoENeuronConfig whose router takes a softmax (both models here)."""
+    """A MoE model needs a MoENeuronConfig whose router takes a softmax."""
     if not isinstance(neuron_config, MoENeuronConfig):
         return [
             f"{model} needs a MoENeuronConfig (got {type(neuron_config).__name__}): build it "
