@@ -17,7 +17,7 @@ from nxdplug.contrib_models.gpt_oss.rope_yarn import ROPE_TYPES, rotary_embeddin
 from nxdplug.contrib_models.qwen2.modeling_qwen2 import layer_window
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
-from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.moe import initialize_moe_module
 from nxdplug.modules.moe.checkpoint_settings import (
     agree_with_checkpoint,
@@ -176,7 +176,7 @@ def experts_config(config: Any) -> Any:
     return view
 
 
-class NeuronGptOssDecoderLayer(nn.Module):
+class NeuronGptOssDecoderLayer(PreNormDecoderLayer):
     """x + attention(norm(x)), then h + moe(norm(h))."""
 
     def __init__(self, config: Any, layer_idx: int) -> None:
@@ -190,17 +190,6 @@ class NeuronGptOssDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: CacheSlot,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
-        out = self.mlp(self.post_attention_layernorm(h))
-        return h + (out[0] if isinstance(out, tuple) else out)
 
 
 class NeuronGptOssModel(NeuronBaseModel):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from nxdplug.config import InferenceConfig, NeuronConfig
 from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
-from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.mlp import GatedMLP
 from nxdplug.modules.norms import RMSNorm
 from nxdplug.modules.parallel_linear import (
@@ -46,7 +45,7 @@ class LlamaInferenceConfig(InferenceConfig):
         return LlamaNeuronConfig
 
 
-class NeuronLlamaDecoderLayer(nn.Module):
+class NeuronLlamaDecoderLayer(PreNormDecoderLayer):
     """x + attention(norm(x)), then h + mlp(norm(h))."""
 
     def __init__(
@@ -70,16 +69,6 @@ class NeuronLlamaDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: CacheSlot,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class NeuronLlamaModel(NeuronBaseModel):

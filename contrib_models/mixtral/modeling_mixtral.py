@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-import torch
 from torch import nn
 
 from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
 from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM, NeuronLlamaModel
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import NeuronAttentionBase
-from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.moe import initialize_moe_module
 from nxdplug.modules.norms import RMSNorm
 
@@ -57,7 +56,7 @@ class MixtralInferenceConfig(InferenceConfig):
         return MixtralNeuronConfig
 
 
-class NeuronMixtralDecoderLayer(nn.Module):
+class NeuronMixtralDecoderLayer(PreNormDecoderLayer):
     """x + attention(norm(x)), then h + moe(norm(h))."""
 
     def __init__(self, config: Any, layer_idx: int) -> None:
@@ -67,17 +66,6 @@ class NeuronMixtralDecoderLayer(nn.Module):
         self.mlp = initialize_moe_module(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: CacheSlot,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
-        out = self.mlp(self.post_attention_layernorm(h))
-        return h + (out[0] if isinstance(out, tuple) else out)
 
 
 class NeuronMixtralModel(NeuronLlamaModel):

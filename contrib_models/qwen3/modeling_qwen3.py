@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from nxdplug.config import InferenceConfig
@@ -17,7 +16,7 @@ from nxdplug.contrib_models.llama.modeling_llama import (
 )
 from nxdplug.contrib_models.qwen2.modeling_qwen2 import layer_window
 from nxdplug.modules.attention import NeuronAttentionBase
-from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.mlp import GatedMLP
 from nxdplug.modules.norms import RMSNorm
 
@@ -29,7 +28,7 @@ class Qwen3InferenceConfig(LlamaInferenceConfig):
         return [*super().get_required_attributes(), "head_dim"]
 
 
-class NeuronQwen3DecoderLayer(nn.Module):
+class NeuronQwen3DecoderLayer(PreNormDecoderLayer):
     """x + attention(norm(x)), then h + mlp(norm(h)); the attention has per-head Q/K norms."""
 
     def __init__(self, config: Any, layer_idx: int) -> None:
@@ -51,16 +50,6 @@ class NeuronQwen3DecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: CacheSlot,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class NeuronQwen3Model(NeuronLlamaModel):

@@ -9,16 +9,15 @@ import copy
 from typing import Any
 
 import attrs
-import torch
 from torch import nn
 
 from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
 from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM, NeuronLlamaModel
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import NeuronAttentionBase
-from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.mlp import GatedMLP
-from nxdplug.modules.moe import MoE, initialize_moe_module
+from nxdplug.modules.moe import initialize_moe_module
 from nxdplug.modules.moe.checkpoint_settings import (
     agree_with_checkpoint,
     moe_neuron_config_problems,
@@ -108,7 +107,7 @@ def experts_config(config: Any) -> Any:
     return view
 
 
-class NeuronQwen3MoeDecoderLayer(nn.Module):
+class NeuronQwen3MoeDecoderLayer(PreNormDecoderLayer):
     """x + attention(norm(x)), then h + mlp(norm(h)); the MLP is routed experts in sparse layers
     and a gated MLP in dense ones."""
 
@@ -130,19 +129,6 @@ class NeuronQwen3MoeDecoderLayer(nn.Module):
             )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: CacheSlot,
-    ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
-        out = self.mlp(self.post_attention_layernorm(h))
-        if isinstance(self.mlp, MoE) and isinstance(out, tuple):
-            out = out[0]  # router logits / expert index asked for by the NeuronConfig
-        return h + out
 
 
 class NeuronQwen3MoeModel(NeuronLlamaModel):

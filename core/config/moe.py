@@ -181,6 +181,12 @@ def routed_mlp_problems(config: Any, neuron_config: Any) -> list[str]:
             f"router_config.act_fn is {neuron_config.router_config.act_fn!r}; expected one of "
             f"{ROUTER_ACTIVATIONS}"
         )
+    if neuron_config.quantized:
+        problems.append(
+            "quantized=True: the routed experts have no quantized form yet (their stacked "
+            "weights would be quantized per expert matrix and then misread); leave quantized "
+            "off for mixture-of-experts models"
+        )
     factor = neuron_config.capacity_factor
     if factor is not None and factor <= 0:
         problems.append(f"capacity_factor must be positive or None; got {factor}")
