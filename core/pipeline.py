@@ -8,6 +8,7 @@ add sub-models) are then called only for the plugins in that set.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -204,6 +205,44 @@ def _backend_problems(selection: PluginSelection, neuron_config: Any) -> list[st
     return []
 
 
+def settings_without_effect(
+    selection: PluginSelection, neuron_config: Any, registry: Registry
+) -> dict[str, str]:
+    """The settings other backends own (``CompileBackend.owned_settings``) that
+    ``neuron_config`` sets to other than their defaults, which the selected backend ignores,
+    each with the backend that reads it."""
+    backend = selection.compile_backend
+    owners = {
+        name: record.name
+        for record in registry.records("compile_backends")
+        if record.name != backend.name
+        for name in record.owned_settings
+        if name not in backend.owned_settings
+    }
+    defaults = type(neuron_config)()
+    return {
+        name: owner
+        for name, owner in sorted(owners.items())
+        if hasattr(neuron_config, name) and getattr(neuron_config, name) != getattr(defaults, name)
+    }
+
+
+def _report_settings_without_effect(
+    selection: PluginSelection, neuron_config: Any, registry: Registry
+) -> None:
+    unused = settings_without_effect(selection, neuron_config, registry)
+    if unused:
+        names = ", ".join(
+            f"{name} (read by the {owner!r} backend)" for name, owner in unused.items()
+        )
+        warnings.warn(
+            f"{names}: no effect on the {selection.compile_backend.name!r} backend, which does "
+            "not read it; kept in the config for a compile with that backend",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def hook_caller(name: str, selection: PluginSelection) -> Any:
     """The pipeline hook ``name``, restricted to the plugins of ``selection``."""
     manager = get_registry().manager
@@ -370,6 +409,7 @@ def _problems_and_selection(
     problems += _feature_problems(selection, registry)
     problems += _unimplemented_attribute_problems(selection, config.neuron_config, registry)
     problems += _backend_problems(selection, config.neuron_config)
+    _report_settings_without_effect(selection, config.neuron_config, registry)
     problems += PipelineContext(config, selection).problems()
     return problems, selection
 

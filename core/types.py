@@ -268,7 +268,9 @@ class CompileBackend(PluginRecord):
     the backend runs the model (``cpu``, ``cuda``, ...: weights, caches and every step input
     are made there); ``tp_degrees`` lists the tensor-parallel degrees the target supports
     (``None``: any); ``capabilities`` are free-form words features may ask for (the neuron
-    backend's ``"nki-kernels"``).
+    backend's ``"nki-kernels"``); ``owned_settings`` name the NeuronConfig attributes only this
+    backend reads (compiler hints, kernel switches): with another backend selected, those set
+    to other than their defaults are reported once as having no effect.
     """
 
     implementation: str = _ref_field()
@@ -278,3 +280,4 @@ class CompileBackend(PluginRecord):
         default=None, converter=attrs.converters.optional(tuple)
     )
     capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    owned_settings: tuple[str, ...] = _names_field()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -169,9 +171,33 @@ def test_two_kv_cache_strategies_switched_on_is_a_conflict(plugin_manager, llama
     assert "more than one KV-cache strategy" in problem
 
 
-def test_eager_backend_refuses_neuron_kernels(plugin_manager, llama_config) -> None:
-    _, config = llama_config(mlp_kernel_enabled=True, torch_dtype="bfloat16")
-    assert any("'eager' backend cannot run" in p for p in config_problems(config))
+def test_neuron_settings_are_reported_as_without_effect_on_the_eager_backend(
+    plugin_manager, llama_config
+) -> None:
+    _, config = llama_config(
+        mlp_kernel_enabled=True, torch_dtype="bfloat16", cc_pipeline_tiling_factor=4
+    )
+    with pytest.warns(RuntimeWarning, match="no effect on the 'eager' backend") as caught:
+        assert config_problems(config) == []
+    (warning,) = caught
+    assert str(warning.message).startswith(
+        "cc_pipeline_tiling_factor (read by the 'neuron' backend), mlp_kernel_enabled (read by "
+        "the 'neuron' backend): "
+    )
+
+
+def test_default_neuron_settings_are_not_reported(plugin_manager, llama_config) -> None:
+    _, config = llama_config()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert config_problems(config) == []
+
+
+def test_kernel_requirements_are_checked_on_every_backend(plugin_manager, llama_config) -> None:
+    _, config = llama_config(qkv_kernel_enabled=True, torch_dtype="bfloat16")
+    with pytest.warns(RuntimeWarning):
+        problems = config_problems(config)
+    assert any("qkv_kernel_enabled needs fused_qkv=True" in p for p in problems)
 
 
 class HalfPrecisionQuantizer:

@@ -1,7 +1,8 @@
 """NeuronConfig's NKI kernel switches: they mean something to the neuron backend only.
 
 The ``nki-kernels`` feature is enabled by any of them; its check reports the combinations the
-kernels need, and refuses the switches when the selected backend cannot run Neuron kernels.
+kernels need, on any backend (the config must stay valid for the neuron backend). Another
+backend reports the switches as without effect (the neuron backend owns them).
 """
 
 from __future__ import annotations
@@ -11,12 +12,10 @@ from typing import Any
 
 import torch
 
-from nxdplug.plugins.neuron_backend.hooks import CAPABILITY, KERNEL_FLAGS
-
 
 def validate(context: Any) -> list[str]:
     """The ``validate`` callback of the ``nki-kernels`` feature."""
-    return [*kernel_dependency_problems(context.neuron_config), *_backend_problems(context)]
+    return list(kernel_dependency_problems(context.neuron_config))
 
 
 def kernel_dependency_problems(nc: Any) -> Iterator[str]:
@@ -39,15 +38,3 @@ def kernel_dependency_problems(nc: Any) -> Iterator[str]:
         yield "quantized_mlp_kernel_enabled needs mlp_kernel_enabled=True; set it too"
     if nc.rmsnorm_quantize_kernel_enabled and not nc.quantized_mlp_kernel_enabled:
         yield "rmsnorm_quantize_kernel_enabled needs quantized_mlp_kernel_enabled=True; set it too"
-
-
-def _backend_problems(context: Any) -> Iterator[str]:
-    backend = context.selection.compile_backend
-    if CAPABILITY in backend.capabilities:
-        return
-    for flag in KERNEL_FLAGS:
-        if getattr(context.neuron_config, flag, False):
-            yield (
-                f"{flag}=True selects a Neuron (NKI) kernel, which the {backend.name!r} backend "
-                f"cannot run; set {flag}=False or compile with the neuron backend"
-            )
