@@ -161,6 +161,28 @@ def _lengths(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
             )
 
 
+def _per_sub_model_lengths(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    """``n_positions`` and ``n_active_tokens`` are what NxD Inference sets on each sub-model's
+    copy of the config (the KV-cache positions; the tokens a step feeds); given a value of their
+    own, they would say something the sub-models do not do."""
+    seq_len = _int_or_none(nc.seq_len)
+    if seq_len is None:
+        return
+    positions = _int_or_none(nc.n_positions)
+    if positions is not None and positions != seq_len:
+        yield (
+            f"n_positions ({positions}) is the number of KV-cache positions, which is seq_len "
+            f"({seq_len}); set seq_len instead and leave n_positions unset"
+        )
+    active = _int_or_none(nc.n_active_tokens)
+    if active is not None and active != seq_len:
+        yield (
+            f"n_active_tokens ({active}) is set per sub-model, as NxD Inference does "
+            "(max_context_length for context encoding, the tokens of one step for token "
+            "generation); leave it unset and set max_context_length for the longest prompt"
+        )
+
+
 def _tensor_parallel(config: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
     tp = _int_or_none(nc.tp_degree)
     if tp is None or tp < 1:
@@ -230,6 +252,7 @@ RULES: tuple[Rule, ...] = (
     _dtypes,
     _counts,
     _lengths,
+    _per_sub_model_lengths,
     _tensor_parallel,
     _buckets,
     _sampling,
