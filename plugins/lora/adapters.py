@@ -156,6 +156,8 @@ def validate(context: Any) -> list[str]:
         f"{setting} with lora_config is not implemented yet; {fix}"
         for setting, fix in _not_yet(neuron_config, context.selection)
     ]
+    if lora_config.base_model_quantized != bool(neuron_config.quantized):
+        problems.append(_quantized_contradiction(neuron_config.quantized))
     if not lora_config.lora_memory_transpose:
         warnings.warn(
             f"lora_memory_transpose=False has no effect with the "
@@ -214,10 +216,25 @@ def validate(context: Any) -> list[str]:
 
 
 def _not_yet(neuron_config: Any, selection: Any) -> Iterator[tuple[str, str]]:
-    if neuron_config.quantized:
-        yield "quantized", "serve adapters on unquantized weights"
     if selection.speculation_mode is not None:
         yield f"speculation ({selection.speculation_mode.name})", "turn speculation off"
+
+
+def _quantized_contradiction(quantized: bool) -> str:
+    """``base_model_quantized`` says what ``quantized`` says (NxD Inference's inference_demo
+    sets one from the other): whether the base projections hold 8-bit weights, the adapters
+    applied on top of them. Saying one thing in one and the other in the other is refused."""
+    if quantized:
+        return (
+            "quantized=True quantizes the base model, but lora_config.base_model_quantized is "
+            "False; set base_model_quantized=True to serve adapters on the quantized base "
+            "weights (or quantized=False)"
+        )
+    return (
+        "lora_config.base_model_quantized=True says the base model is quantized, but quantized "
+        "is False; set quantized=True with quantized_checkpoints_path and quantization_dtype "
+        "(or base_model_quantized=False)"
+    )
 
 
 def adapter_matrices(adapter: Adapter) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

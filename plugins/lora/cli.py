@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from nxdplug.cli.options import positive_int
+from nxdplug.cli.options import GENERIC_NEURON_CONFIG_DEST, positive_int
 from nxdplug.errors import NxdPlugError
 
 BASE_MODEL = "none"
@@ -56,6 +56,9 @@ class LoraCommandLine:
         settings["max_loras"] = args.max_loras or len(paths or ()) or 1
         if args.max_lora_rank is not None:
             settings["max_lora_rank"] = args.max_lora_rank
+        # As inference_demo: the adapters are served on a quantized base when it is quantized.
+        given = dict(getattr(args, GENERIC_NEURON_CONFIG_DEST, None) or ())
+        settings["base_model_quantized"] = given.get("quantized") is True
         return {"lora_config": LoraServingConfig(**settings)}
 
     def prepare_config(self, args: argparse.Namespace, config: Any) -> None:

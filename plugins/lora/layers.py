@@ -10,10 +10,17 @@ A target projection becomes its LoRA twin (its class swapped in place, as
 parallel one adds the delta to its output slice, a row parallel one adds its partial delta to
 its partial sum, before the all-reduce (see :mod:`nxdplug.plugins.lora.layout` for which part of
 A and B each rank holds and uses).
+
+On a quantized base model (``quantized=True``) the projection is the weight-quantization
+plugin's 8-bit layer, and the twin is made on top of whatever class the projection has: the base
+term is the dequantized weight's, the adapters stay in full precision and their delta is added in
+the activations' dtype. Either plugin's transform may run first: each swaps the class in place
+and keeps what the other added.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -81,6 +88,21 @@ LORA_TWINS: dict[type[nn.Module], type[nn.Module]] = {
 }
 
 
+@functools.cache
+def lora_twin(cls: type[nn.Module]) -> type[nn.Module] | None:
+    """The LoRA class of a projection class: its twin above; for a subclass another feature
+    made (an 8-bit quantized projection), the twin on top of it, so that its base projection
+    (``weight_for``) is the subclass's; None for anything else or if it has LoRA already."""
+    if cls in LORA_TWINS:
+        return LORA_TWINS[cls]
+    if issubclass(cls, LoraProjection):
+        return None
+    for base, twin in LORA_TWINS.items():
+        if issubclass(cls, base):
+            return type(f"Lora{cls.__name__}", (twin, cls), {"__module__": __name__})
+    return None
+
+
 def add_lora_weights(model: nn.Module, context: Any) -> None:
     """The ``transform_model`` callback: every target projection becomes its LoRA twin."""
     config = context.config
@@ -94,13 +116,13 @@ def add_lora_weights(model: nn.Module, context: Any) -> None:
 def _become_lora_twin(
     name: str, module: nn.Module, where: Placement, count: int, config: Any
 ) -> None:
-    twin = LORA_TWINS.get(type(module))
+    twin = lora_twin(type(module))
     if twin is None:
         raise NotSupportedError(
             f"{name} is a {type(module).__name__}; LoRA adapters apply to ColumnParallelLinear "
             "and RowParallelLinear projections"
         )
-    column = twin is LoraColumnParallelLinear
+    column = issubclass(twin, LoraColumnParallelLinear)
     layout = (module.tp_degree, module.rank, tuple(module.partitions) if column else ())
     if layout != (where.tp_degree, where.rank, where.partitions or layout[2]):
         raise NotSupportedError(

@@ -8,6 +8,7 @@ parameter as an input) handle them like any other weight.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -103,6 +104,20 @@ QUANTIZED_TWINS: dict[
 }
 
 
+@functools.cache
+def quantized_twin(cls: type[nn.Module]) -> type[nn.Module] | None:
+    """The quantized class of a parallel linear class: its twin above; for a subclass that
+    another feature made (a projection with LoRA adapters), that class with the 8-bit weight
+    added, so that what the subclass adds stays; None for anything else or if quantized."""
+    if cls in QUANTIZED_TWINS:
+        return QUANTIZED_TWINS[cls]
+    if issubclass(cls, QuantizedWeight) or not issubclass(
+        cls, (ColumnParallelLinear, RowParallelLinear)
+    ):
+        return None
+    return type(f"Quantized{cls.__name__}", (QuantizedWeight, cls), {"__module__": __name__})
+
+
 def quantize_linear_layers(model: nn.Module, config: Any) -> None:
     """Put quantized layers in place of the projections the config quantizes, before the
     weights are loaded.
@@ -126,12 +141,13 @@ def quantize_linear_layers(model: nn.Module, config: Any) -> None:
             for entry in unknown
         )
     for name, module in modules.items():
-        twin = QUANTIZED_TWINS.get(type(module))
+        twin = quantized_twin(type(module))
         if twin is None or not is_quantized_module(name, skip):
             continue
-        parent, _, attribute = name.rpartition(".")
-        quantized = twin.like(module, dtype, has_row_scales(name, per_channel))
-        setattr(model.get_submodule(parent), attribute, quantized)
+        # The class swapped in place, as torch.nn.utils.parametrize does: the layer keeps its
+        # shape, sharding and whatever another feature added to it; only the weight changes.
+        module.__class__ = twin
+        module._hold_quantized(dtype, has_row_scales(name, per_channel))
 
 
 def quantize_model(model: nn.Module, context: Any) -> None:
