@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from peft import PeftModel
 from test_lora import ADAPTERS, MASK, NEW_TOKENS, PROMPTS, ROWS, hf_model, save_adapters
+from test_tensor_parallel import become_launched_rank, free_port
 
 from nxdplug import (
     HuggingFaceGenerationAdapter,
@@ -27,10 +29,16 @@ from nxdplug.contrib_models.llama.modeling_llama import (
     NeuronLlamaForCausalLM,
 )
 from nxdplug.errors import ConfigError
+from nxdplug.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from nxdplug.pipeline import config_problems
-from nxdplug.plugins.lora.layers import LoraColumnParallelLinear, LoraRowParallelLinear
-from nxdplug.plugins.quantization.layers import QuantizedWeight
+from nxdplug.plugins.lora.layers import (
+    LoraColumnParallelLinear,
+    LoraRowParallelLinear,
+    lora_twin,
+)
+from nxdplug.plugins.quantization.layers import QuantizedWeight, quantized_twin
 from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight
+from nxdplug.testing import end_rank_process
 
 METHODS = [
     ("int8", "per_channel"),
@@ -170,6 +178,67 @@ def test_compiled_graphs_on_quantized_base(adapters, tmp_path) -> None:
     app.load(tmp_path / "compiled", quiet=True)
     assert app.backend_name == "inductor"
     assert torch.equal(generate(app), peft_tokens(dequantized_peft(checkpoint, paths, config)))
+
+
+@pytest.mark.parametrize("linear", [ColumnParallelLinear, RowParallelLinear])
+def test_either_transform_may_run_first(linear) -> None:
+    """LoRA then quantization (the plugins' order today) or the other way: the same layer, the
+    8-bit weight's ``weight_for`` and the LoRA term's forward."""
+    column = linear is ColumnParallelLinear
+    lora = LoraColumnParallelLinear if column else LoraRowParallelLinear
+    adds_term = "forward" if column else "partial_sum"
+    for first, second in ((lora_twin, quantized_twin), (quantized_twin, lora_twin)):
+        made = second(first(linear))
+        assert issubclass(made, lora) and issubclass(made, QuantizedWeight)
+        assert made.weight_for is QuantizedWeight.weight_for
+        assert getattr(made, adds_term) is getattr(lora, adds_term)
+        assert lora_twin(made) is None and quantized_twin(made) is None  # nothing twice
+
+
+# (dtype, granularity, fused_qkv) of the two-rank runs: per-channel scales split with their
+# rows; per-tensor q/k/v scales, one per row once fused, split part by part.
+TWO_RANK_RUNS = [("int8", "per_channel", False), ("f8e4m3", "per_tensor", True)]
+
+
+def _rank(rank: int, world: int, port: int, checkpoint: str, paths: dict, out: str) -> None:
+    become_launched_rank(rank, world, port)
+    for dtype, granularity, fused in TWO_RANK_RUNS:
+        path = Path(out) / f"{dtype}-{granularity}"
+        config = quantized_config(
+            checkpoint, paths, path, dtype, granularity, fused_qkv=fused, tp_degree=world
+        )
+        app = NeuronLlamaForCausalLM(checkpoint, config)
+        app.to_cpu()
+        torch.save(generate(app), Path(out) / f"{dtype}-{granularity}-{rank}.pt")
+        held = {k: (t.dtype, tuple(t.shape)) for k, t in app.weight_tensors().items()}
+        torch.save(held, Path(out) / f"{dtype}-{granularity}-held-{rank}.pt")
+    end_rank_process()
+
+
+@pytest.mark.slow
+def test_two_ranks_on_quantized_base_give_peft_tokens(adapters, tmp_path) -> None:
+    checkpoint, paths = adapters
+    expected = {}
+    for dtype, granularity, fused in TWO_RANK_RUNS:
+        path = tmp_path / f"{dtype}-{granularity}"
+        config = quantized_config(checkpoint, paths, path, dtype, granularity, fused_qkv=fused)
+        NeuronLlamaForCausalLM.save_quantized_state_dict(checkpoint, config)
+        expected[dtype, granularity] = peft_tokens(dequantized_peft(checkpoint, paths, config))
+    mp.spawn(
+        _rank, args=(2, free_port(), str(checkpoint), paths, str(tmp_path)), nprocs=2, join=True
+    )
+    for (dtype, granularity), tokens in expected.items():
+        for rank in range(2):
+            ours = torch.load(tmp_path / f"{dtype}-{granularity}-{rank}.pt")
+            assert torch.equal(ours, tokens), (dtype, granularity, rank)
+    # hidden 64 split over two ranks: o_proj holds 32 input columns of 8 bits a rank; q/k/v
+    # rows (64 + 32 + 32, fused) and their per-row scales are halved.
+    held = torch.load(tmp_path / "f8e4m3-per_tensor-held-1.pt")
+    assert held["layers.0.self_attn.o_proj.weight"] == (torch.float8_e4m3fn, (64, 32))
+    assert held["layers.0.self_attn.qkv_proj.weight_scale"] == (torch.float32, (64,))
+    held = torch.load(tmp_path / "int8-per_channel-held-0.pt")
+    assert held["layers.0.self_attn.q_proj.weight_scale"] == (torch.float32, (32,))
+    assert held["layers.0.self_attn.o_proj.lora_a"] == (torch.float32, (3, 8, 32))
 
 
 def test_base_model_quantized_must_say_what_quantized_says(adapters, tmp_path) -> None:
