@@ -127,6 +127,16 @@ FAILING = [
     ({"on_device_sampling_config": {"global_topk": 0}}, None, "global_topk is 0"),
     ({"lora_config": {"max_loras": 0}}, None, "lora_config.max_loras is 0"),
     ({"tp_degree": 0}, None, "tp_degree is 0"),
+    (
+        {
+            "sequence_parallel_enabled": True,
+            "tp_degree": 2,
+            "enable_bucketing": True,
+            "context_encoding_buckets": [63, 128],
+        },
+        None,
+        "context_encoding_buckets [63] do not divide by it",
+    ),
     ({"n_positions": 64}, None, "n_positions (64) is the number of KV-cache positions"),
     ({"n_active_tokens": 1}, None, "n_active_tokens (1) is set per sub-model"),
 ]

@@ -200,6 +200,13 @@ def _tensor_parallel(config: InferenceConfig, nc: NeuronConfig) -> Iterator[str]
             f"sequence_parallel_enabled needs max_context_length ({context}) divisible by "
             f"tp_degree ({tp}); change one of them, or disable sequence parallelism"
         )
+    buckets = nc.context_encoding_buckets if nc.enable_bucketing else None
+    uneven = [b for b in buckets or () if isinstance(b, int) and b % tp]
+    if nc.sequence_parallel_enabled and uneven:
+        yield (
+            f"sequence_parallel_enabled splits each prompt bucket over tp_degree ({tp}) ranks, "
+            f"but context_encoding_buckets {uneven} do not divide by it; give buckets that do"
+        )
 
 
 def _buckets(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:

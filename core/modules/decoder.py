@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from nxdplug.modules.kv_cache import CacheSlot
+from nxdplug.modules.sequence_parallel import current_shards
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -14,6 +15,9 @@ class PreNormDecoderLayer(nn.Module):
     A model's layer class builds ``self_attn``, ``mlp``, ``input_layernorm`` and
     ``post_attention_layernorm`` (the names of HF checkpoints) and inherits this forward. An MLP
     returning a tuple (an MoE block asked for its router logits) contributes its first item.
+    With the sequence split over the ranks (:mod:`nxdplug.modules.sequence_parallel`), ``x`` is
+    this rank's slice: the norms and residual adds work on it, and each block gets the gathered
+    sequence and gives back this rank's slice of its output.
     """
 
     self_attn: nn.Module
@@ -28,6 +32,13 @@ class PreNormDecoderLayer(nn.Module):
         mask: torch.Tensor,
         cache: CacheSlot,
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
-        out = self.mlp(self.post_attention_layernorm(h))
-        return h + (out[0] if isinstance(out, tuple) else out)
+        shards = current_shards()
+        gather = shards.gather if shards else _whole
+        scatter = shards.scatter if shards else _whole
+        h = x + scatter(self.self_attn(gather(self.input_layernorm(x)), rope, mask, cache))
+        out = self.mlp(gather(self.post_attention_layernorm(h)))
+        return h + scatter(out[0] if isinstance(out, tuple) else out)
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x

@@ -12,15 +12,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import attention_head_counts, attention_mask_4d, head_dim_of
+from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.kv_cache import (
     CacheLayout,
     CacheSlot,
     KVCacheManager,
     kv_cache_managers,
 )
+from nxdplug.modules.parallel_linear import tp_rank, tp_world_size, use_collectives
+from nxdplug.modules.sequence_parallel import SequenceShards, split_sequence
 from nxdplug.pipeline import current_context
-from nxdplug.runtime.step import StepInputs, running
+from nxdplug.runtime.step import StepInputs, current_phase, running
 
 
 def is_context_encoding(step: StepInputs) -> bool:
@@ -57,6 +61,7 @@ class NeuronBaseModel(nn.Module):
         self.output_stage: nn.Module = LogitsOutput()
         self.setup_attr_for_model(config)
         self.init_model(config)
+        self.check_sequence_parallel()
         if optimize_inference:
             self.init_inference_optimization(config)
 
@@ -122,11 +127,44 @@ class NeuronBaseModel(nn.Module):
         x = self.embed_tokens(step.input_ids)
         rope = self.rotary_emb(rotary_positions)
         length = step.attention_mask.shape[-1]
-        with running(step):
+        shards = self.sequence_shards()
+        with running(step), split_sequence(shards):
+            if shards:
+                x = shards.scatter(x)
             for index, layer in enumerate(self.layers):
                 cache = CacheSlot(self.kv_mgr, index, step.position_ids, step.seq_ids, length)
                 x = layer(x, rope, masks[layer.self_attn.sliding_window], cache)
+            if shards:
+                x = shards.gather(x)
         return self.norm(x)
+
+    def check_sequence_parallel(self) -> None:
+        """Refuse ``sequence_parallel_enabled`` for a model whose layers do not take a slice of
+        the sequence (those built on :class:`PreNormDecoderLayer` do)."""
+        if not self.neuron_config.sequence_parallel_enabled:
+            return
+        others = {
+            type(layer).__name__
+            for layer in self.layers
+            if not isinstance(layer, PreNormDecoderLayer)
+        }
+        if others:
+            raise ConfigError(
+                [
+                    f"sequence_parallel_enabled: the decoder layers of {type(self).__name__} "
+                    f"({', '.join(sorted(others))}) do not split the sequence; set it to False"
+                ]
+            )
+
+    def sequence_shards(self) -> SequenceShards | None:
+        """How this step splits the sequence over the ranks: with ``sequence_parallel_enabled``,
+        context encoding over several tensor-parallel ranks; otherwise not at all."""
+        tp_degree = self.neuron_config.tp_degree
+        if not self.neuron_config.sequence_parallel_enabled or not use_collectives(tp_degree):
+            return None
+        if not current_phase().is_context_encoding:
+            return None
+        return SequenceShards(tp_world_size(), tp_rank())
 
     def forward(self, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """What ``output_stage`` makes of the float32 logits: for context encoding (the prompt
