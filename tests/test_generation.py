@@ -100,7 +100,8 @@ def test_generation_config_object_and_scores(pair) -> None:
     ("kwargs", "error", "message"),
     [
         ({"num_beams": 2}, NotSupportedError, "num_beams=2"),
-        ({"repetition_penalty": 1.3}, NotSupportedError, "repetition_penalty=1.3"),
+        ({"guidance_scale": 1.5}, NotSupportedError, "guidance_scale=1.5"),
+        ({"penalty_alpha": 0.6, "top_k": 4}, NotSupportedError, "contrastive search"),
         ({"no_such_setting": 1}, NxdPlugError, "no_such_setting"),
         ({"max_length": 4}, NxdPlugError, "leaves no room"),
     ],

@@ -1,11 +1,14 @@
 """HuggingFaceGenerationAdapter: HF-style ``generate()`` over an nxdplug causal LM.
 
-Greedy and multinomial sampling, with HF's defaults and semantics: ``max_new_tokens`` wins over
-``max_length``, finished rows are filled with ``pad_token_id``, generation stops when every row
-has produced an end-of-sequence token. The samplers come from the ``samplers`` plugins, unless an
-enabled plugin answers ``nxdplug_token_source`` (a model that samples in its graph gives its own
-tokens). Keywords that step-input plugins declare (``sampling_params``, ...) are handed to the
-model at every step.
+Greedy and multinomial sampling with HF's defaults and semantics, and transformers' own logits
+processors and stopping criteria built from the GenerationConfig (``repetition_penalty``,
+``min_new_tokens``, ``stop_strings``, the caller's ``logits_processor`` / ``stopping_criteria``,
+...; see ``generate_processors``), streamers and ``num_return_sequences``. On the host each step
+is HF's: float32 logits -> processors (warpers included when sampling) -> a sampler plugin's
+draw. An enabled plugin answering ``nxdplug_token_source`` (a model that samples in its graph)
+gives its own tokens instead. Keywords that step-input plugins declare (``sampling_params``,
+...) are handed to the model at every step. Beam search and the modes that need more model calls
+per step are refused.
 """
 
 from __future__ import annotations
@@ -21,32 +24,47 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from nxdplug.errors import NotSupportedError, NxdPlugError
 from nxdplug.registry import get_registry
 from nxdplug.runtime.application import refuse_untaken_keywords
+from nxdplug.runtime.generate_processors import (
+    GenerationParts,
+    expand_for_return_sequences,
+    generation_parts,
+)
 from nxdplug.runtime.sampling import SamplingParams
 from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice
 
-# transformers' own fallbacks for settings neither the model nor the caller gives.
-HF_DEFAULTS = {"top_k": 50, "top_p": 1.0, "temperature": 1.0, "do_sample": False}
-# transformers 5 generates this many new tokens when neither max_new_tokens nor max_length is set.
-HF_DEFAULT_NEW_TOKENS = 20
-
-# Settings that change what is generated and that this adapter does not implement.
-UNSUPPORTED_SETTINGS = {
-    "num_beams": 1,
-    "num_return_sequences": 1,
-    "repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "min_p": None,
-    "typical_p": 1.0,
-    "bad_words_ids": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "epsilon_cutoff": 0.0,
-    "eta_cutoff": 0.0,
+# transformers' own fallbacks for settings neither the model nor the caller gives (its
+# _get_default_generation_params in transformers 5; the lengths are decided with the prompt).
+HF_DEFAULTS = {
+    name: value
+    for name, value in getattr(
+        GenerationConfig,
+        "_get_default_generation_params",
+        lambda: {"top_k": 50, "top_p": 1.0, "temperature": 1.0, "do_sample": False},
+    )().items()
+    if name not in ("max_length", "min_length")
 }
+
+# Generation modes other than greedy and sampling, by transformers' name: the settings that
+# select them, and why not.
+UNSUPPORTED_MODES = {
+    "beam_search": (("num_beams",), "beam search is not implemented; use num_beams=1"),
+    "beam_sample": (("num_beams",), "beam sampling is not implemented; use num_beams=1"),
+    "group_beam_search": (("num_beams", "num_beam_groups"), "group beam search is not implemented"),
+    "constrained_beam_search": (
+        ("constraints", "force_words_ids"),
+        "constrained beam search is not implemented; bad_words_ids or a logits_processor can "
+        "ban tokens instead",
+    ),
+    "contrastive_search": (("penalty_alpha", "top_k"), "contrastive search is not implemented"),
+    "dola_generation": (("dola_layers",), "DoLa decoding is not implemented"),
+}
+# Settings that need more than one model call per step or a tokenizer round trip.
+UNSUPPORTED_SETTINGS = {
+    "guidance_scale": (1.0, "classifier-free guidance needs a second model call per step"),
+    "token_healing": (False, "token healing is not implemented"),
+}
+# A draw from already processed scores: the sampler adds nothing of its own.
+NEUTRAL = SamplingParams(top_k=0, top_p=1.0, temperature=1.0)
 
 
 def _token_ids(value: int | list[int] | None) -> list[int]:
@@ -56,7 +74,7 @@ def _token_ids(value: int | list[int] | None) -> list[int]:
 
 
 class TokenSource(Protocol):
-    """Where ``generate()`` takes each step's tokens from.
+    """Where ``generate()`` takes each step's tokens from, when a plugin gives them.
 
     ``step_keywords`` are given to the model's forward at every step (per-row inputs of
     step-input plugins).
@@ -72,22 +90,38 @@ class TokenSource(Protocol):
 
 
 class HostSampling:
-    """Tokens chosen on the host by a sampler plugin from the model's logits."""
+    """Tokens chosen on the host, as HF's ``_sample`` does: transformers' processors turn the
+    float32 logits into scores, a sampler plugin draws (greedy or multinomial)."""
 
-    def __init__(self, config: GenerationConfig, step_keywords: dict[str, Any]) -> None:
-        name = "multinomial" if config.do_sample else "greedy"
+    def __init__(self, parts: GenerationParts, step_keywords: dict[str, Any]) -> None:
+        name = "multinomial" if parts.config.do_sample else "greedy"
         self.sampler = get_registry().get("samplers", name).load("implementation")()
-        self.params = SamplingParams(
-            top_k=config.top_k or 0, top_p=config.top_p, temperature=config.temperature
-        )
+        self.processors = parts.processors
         self.step_keywords = step_keywords
 
-    def next_tokens(self, outputs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = outputs.logits[:, -1, :]
-        return self.sampler(logits, self.params), logits
+    def step(
+        self, outputs: Any, sequences: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(tokens, float32 logits, scores)`` of one step."""
+        logits = outputs.logits[:, -1, :].to(dtype=torch.float32, copy=True)
+        scores = self.processors(sequences, logits)
+        return self.sampler(scores, NEUTRAL), logits, scores
 
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.sampler.scores(logits, self.params)
+
+class PluginTokens:
+    """A plugin's token source (the model samples in its graph)."""
+
+    def __init__(self, source: TokenSource, keep_scores: bool) -> None:
+        self.source = source
+        self.step_keywords = source.step_keywords
+        self.keep_scores = keep_scores
+
+    def step(
+        self, outputs: Any, sequences: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        tokens, logits = self.source.next_tokens(outputs)
+        scores = self.source.scores(logits) if self.keep_scores else None
+        return tokens, logits, scores
 
 
 class HuggingFaceGenerationAdapter:
@@ -113,7 +147,8 @@ class HuggingFaceGenerationAdapter:
     def resolve_generation_config(
         self, generation_config: GenerationConfig | None, **kwargs: Any
     ) -> GenerationConfig:
-        """The caller's config (or the model's), updated with ``kwargs``, HF defaults filled."""
+        """The caller's config (or the model's), updated with ``kwargs``, HF defaults filled;
+        modes other than greedy and sampling refused."""
         config = copy.deepcopy(generation_config or self.generation_config)
         unused = config.update(**kwargs)
         if unused:
@@ -124,28 +159,26 @@ class HuggingFaceGenerationAdapter:
         for name, default in HF_DEFAULTS.items():
             if getattr(config, name, None) is None:
                 setattr(config, name, default)
-        unsupported = [
-            f"{name}={getattr(config, name)!r}"
-            for name, neutral in UNSUPPORTED_SETTINGS.items()
-            if getattr(config, name, neutral) not in (neutral, None)
+        mode = str(getattr(config.get_generation_mode(), "value", config.get_generation_mode()))
+        problems = [
+            f"{', '.join(f'{n}={getattr(config, n)!r}' for n in names)}: {why}"
+            for name, (names, why) in UNSUPPORTED_MODES.items()
+            if mode == name
         ]
-        if unsupported:
-            raise NotSupportedError(
-                f"generate() supports greedy and multinomial sampling only; "
-                f"not implemented: {', '.join(unsupported)}"
-            )
+        problems += [
+            f"{name}={getattr(config, name)!r}: {why}"
+            for name, (neutral, why) in UNSUPPORTED_SETTINGS.items()
+            if getattr(config, name, None) not in (neutral, None)
+        ]
+        if problems:
+            raise NotSupportedError(f"generate() cannot do this: {'; '.join(problems)}")
         if config.pad_token_id is None and config.eos_token_id is not None:
             config.pad_token_id = _token_ids(config.eos_token_id)[0]
         return config
 
     def _new_token_budget(self, config: GenerationConfig, prompt_length: int) -> int:
-        total = (
-            prompt_length + config.max_new_tokens
-            if config.max_new_tokens is not None
-            else config.max_length
-            if config.max_length is not None
-            else prompt_length + HF_DEFAULT_NEW_TOKENS
-        )
+        """New tokens allowed by the prepared ``max_length``, checked against ``seq_len``."""
+        total = config.max_length
         seq_len = self.neuron_model.neuron_config.seq_len
         if total > seq_len:
             raise NxdPlugError(
@@ -167,28 +200,45 @@ class HuggingFaceGenerationAdapter:
         attention_mask: torch.Tensor | None = None,
         generation_config: GenerationConfig | None = None,
         sampling_params: torch.Tensor | None = None,
+        *,
+        logits_processor: Any = None,
+        stopping_criteria: Any = None,
+        streamer: Any = None,
+        tokenizer: Any = None,
+        prefix_allowed_tokens_fn: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor | GenerateDecoderOnlyOutput:
         """Generate continuations of ``input_ids`` ([batch, prompt]); returns prompt + new tokens
         (or a GenerateDecoderOnlyOutput when ``return_dict_in_generate``).
 
-        ``sampling_params`` and the keywords of other step-input plugins go to the model; with
-        on-device sampling (its plugin's token source) the model samples, by default with the
-        GenerationConfig's settings as one row per request when ``dynamic=True``.
+        As transformers' ``generate()``: the GenerationConfig's processors and criteria, the
+        caller's ``logits_processor`` / ``stopping_criteria`` merged in, ``stop_strings`` with
+        ``tokenizer``, a ``streamer`` given the prompt then each step's tokens,
+        ``num_return_sequences`` rows per prompt. ``sampling_params`` and the keywords of other
+        step-input plugins go to the model; with on-device sampling (its plugin's token source)
+        the model samples, by default with the GenerationConfig's settings as one row per request
+        when ``dynamic=True``.
         """
         assistant_model = kwargs.pop("assistant_model", None)
         step_keywords = self._step_keywords(sampling_params, kwargs)
         config = self.resolve_generation_config(generation_config, **kwargs)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        input_ids, attention_mask = expand_for_return_sequences(config, input_ids, attention_mask)
+        parts = generation_parts(
+            config,
+            self.config,
+            input_ids,
+            attention_mask,
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+            tokenizer=tokenizer,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        )
         new_tokens = self._new_token_budget(config, input_ids.shape[1])
         speculation_mode = self.neuron_model.plugins.speculation_mode
         if speculation_mode is not None or assistant_model is not None:
-            if step_keywords:
-                raise NotSupportedError(
-                    f"{', '.join(sorted(step_keywords))} cannot be given with speculative "
-                    "decoding: the speculation mode makes its own steps"
-                )
+            self._refuse_with_speculation(parts, step_keywords, streamer)
             return self._speculate(
                 speculation_mode, config, input_ids, attention_mask, new_tokens, assistant_model
             )
@@ -198,17 +248,20 @@ class HuggingFaceGenerationAdapter:
                 "the model needs NeuronConfig(speculation_length=k, trace_tokengen_model=False)"
                 " with k >= prompt_lookup_num_tokens"
             )
-        sampling = self._token_source(config, input_ids.shape[0], step_keywords, kwargs)
+        sampling = self._token_source(parts, input_ids.shape[0], step_keywords, kwargs)
         keep_scores = config.return_dict_in_generate and config.output_scores
-        eos = torch.tensor(_token_ids(config.eos_token_id), dtype=input_ids.dtype)
-        pad = config.pad_token_id if config.pad_token_id is not None else 0
+        keep_logits = config.return_dict_in_generate and config.output_logits
+        pad = parts.config._pad_token_tensor
+        criteria = parts.criteria
 
         model = self.neuron_model
         model.reset()
         sequences, mask = input_ids, attention_mask
-        unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool)
+        unfinished = torch.ones(input_ids.shape[0], dtype=torch.long)
         all_logits: list[torch.Tensor | None] = []
-        all_scores: list[torch.Tensor] = []
+        all_scores: list[torch.Tensor | None] = []
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
         step_input = input_ids
         for step in range(new_tokens):
             outputs = model(
@@ -217,25 +270,51 @@ class HuggingFaceGenerationAdapter:
                 input_capture_hook=self.input_capture_hook,
                 **sampling.step_keywords,
             )
-            next_tokens, logits = sampling.next_tokens(outputs)
-            all_logits.append(logits)
+            next_tokens, logits, scores = sampling.step(outputs, sequences)
+            if keep_logits:
+                all_logits.append(logits)
             if keep_scores:
-                all_scores.append(sampling.scores(logits))
-            next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, pad))
+                all_scores.append(scores)
+            if parts.pads_finished_rows:
+                next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
             sequences = torch.cat([sequences, next_tokens[:, None]], dim=-1)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-            unfinished &= ~torch.isin(next_tokens, eos)
-            if not unfinished.any() or step == new_tokens - 1:
+            unfinished = unfinished & ~criteria(sequences, tuple(all_scores) or None)
+            if streamer is not None:
+                streamer.put(next_tokens.cpu())
+            if unfinished.max() == 0 or step == new_tokens - 1:
                 break
             step_input = next_tokens[:, None]
+        if streamer is not None:
+            streamer.end()
 
         if not config.return_dict_in_generate:
             return sequences
         return GenerateDecoderOnlyOutput(
             sequences=sequences,
-            scores=tuple(all_scores) if config.output_scores else None,
-            logits=tuple(all_logits) if config.output_logits else None,
+            scores=tuple(all_scores) if keep_scores else None,
+            logits=tuple(all_logits) if keep_logits else None,
         )
+
+    @staticmethod
+    def _refuse_with_speculation(
+        parts: GenerationParts, step_keywords: dict[str, Any], streamer: Any
+    ) -> None:
+        """Speculation modes choose and stop tokens their own way: refuse what they would
+        ignore."""
+        given = sorted(step_keywords)
+        given += [type(p).__name__ for p in parts.host_processors]
+        given += [type(c).__name__ for c in parts.extra_criteria]
+        if streamer is not None:
+            given.append("streamer")
+        if (parts.config.num_return_sequences or 1) > 1:
+            given.append(f"num_return_sequences={parts.config.num_return_sequences}")
+        if given:
+            raise NotSupportedError(
+                f"{', '.join(given)} cannot be used with speculative decoding: the speculation "
+                "mode makes its own steps and chooses tokens from the temperature, top_k and "
+                "top_p alone; generate without speculation to use them"
+            )
 
     def _speculate(
         self,
@@ -257,12 +336,16 @@ class HuggingFaceGenerationAdapter:
                 "return_dict_in_generate is not supported with speculative decoding; the "
                 "tokens are returned, and the acceptance is in model.speculation_stats"
             )
-        host = HostSampling(config, {})
+        name = "multinomial" if config.do_sample else "greedy"
+        sampler = get_registry().get("samplers", name).load("implementation")()
+        params = SamplingParams(
+            top_k=config.top_k or 0, top_p=config.top_p, temperature=config.temperature
+        )
         request = SpeculativeRequest(
             input_ids=input_ids,
             attention_mask=attention_mask,
             max_new_tokens=new_tokens,
-            choice=TokenChoice(host.sampler, host.params, bool(config.do_sample)),
+            choice=TokenChoice(sampler, params, bool(config.do_sample)),
             eos_token_ids=torch.tensor(_token_ids(config.eos_token_id), dtype=torch.long),
             pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
             assistant_model=assistant_model,
@@ -286,13 +369,16 @@ class HuggingFaceGenerationAdapter:
 
     def _token_source(
         self,
-        config: GenerationConfig,
+        parts: GenerationParts,
         batch: int,
         step_keywords: dict[str, Any],
         kwargs: dict[str, Any],
-    ) -> TokenSource:
-        """Where the tokens come from: an enabled plugin's source, else a host sampler."""
+    ) -> HostSampling | PluginTokens:
+        """Where the tokens come from: an enabled plugin's source, else the host. Processors
+        a sampling graph does not apply need the logits on the host: with a model that returns
+        them the host chooses the tokens; without, they are refused."""
         context = self.neuron_model.context
+        config = parts.config
         source = context.hook("nxdplug_token_source")(
             context=context,
             generation_config=config,
@@ -300,4 +386,25 @@ class HuggingFaceGenerationAdapter:
             step_keywords=step_keywords,
             generate_kwargs=kwargs,
         )
-        return source if source is not None else HostSampling(config, step_keywords)
+        if source is None:
+            return HostSampling(parts, step_keywords)
+        needs_host = [type(p).__name__ for p in parts.host_processors]
+        if not needs_host:
+            return PluginTokens(
+                source, bool(config.return_dict_in_generate and config.output_scores)
+            )
+        if not getattr(self.neuron_model.neuron_config, "output_logits", False):
+            raise NotSupportedError(
+                f"{', '.join(needs_host)} (from the GenerationConfig or logits_processor) "
+                "change the logits before a token is chosen, but this model chooses its tokens "
+                "in its graph (on_device_sampling_config) and returns no logits; set "
+                "NeuronConfig(output_logits=True) to choose them on the host from the logits, "
+                "or build the model without on_device_sampling_config"
+            )
+        if "sampling_params" in step_keywords:
+            raise NotSupportedError(
+                f"{', '.join(needs_host)} make the host choose the tokens from the model's "
+                "logits, with the GenerationConfig's do_sample / top_k / top_p / temperature; "
+                "per-row sampling_params cannot be honoured there: leave them out"
+            )
+        return HostSampling(parts, source.step_keywords)
