@@ -274,3 +274,25 @@ def test_base_model_quantized_must_say_what_quantized_says(adapters, tmp_path) -
     config.neuron_config.lora_config.base_model_quantized = False
     with pytest.raises(ConfigError, match="set base_model_quantized=True"):
         NeuronLlamaForCausalLM(checkpoint, config)
+
+
+def test_the_command_line_sets_base_model_quantized_from_quantized(adapters, tmp_path, capsys):
+    from nxdplug.cli.main import main
+
+    checkpoint, paths = adapters
+    config = quantized_config(checkpoint, paths, tmp_path / "q", "int8", "per_channel")
+    NeuronLlamaForCausalLM.save_quantized_state_dict(checkpoint, config)
+    quantized = {
+        "quantized": "true",
+        "quantized_checkpoints_path": str(tmp_path / "q"),
+        "quantization_dtype": "int8",
+        "quantization_type": "per_channel_symmetric",
+    }
+    code = main(
+        ["check-config", "--model-path", str(checkpoint)]
+        + [arg for key, value in quantized.items() for arg in ("--neuron-config", f"{key}={value}")]
+        + ["--lora-ckpt-paths", *(f"{name}={path}" for name, path in paths.items())]
+    )
+    listing = capsys.readouterr().out
+    assert code == 0, listing
+    assert "multi-lora" in listing and "weight-quantization" in listing
