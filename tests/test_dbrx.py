@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from test_moe_models import assert_routing_spreads, record_expert_choices
 from transformers import AutoModelForCausalLM
 
 from nxdplug import from_pretrained
@@ -63,15 +64,6 @@ def load_pair(path, dtype: torch.dtype, **options):
     return app, hf
 
 
-def record_expert_choices(app) -> list[torch.Tensor]:
-    """Hooks on every router of the eager model; the returned list fills as the model runs."""
-    chosen: list[torch.Tensor] = []
-    for module in app.context_encoding_model.model.modules():
-        if type(module).__name__ == "RouterTopK":
-            module.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].flatten()))
-    return chosen
-
-
 def record_projections(app) -> list[torch.Tensor]:
     """Hooks on the Q, K and V projections (before any clipping) of the eager model."""
     outputs: list[torch.Tensor] = []
@@ -91,9 +83,7 @@ def test_float32_greedy_tokens_match_hf_with_routing_spread_over_experts(tiny_ch
     assert report.expected.shape[1] == NEW_TOKENS
     for row in report.actual:
         assert len(set(row.tolist())) >= 4, f"degenerate greedy path {row.tolist()}"
-    histogram = torch.bincount(torch.cat(chosen), minlength=EXPERTS)
-    assert (histogram > 0).all(), f"some experts never chosen: {histogram.tolist()}"
-    assert histogram.max() < 0.5 * histogram.sum(), f"one expert dominates: {histogram.tolist()}"
+    assert_routing_spreads(chosen, EXPERTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

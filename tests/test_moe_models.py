@@ -48,6 +48,13 @@ def record_expert_choices(app) -> list[torch.Tensor]:
     return chosen
 
 
+def assert_routing_spreads(chosen: list[torch.Tensor], experts: int) -> None:
+    """Every expert chosen at least once, none for half the choices or more."""
+    histogram = torch.bincount(torch.cat(chosen), minlength=experts)
+    assert (histogram > 0).all(), f"some experts never chosen: {histogram.tolist()}"
+    assert histogram.max() < 0.5 * histogram.sum(), f"one expert dominates: {histogram.tolist()}"
+
+
 @pytest.mark.parametrize("architecture", sorted(CHECKPOINTS))
 def test_float32_greedy_tokens_match_hf_with_routing_spread_over_experts(
     tiny_checkpoint, architecture
@@ -61,9 +68,7 @@ def test_float32_greedy_tokens_match_hf_with_routing_spread_over_experts(
     assert report.expected.shape[1] == NEW_TOKENS
     for row in report.actual:
         assert len(set(row.tolist())) >= 4, f"degenerate greedy path {row.tolist()}"
-    histogram = torch.bincount(torch.cat(chosen), minlength=EXPERTS[architecture])
-    assert (histogram > 0).all(), f"some experts never chosen: {histogram.tolist()}"
-    assert histogram.max() < 0.5 * histogram.sum(), f"one expert dominates: {histogram.tolist()}"
+    assert_routing_spreads(chosen, EXPERTS[architecture])
 
 
 @pytest.mark.parametrize("architecture", sorted(CHECKPOINTS))

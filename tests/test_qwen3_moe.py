@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_moe_models import assert_routing_spreads, record_expert_choices
 from transformers import AutoModelForCausalLM
 
 from nxdplug import from_pretrained
@@ -67,14 +68,6 @@ def load_pair(path: Path, dtype: torch.dtype, **options):
     return app, hf
 
 
-def record_expert_choices(app) -> list[torch.Tensor]:
-    chosen: list[torch.Tensor] = []
-    for module in app.context_encoding_model.model.modules():
-        if type(module).__name__ == "RouterTopK":
-            module.register_forward_hook(lambda _m, _i, out: chosen.append(out[2].flatten()))
-    return chosen
-
-
 def assert_tokens_match(app, hf, lengths=(7, 13)) -> torch.Tensor:
     input_ids, mask = prompts(app.config.vocab_size, lengths)
     report = check_accuracy(app, hf, input_ids, mask, max_new_tokens=NEW_TOKENS)
@@ -98,9 +91,7 @@ def test_float32_greedy_tokens_match_hf_with_routing_spread_over_experts(
     assert app.neuron_config.normalize_top_k_affinities is True
     chosen = record_expert_choices(app)
     assert_tokens_match(app, hf)
-    histogram = torch.bincount(torch.cat(chosen), minlength=EXPERTS)
-    assert (histogram > 0).all(), f"some experts never chosen: {histogram.tolist()}"
-    assert histogram.max() < 0.5 * histogram.sum(), f"one expert dominates: {histogram.tolist()}"
+    assert_routing_spreads(chosen, EXPERTS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
