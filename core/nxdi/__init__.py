@@ -1,0 +1,8 @@
+"""NxD Inference's module layout over nxdplug's own objects.
+
+An NxD Inference script ports by one rename, ``neuronx_distributed_inference`` ->
+``nxdplug.nxdi``: ``nxdplug.nxdi.models.config``, ``nxdplug.nxdi.models.llama.modeling_llama``,
+``nxdplug.nxdi.utils.hf_adapter``, ... re-export the very objects nxdplug has (no second
+implementation). A name NxD Inference has and nxdplug lacks raises
+:class:`~nxdplug.nxdi.reexport.NotProvidedError` saying so.
+"""

@@ -1,0 +1,1 @@
+"""NxD Inference's ``models`` package: the configs and one package per model family."""

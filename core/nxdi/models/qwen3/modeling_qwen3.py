@@ -1,0 +1,11 @@
+"""NxD Inference's ``models.qwen3.modeling_qwen3``.
+
+The public names of the module of the model plugin registered as ``qwen3``, found through the
+registry on first use.
+"""
+
+from __future__ import annotations
+
+from nxdplug.nxdi.reexport import reexport_model_module
+
+reexport_model_module(__name__)

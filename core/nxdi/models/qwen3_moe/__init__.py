@@ -1,0 +1,1 @@
+"""NxD Inference's ``models.qwen3_moe`` package."""
