@@ -1,0 +1,248 @@
+"""``nxdplug.nxdi``: NxD Inference's module layout over nxdplug's own objects, so that a script
+ports by renaming ``neuronx_distributed_inference`` to ``nxdplug.nxdi``."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from nxdplug.lazy import resolve_ref
+from nxdplug.nxdi.reexport import NotProvidedError
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMESPACE = ROOT / "core" / "nxdi"
+
+# The nxdi module, and the nxdplug object each of its names must be.
+STATIC_EXPORTS = {
+    "nxdplug.nxdi.models.config": {
+        "NeuronConfig": "nxdplug.config:NeuronConfig",
+        "InferenceConfig": "nxdplug.config:InferenceConfig",
+        "MoENeuronConfig": "nxdplug.config:MoENeuronConfig",
+        "FusedSpecNeuronConfig": "nxdplug.config:FusedSpecNeuronConfig",
+        "OnDeviceSamplingConfig": "nxdplug.config:OnDeviceSamplingConfig",
+        "HybridShardingConfig": "nxdplug.config:HybridShardingConfig",
+        "BlockwiseMatmulConfig": "nxdplug.config:BlockwiseMatmulConfig",
+        "RouterConfig": "nxdplug.config:RouterConfig",
+        "LoraServingConfig": "nxdplug.config:LoraServingConfig",
+        "to_torch_dtype": "nxdplug.config:to_torch_dtype",
+    },
+    "nxdplug.nxdi.utils.hf_adapter": {
+        "HuggingFaceGenerationAdapter": "nxdplug:HuggingFaceGenerationAdapter",
+        "load_pretrained_config": "nxdplug:load_pretrained_config",
+    },
+    "nxdplug.nxdi.utils.accuracy": {
+        "get_generate_outputs": "nxdplug.runtime.accuracy:get_generate_outputs",
+    },
+    "nxdplug.nxdi.modules.autobucketing": {
+        "generate_buckets": "nxdplug.config.buckets:generate_buckets",
+    },
+    "nxdplug.nxdi.modules.moe_v2": {
+        "initialize_moe_module": "nxdplug.modules.moe:initialize_moe_module",
+    },
+    "nxdplug.nxdi.modules.lora_serving": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
+    "nxdplug.nxdi.modules.lora_serving.config": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
+    "nxdplug.nxdi.modules.generation.sampling": {},
+}
+FAMILIES = ["llama", "mistral", "mixtral", "dbrx", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
+# The names an NxD Inference script takes from each family's modeling module.
+ENTRY_CLASSES = {
+    "llama": ("NeuronLlamaForCausalLM", "LlamaInferenceConfig", "NeuronLlamaModel"),
+    "mistral": ("NeuronMistralForCausalLM", "MistralInferenceConfig"),
+    "mixtral": ("NeuronMixtralForCausalLM", "MixtralInferenceConfig"),
+    "dbrx": ("NeuronDbrxForCausalLM", "DbrxInferenceConfig"),
+    "qwen2": ("NeuronQwen2ForCausalLM", "Qwen2InferenceConfig"),
+    "qwen3": ("NeuronQwen3ForCausalLM", "Qwen3InferenceConfig"),
+    "qwen3_moe": ("NeuronQwen3MoeForCausalLM", "Qwen3MoeInferenceConfig"),
+    "gpt_oss": ("NeuronGptOssForCausalLM", "GptOssInferenceConfig"),
+}
+
+
+def namespace_modules() -> list[str]:
+    return [
+        "nxdplug." + ".".join(path.relative_to(NAMESPACE.parent).with_suffix("").parts)
+        for path in sorted(NAMESPACE.rglob("*.py"))
+        if path.name != "__init__.py"
+    ]
+
+
+def run_python(*args: str, cwd: Path | None = None, **env: str) -> str:
+    result = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=os.environ | env,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def test_importing_the_namespace_imports_no_model_code_and_no_torch() -> None:
+    modules = namespace_modules()
+    assert len(modules) > len(STATIC_EXPORTS)
+    out = run_python(
+        "-c",
+        f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('nxdplug.contrib_models')"
+        " or m == 'torch'))",
+    )
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("module_name", sorted(STATIC_EXPORTS))
+def test_each_name_is_the_very_nxdplug_object(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    expected = STATIC_EXPORTS[module_name]
+    assert sorted(module.__all__) == sorted(expected)
+    for name, ref in expected.items():
+        assert getattr(module, name) is resolve_ref(ref), name
+    assert set(expected) <= set(dir(module))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_model_module_is_its_plugins_module(family: str) -> None:
+    module = importlib.import_module(f"nxdplug.nxdi.models.{family}.modeling_{family}")
+    source = importlib.import_module(f"nxdplug.contrib_models.{family}.modeling_{family}")
+    assert set(ENTRY_CLASSES[family]) <= set(module.__all__)
+    for name in module.__all__:
+        assert getattr(module, name) is getattr(source, name), name
+    star: dict = {}
+    exec(f"from {module.__name__} import *", star)
+    assert {n: v for n, v in star.items() if n != "__builtins__"} == {
+        n: getattr(source, n) for n in module.__all__
+    }
+
+
+@pytest.mark.parametrize(
+    ("module_name", "name"),
+    [
+        ("nxdplug.nxdi.utils.accuracy", "check_accuracy_logits"),
+        ("nxdplug.nxdi.utils.hf_adapter", "to_pretrained_config"),
+        ("nxdplug.nxdi.modules.generation.sampling", "Sampler"),
+        ("nxdplug.nxdi.modules.autobucketing", "generate_buckets_for_tkg"),
+        ("nxdplug.nxdi.modules.lora_serving", "LoraCheckpoint"),
+        ("nxdplug.nxdi.models.config", "ChunkedPrefillConfig"),
+        ("nxdplug.nxdi.models.llama.modeling_llama", "NeuronLlamaMLP"),
+    ],
+)
+def test_a_name_nxdplug_lacks_says_it_is_not_implemented(module_name: str, name: str) -> None:
+    nxdi_name = module_name.replace("nxdplug.nxdi", "neuronx_distributed_inference")
+    with pytest.raises(ImportError, match=rf"{nxdi_name}\.{name} is not implemented in nxdplug"):
+        exec(f"from {module_name} import {name}", {})
+    module = importlib.import_module(module_name)
+    with pytest.raises(NotProvidedError) as raised:
+        getattr(module, name)
+    assert isinstance(raised.value, NotImplementedError) and raised.value.name == name
+    assert not hasattr(module, "_private") and not hasattr(module, "__wrapped__")
+
+
+def test_a_module_nxdplug_lacks_is_not_found() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("nxdplug.nxdi.models.llama4.modeling_llama4")
+
+
+def test_a_package_still_gives_its_submodules() -> None:
+    from nxdplug.nxdi.modules.lora_serving import LoraServingConfig, config
+
+    assert config.LoraServingConfig is LoraServingConfig
+
+
+# The repo's example imports nxdplug's own names; an NxD Inference script imports these.
+EXAMPLE_IMPORTS = {
+    "from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, load_pretrained_config": (
+        "from nxdplug.nxdi.models.config import NeuronConfig\n"
+        "from nxdplug.nxdi.utils.hf_adapter import (\n"
+        "    HuggingFaceGenerationAdapter,\n"
+        "    load_pretrained_config,\n"
+        ")"
+    ),
+    "nxdplug.contrib_models.llama.modeling_llama": "nxdplug.nxdi.models.llama.modeling_llama",
+}
+
+
+def test_the_generate_example_runs_with_nxdi_imports(tiny_checkpoint, tmp_path) -> None:
+    path = tiny_checkpoint("llama", seed=5)
+    text = (ROOT / "examples" / "nxdi_generate.py").read_text()
+    for old, new in EXAMPLE_IMPORTS.items():
+        assert old in text
+        text = text.replace(old, new)
+    assert "from nxdplug import" not in text and "contrib_models" not in text
+    ported = tmp_path / "generate_nxdi.py"
+    ported.write_text(text)
+    prompts = ["def fibonacci(n):", "import os"]
+    original = run_python(str(ROOT / "examples" / "nxdi_generate.py"), str(path), *prompts)
+    assert run_python(str(ported), str(path), *prompts) == original
+    assert "Output 1: import os" in original
+
+
+# An NxD Inference script as its documentation writes one (compile, then load the compiled
+# folder in a fresh application, then generate through the HF adapter).
+NXDI_SCRIPT = """
+import json
+import sys
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from neuronx_distributed_inference.models.config import NeuronConfig
+from neuronx_distributed_inference.models.llama.modeling_llama import (
+    LlamaInferenceConfig,
+    NeuronLlamaForCausalLM,
+)
+from neuronx_distributed_inference.utils.hf_adapter import (
+    HuggingFaceGenerationAdapter,
+    load_pretrained_config,
+)
+
+model_path, traced_model_path = sys.argv[1], sys.argv[2]
+prompts = ["def fibonacci(n):", "import os"]
+
+neuron_config = NeuronConfig(
+    tp_degree=1, batch_size=2, max_context_length=16, seq_len=48, torch_dtype=torch.float32
+)
+config = LlamaInferenceConfig(neuron_config, load_config=load_pretrained_config(model_path))
+model = NeuronLlamaForCausalLM(model_path, config)
+model.compile(traced_model_path)
+tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+tokenizer.save_pretrained(traced_model_path)
+
+model = NeuronLlamaForCausalLM(model_path, config)
+model.load(traced_model_path)
+generation_config = GenerationConfig.from_pretrained(model_path)
+inputs = tokenizer(prompts, padding=True, return_tensors="pt")
+outputs = HuggingFaceGenerationAdapter(model).generate(
+    inputs.input_ids,
+    generation_config=generation_config,
+    attention_mask=inputs.attention_mask,
+    max_length=model.config.neuron_config.max_length,
+)
+print(json.dumps(outputs.tolist()))
+"""
+
+
+def test_an_nxdi_script_runs_after_the_package_rename(tiny_checkpoint, tmp_path) -> None:
+    path = tiny_checkpoint("llama", seed=5)
+    script = tmp_path / "nxdi_script.py"
+    script.write_text(NXDI_SCRIPT.replace("neuronx_distributed_inference", "nxdplug.nxdi"))
+    out = run_python(
+        str(script), str(path), str(tmp_path / "traced"), NXDPLUG_CACHE_DIR=str(tmp_path / "c")
+    )
+    tokens = json.loads(out.strip().splitlines()[-1])
+
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    inputs = tokenizer(["def fibonacci(n):", "import os"], padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        expected = hf.generate(
+            **inputs, generation_config=GenerationConfig.from_pretrained(path), max_length=48
+        )
+    assert tokens == expected.tolist()
+    assert (tmp_path / "traced" / "neuron_config.json").is_file()
