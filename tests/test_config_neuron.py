@@ -91,6 +91,7 @@ NEURON_DEFAULTS = {
     "cc_pipeline_tiling_factor": 2,
     "output_logits": False,
     "compile_backend": None,
+    "on_cpu": False,
     "overrides_torch_dtype": False,
 }
 

@@ -100,6 +100,9 @@ class NeuronConfig(ComparedByValue):
     skip_warmup: bool = False
     scratchpad_page_size: int | None = None
     compile_backend: str | None = None
+    # NxD Inference's CPU mode: the model runs on the CPU through to_cpu(); compile() and
+    # load(), which make and run a backend's graphs, refuse it.
+    on_cpu: bool = False
 
     # Distributed
     tp_degree: int = 1

@@ -30,8 +30,8 @@ from nxdplug.compile.compiled_model import (
     load_weights,
     shard_weights,
 )
-from nxdplug.config import InferenceConfig, NeuronConfig, load_pretrained_config
-from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
+from nxdplug.config import CONFIG_FILE, InferenceConfig, NeuronConfig, load_pretrained_config
+from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdPlugError
 from nxdplug.pipeline import (
     DEFAULT_BACKEND,
     PipelineContext,
@@ -77,11 +77,9 @@ class NeuronApplicationBase(nn.Module):
     ) -> None:
         super().__init__()
         if config is None:
-            config_cls = self.get_config_cls()
-            config = config_cls(
-                neuron_config or config_cls.get_neuron_config_cls()(),
-                load_config=load_pretrained_config(model_path),
-            )
+            config = self.config_for_path(model_path, neuron_config)
+        elif neuron_config is not None:
+            config.neuron_config = neuron_config
         self.context = PipelineContext(config, self.validate_config(config), self._model_cls)
         join_launched_ranks(config.neuron_config.tp_degree)
         self.context.lay_out_process_groups()
@@ -97,6 +95,29 @@ class NeuronApplicationBase(nn.Module):
     @classmethod
     def get_config_cls(cls) -> type[InferenceConfig]:
         return InferenceConfig
+
+    @classmethod
+    def config_for_path(
+        cls, model_path: str | Path, neuron_config: NeuronConfig | None = None
+    ) -> InferenceConfig:
+        """The config of an application built from ``model_path`` alone.
+
+        A folder holding ``neuron_config.json`` (one ``compile()`` wrote, or
+        ``InferenceConfig.save``) gives the config it was saved with, read by
+        ``get_config_cls().load``, as NxD Inference reads it; ``neuron_config``, when given,
+        replaces its NeuronConfig. Any other folder is a checkpoint: its ``config.json`` with
+        ``neuron_config`` (or a default NeuronConfig).
+        """
+        config_cls = cls.get_config_cls()
+        if (Path(model_path) / CONFIG_FILE).is_file():
+            config = config_cls.load(model_path)
+            if neuron_config is not None:
+                config.neuron_config = neuron_config
+            return config
+        return config_cls(
+            neuron_config or config_cls.get_neuron_config_cls()(),
+            load_config=load_pretrained_config(model_path),
+        )
 
     @property
     def plugins(self) -> PluginSelection:
@@ -125,11 +146,22 @@ class NeuronApplicationBase(nn.Module):
     ) -> None:
         """Compile every sub-model and bucket into ``compiled_model_path`` (see
         :mod:`nxdplug.compile.compiled_model`); a folder already holding these graphs is reused."""
+        self._refuse_on_cpu("compile()")
         compile_application(self, Path(compiled_model_path), debug=debug, quiet=quiet)
 
     def load(self, compiled_model_path: str | Path, *, quiet: bool = False) -> None:
         """Load a compiled folder made for this config, and its weights."""
+        self._refuse_on_cpu("load()")
         load_application(self, Path(compiled_model_path), quiet=quiet)
+
+    def _refuse_on_cpu(self, action: str) -> None:
+        if self.neuron_config.on_cpu:
+            raise NotSupportedError(
+                f"{action} with on_cpu=True: on_cpu is NxD Inference's CPU mode, where the model "
+                "runs eagerly on the CPU through to_cpu() and no graphs are compiled or loaded. "
+                "Call to_cpu() instead, or set on_cpu=False to compile (the inductor backend's "
+                "graphs run on the CPU too)"
+            )
 
     def load_weights(self, compiled_model_path: str | Path) -> None:
         """Swap in the weights of ``compiled_model_path`` without reloading the graphs."""
@@ -172,11 +204,8 @@ class NeuronApplicationBase(nn.Module):
         neuron_config = config.neuron_config
         dtype = neuron_config.torch_dtype if neuron_config.cast_type == "config" else None
         if neuron_config.quantized:
-            source = Path(neuron_config.quantized_checkpoints_path)
-            state_dict = (
-                load_state_dict(source, dtype=dtype)
-                if source.is_dir()
-                else load_tensor_file(source)
+            state_dict = cls._read_checkpoint_at(
+                Path(neuron_config.quantized_checkpoints_path), dtype
             )
         else:
             state_dict = load_state_dict(model_path, dtype=dtype)
@@ -184,6 +213,24 @@ class NeuronApplicationBase(nn.Module):
             state_dict, cls._STATE_DICT_MODEL_PREFIX, cls._NEW_STATE_DICT_MODEL_PREFIX
         )
         return cls.convert_hf_to_neuron_state_dict(state_dict, config)
+
+    @staticmethod
+    def _read_checkpoint_at(source: Path, dtype: torch.dtype | None) -> dict[str, Any]:
+        """The checkpoint at ``quantized_checkpoints_path``. It is looked for only now, when the
+        weights are loaded: the guide builds the application first and writes the checkpoint
+        with ``save_quantized_state_dict`` after."""
+        fix = (
+            "write it first with save_quantized_state_dict(model_path, config), before "
+            "to_cpu(), compile() or load() read the weights"
+        )
+        if not source.exists():
+            raise CheckpointError(f"quantized_checkpoints_path {source} does not exist; {fix}")
+        if not source.is_dir():
+            return load_tensor_file(source)
+        try:
+            return load_state_dict(source, dtype=dtype)
+        except CheckpointError as exc:
+            raise CheckpointError(f"quantized_checkpoints_path: {exc} Or {fix}") from exc
 
     @classmethod
     def convert_hf_to_neuron_state_dict(

@@ -124,6 +124,14 @@ class PluginTokens:
         return tokens, logits, scores
 
 
+def _application_of(assistant_model: Any) -> Any:
+    """The draft application of ``assistant_model``: NxD Inference's scripts pass the draft
+    wrapped in its own HuggingFaceGenerationAdapter, others pass the application itself."""
+    if isinstance(assistant_model, HuggingFaceGenerationAdapter):
+        return assistant_model.neuron_model
+    return assistant_model
+
+
 class HuggingFaceGenerationAdapter:
     """Wraps a NeuronBaseForCausalLM so that ``generate()`` works as with HF transformers."""
 
@@ -219,7 +227,7 @@ class HuggingFaceGenerationAdapter:
         the model samples, by default with the GenerationConfig's settings as one row per request
         when ``dynamic=True``.
         """
-        assistant_model = kwargs.pop("assistant_model", None)
+        assistant_model = _application_of(kwargs.pop("assistant_model", None))
         step_keywords = self._step_keywords(sampling_params, kwargs)
         config = self.resolve_generation_config(generation_config, **kwargs)
         if attention_mask is None:

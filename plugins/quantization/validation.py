@@ -5,12 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from importlib.util import find_spec
-from pathlib import Path
 from typing import Any
 
-from nxdplug.checkpoint.state_dict import find_checkpoint
 from nxdplug.compile.backend import requested_backend
-from nxdplug.errors import CheckpointError
 
 SPECIAL_SCALAR_ENV = "XLA_HANDLE_SPECIAL_SCALAR"
 
@@ -40,7 +37,9 @@ def method_problems(neuron_config: Any) -> Iterator[str]:
 
 
 def quantization_problems(config: Any) -> Iterator[str]:
-    """What stops a quantized config from loading."""
+    """What stops a quantized config from loading. The checkpoint itself is not looked for:
+    the guide builds the application before ``save_quantized_state_dict`` writes it, so a
+    missing one is reported when the weights are read."""
     neuron_config = config.neuron_config
     yield from method_problems(neuron_config)
     if not neuron_config.quantized_checkpoints_path:
@@ -56,8 +55,6 @@ def quantization_problems(config: Any) -> Iterator[str]:
             f"modules_to_not_convert is {skip!r}; give a list of module names, such as "
             "['lm_head', 'layers.0.self_attn']"
         )
-    if neuron_config.quantized_checkpoints_path:
-        yield from _checkpoint_problems(Path(neuron_config.quantized_checkpoints_path))
     if (
         neuron_config.quantization_dtype == "f8e4m3"
         and _targets_neuron(neuron_config)
@@ -68,17 +65,6 @@ def quantization_problems(config: Any) -> Iterator[str]:
             f"quantization_dtype='f8e4m3' on Neuron needs the environment variable "
             f"{SPECIAL_SCALAR_ENV}=1; set it before compiling"
         )
-
-
-def _checkpoint_problems(path: Path) -> Iterator[str]:
-    fix = "write it first with save_quantized_state_dict(model_path, config)"
-    if not path.exists():
-        yield f"quantized_checkpoints_path {path} does not exist; {fix}"
-    elif path.is_dir():
-        try:
-            find_checkpoint(path)
-        except CheckpointError as exc:
-            yield f"quantized_checkpoints_path: {exc} Or {fix}"
 
 
 def _targets_neuron(neuron_config: Any) -> bool:
