@@ -208,7 +208,8 @@ def test_the_generate_example_runs_with_nxdi_imports(tiny_checkpoint, tmp_path) 
 
 
 # An NxD Inference script as its documentation writes one (compile, then load the compiled
-# folder in a fresh application, then generate through the HF adapter).
+# folder in a fresh application made from that folder alone, then generate through the HF
+# adapter).
 NXDI_SCRIPT = """
 import json
 import sys
@@ -238,7 +239,7 @@ model.compile(traced_model_path)
 tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
 tokenizer.save_pretrained(traced_model_path)
 
-model = NeuronLlamaForCausalLM(model_path, config)
+model = NeuronLlamaForCausalLM(traced_model_path)  # its config from the compiled folder
 model.load(traced_model_path)
 generation_config = GenerationConfig.from_pretrained(model_path)
 inputs = tokenizer(prompts, padding=True, return_tensors="pt")
