@@ -15,17 +15,36 @@ import pytest
 import torch
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
-from nxdplug.config import CONFIG_FILE, load_pretrained_config
+from nxdplug.config import (
+    CONFIG_FILE,
+    FusedSpecNeuronConfig,
+    InferenceConfig,
+    LoraServingConfig,
+    MoENeuronConfig,
+    OnDeviceSamplingConfig,
+    RouterConfig,
+    core_config_problems,
+    load_pretrained_config,
+)
 from nxdplug.contrib_models.llama.modeling_llama import (
     LlamaInferenceConfig,
     NeuronLlamaForCausalLM,
+    NeuronLlamaModel,
 )
 from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError
+from nxdplug.modules.moe import initialize_moe_module
 from nxdplug.pipeline import config_problems
 
 SETTINGS = {"torch_dtype": "float32", "batch_size": 2, "seq_len": 32, "max_context_length": 16}
 PROMPTS = torch.tensor([[0, 0, 5, 17, 42, 9], [8, 250, 31, 99, 7, 3]])
 MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+TINY_ATTRIBUTES = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
 
 
 def config_for(checkpoint: Path, **options) -> LlamaInferenceConfig:
@@ -193,3 +212,89 @@ def test_a_draft_wrapped_in_an_adapter_drafts_like_the_draft_itself(checkpoint) 
     by_application = greedy(target, assistant_model=draft, do_sample=False)
     assert torch.equal(by_adapter, by_application)
     assert torch.equal(by_adapter, plain)
+
+
+# -- sub-configs take NxD Inference's keywords --------------------------------------------------
+
+
+def test_on_device_sampling_config_takes_nxd_inference_keywords() -> None:
+    sampling = OnDeviceSamplingConfig(
+        do_sample=True, on_device_sampling_config=True, top_k_kernel_enabled=True
+    )
+    assert sampling.sampling_dp_degree == 1 and sampling.top_k_kernel_enabled
+    config = NeuronConfig(on_device_sampling_config={"top_k": 5, "sampling_dp_degree": 1})
+    assert config.on_device_sampling_config.top_k == 5
+
+
+def test_lora_serving_config_takes_nxd_inference_signature() -> None:
+    lora = LoraServingConfig(
+        max_loras=2,
+        max_lora_rank=8,
+        batch_size=4,
+        lora_bias="none",
+        dynamic_multi_lora=True,
+        eviction_policy="lru",
+        lfu_decay_period=128,
+        is_context_encoding=False,
+        enable_base_model_only=True,
+    )
+    assert lora.batch_size == 4
+    assert lora.enable_dynamic_multi_lora  # NxD Inference's source name for the same switch
+    assert not LoraServingConfig().enable_dynamic_multi_lora
+    assert LoraServingConfig(enable_dynamic_multi_lora=True).enable_dynamic_multi_lora
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        ({"lora_bias": "all"}, "lora_bias is 'all': adapters with bias terms are not implemented"),
+        (
+            {"dynamic_multi_lora": True, "enable_dynamic_multi_lora": False},
+            "they are one setting",
+        ),
+    ],
+)
+def test_lora_settings_that_would_change_results_are_refused(settings, problem) -> None:
+    config = InferenceConfig(NeuronConfig(lora_config=LoraServingConfig(**settings)))
+    assert any(problem in p for p in core_config_problems(config))
+
+
+def test_fused_spec_config_keeps_the_draft_model_cls(tmp_path) -> None:
+    fused = FusedSpecNeuronConfig(
+        NeuronLlamaModel, draft_model_path="/draft", draft_model_cls=NeuronLlamaForCausalLM
+    )
+    assert fused.draft_model_cls is NeuronLlamaForCausalLM
+    assert FusedSpecNeuronConfig(NeuronLlamaModel).draft_model_cls is None
+    InferenceConfig(NeuronConfig(), fused_spec_config=fused, **TINY_ATTRIBUTES).save(tmp_path)
+    loaded = InferenceConfig.load(tmp_path).fused_spec_config
+    assert loaded.draft_model_cls is NeuronLlamaForCausalLM
+
+
+def test_router_keywords_set_the_router_the_moe_block_uses() -> None:
+    neuron_config = MoENeuronConfig(router_act_fn="sigmoid", router_dtype="bfloat16")
+    assert neuron_config.router_config == RouterConfig(act_fn="sigmoid", dtype=torch.bfloat16)
+    assert not hasattr(neuron_config, "router_act_fn")
+    config = InferenceConfig(
+        neuron_config,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        hidden_size=16,
+        intermediate_size=32,
+        hidden_act="silu",
+    )
+    router = initialize_moe_module(config).router
+    assert (router.act_fn, router.dtype) == ("sigmoid", torch.bfloat16)
+    assert MoENeuronConfig(router_act_fn="sigmoid").router_config.dtype == torch.float32
+    assert MoENeuronConfig().router_config == RouterConfig()
+
+
+def test_router_keywords_with_a_router_config_are_refused() -> None:
+    with pytest.raises(ConfigError, match="router_act_fn and router_config both set"):
+        MoENeuronConfig(router_act_fn="sigmoid", router_config={"act_fn": "softmax"})
+
+
+def test_disable_normalize_top_k_affinities() -> None:
+    assert MoENeuronConfig().normalize_top_k_affinities is True
+    config = MoENeuronConfig(disable_normalize_top_k_affinities=True)
+    assert config.normalize_top_k_affinities is False
+    assert not hasattr(config, "disable_normalize_top_k_affinities")

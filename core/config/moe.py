@@ -13,7 +13,8 @@ import torch
 from nxdplug.config.classrefs import optional_class
 from nxdplug.config.dtypes import to_torch_dtype
 from nxdplug.config.neuron_config import NeuronConfig
-from nxdplug.config.sections import section_converter
+from nxdplug.config.sections import build_section, section_converter
+from nxdplug.errors import ConfigError
 
 
 @attrs.define(kw_only=True)
@@ -103,7 +104,9 @@ class MoENeuronConfig(NeuronConfig):
     """NeuronConfig plus the settings of mixture-of-experts models.
 
     ``router_config``, ``blockwise_matmul_config`` and ``hybrid_sharding_config`` take an
-    instance or a dict (``router_config={"act_fn": "sigmoid"}``).
+    instance or a dict (``router_config={"act_fn": "sigmoid"}``). As in NxD Inference, the
+    router may be given as ``router_act_fn`` / ``router_dtype`` keywords instead, and
+    ``disable_normalize_top_k_affinities=True`` means ``normalize_top_k_affinities=False``.
     """
 
     # General
@@ -142,6 +145,35 @@ class MoENeuronConfig(NeuronConfig):
     fused_shared_experts: bool = False
     shared_experts_sequence_parallel_enabled: bool = False
     transpose_shared_experts_weights: bool = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        router = {
+            field: kwargs.pop(keyword)
+            for keyword, field in ROUTER_KEYWORDS.items()
+            if keyword in kwargs
+        }
+        if router:
+            if kwargs.get("router_config") is not None:
+                given = ", ".join(f"router_{name}" for name in router)
+                raise ConfigError(
+                    [f"{given} and router_config both set the router; give one of them"]
+                )
+            kwargs["router_config"] = build_section(RouterConfig, router, "router_config")
+        if "disable_normalize_top_k_affinities" in kwargs:
+            disable = kwargs.pop("disable_normalize_top_k_affinities")
+            if "normalize_top_k_affinities" in kwargs:
+                raise ConfigError(
+                    [
+                        "disable_normalize_top_k_affinities and normalize_top_k_affinities "
+                        "are one setting; give one of them"
+                    ]
+                )
+            kwargs["normalize_top_k_affinities"] = not disable
+        super().__init__(**kwargs)
+
+
+# NxD Inference's MoENeuronConfig keywords for the router, and the RouterConfig field of each.
+ROUTER_KEYWORDS = {"router_act_fn": "act_fn", "router_dtype": "dtype"}
 
 
 GLU_TYPES = ("glu", "swiglu")

@@ -12,6 +12,9 @@ class OnDeviceSamplingConfig:
     ``do_sample`` chooses multinomial (True) or greedy (False) sampling; ``top_k``, ``top_p`` and
     ``temperature`` are the defaults for every request, which ``dynamic`` lets each request
     override; ``global_topk`` bounds the candidates kept before top-k / top-p.
+    ``on_device_sampling_config``, ``top_k_kernel_enabled`` and ``sampling_dp_degree`` are
+    NxD Inference's too (a marker, a Neuron kernel switch, how the sampling work is split over
+    ranks): kept in the config, the tokens do not depend on them.
     """
 
     do_sample: bool = False
@@ -21,3 +24,6 @@ class OnDeviceSamplingConfig:
     dynamic: bool = False
     deterministic: bool = False
     global_topk: int = 256
+    on_device_sampling_config: bool = True
+    top_k_kernel_enabled: bool = False
+    sampling_dp_degree: int = 1

@@ -250,8 +250,20 @@ def _sampling(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
 
 def _lora_config(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
     lora = nc.lora_config
-    if lora is not None and (not _is_int(lora.max_loras) or lora.max_loras < 1):
+    if lora is None:
+        return
+    if not _is_int(lora.max_loras) or lora.max_loras < 1:
         yield f"lora_config.max_loras is {lora.max_loras!r}; it must be a whole number, 1 or more"
+    if lora.lora_bias != "none":
+        yield (
+            f"lora_config.lora_bias is {lora.lora_bias!r}: adapters with bias terms are not "
+            "implemented; use 'none' (adapters without biases)"
+        )
+    if lora.dynamic_multi_lora and not lora.enable_dynamic_multi_lora:
+        yield (
+            "lora_config sets dynamic_multi_lora=True and enable_dynamic_multi_lora=False; "
+            "they are one setting: give one of them"
+        )
 
 
 RULES: tuple[Rule, ...] = (
