@@ -270,6 +270,10 @@ def test_base_model_quantized_must_say_what_quantized_says(adapters, tmp_path) -
         **quantized,
     )
     assert "speculation (medusa) with lora_config is not implemented yet" in speculating
+    lfu_config = lora_config(paths)
+    lfu_config.eviction_policy = "lfu"
+    lfu = problems(lora_config=lfu_config, **quantized)
+    assert "eviction_policy='lfu' with lora_config is not implemented yet" in lfu
 
     config.neuron_config.lora_config.base_model_quantized = False
     with pytest.raises(ConfigError, match="set base_model_quantized=True"):

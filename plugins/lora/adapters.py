@@ -218,6 +218,12 @@ def validate(context: Any) -> list[str]:
 def _not_yet(neuron_config: Any, selection: Any) -> Iterator[tuple[str, str]]:
     if selection.speculation_mode is not None:
         yield f"speculation ({selection.speculation_mode.name})", "turn speculation off"
+    policy = neuron_config.lora_config.eviction_policy
+    if policy != "lru":
+        yield (
+            f"eviction_policy={policy!r}",
+            "host adapters are evicted least recently used first: set eviction_policy='lru'",
+        )
 
 
 def _quantized_contradiction(quantized: bool) -> str:
