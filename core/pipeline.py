@@ -8,6 +8,7 @@ add sub-models) are then called only for the plugins in that set.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -227,20 +228,26 @@ def settings_without_effect(
     }
 
 
-def _report_settings_without_effect(
+STRICT_CONFIG_ENV = "NXDPLUG_STRICT_CONFIG"
+
+
+def _settings_without_effect_problems(
     selection: PluginSelection, neuron_config: Any, registry: Registry
-) -> None:
+) -> list[str]:
+    """The settings the selected backend ignores, reported once as a warning; with
+    ``NXDPLUG_STRICT_CONFIG=1``, as problems of the config."""
     unused = settings_without_effect(selection, neuron_config, registry)
-    if unused:
-        names = ", ".join(
-            f"{name} (read by the {owner!r} backend)" for name, owner in unused.items()
-        )
-        warnings.warn(
-            f"{names}: no effect on the {selection.compile_backend.name!r} backend, which does "
-            "not read it; kept in the config for a compile with that backend",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    if not unused:
+        return []
+    names = ", ".join(f"{name} (read by the {owner!r} backend)" for name, owner in unused.items())
+    message = (
+        f"{names}: no effect on the {selection.compile_backend.name!r} backend, which does not "
+        "read it; kept in the config for a compile with that backend"
+    )
+    if os.environ.get(STRICT_CONFIG_ENV) == "1":
+        return [f"{message} ({STRICT_CONFIG_ENV}=1 makes this an error; unset the settings)"]
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return []
 
 
 def hook_caller(name: str, selection: PluginSelection) -> Any:
@@ -409,7 +416,7 @@ def _problems_and_selection(
     problems += _feature_problems(selection, registry)
     problems += _unimplemented_attribute_problems(selection, config.neuron_config, registry)
     problems += _backend_problems(selection, config.neuron_config)
-    _report_settings_without_effect(selection, config.neuron_config, registry)
+    problems += _settings_without_effect_problems(selection, config.neuron_config, registry)
     problems += PipelineContext(config, selection).problems()
     return problems, selection
 

@@ -186,6 +186,16 @@ def test_neuron_settings_are_reported_as_without_effect_on_the_eager_backend(
     )
 
 
+def test_strict_config_makes_settings_without_effect_an_error(
+    plugin_manager, llama_config, monkeypatch
+) -> None:
+    monkeypatch.setenv("NXDPLUG_STRICT_CONFIG", "1")
+    _, config = llama_config(cc_pipeline_tiling_factor=4)
+    (problem,) = config_problems(config)
+    assert problem.startswith("cc_pipeline_tiling_factor (read by the 'neuron' backend): no effect")
+    assert "NXDPLUG_STRICT_CONFIG=1 makes this an error" in problem
+
+
 def test_default_neuron_settings_are_not_reported(plugin_manager, llama_config) -> None:
     _, config = llama_config()
     with warnings.catch_warnings():
