@@ -258,6 +258,9 @@ CONFIG_PROBLEMS = {
     "router_config.act_fn is 'relu'": {"router_config": {"act_fn": "relu"}},
     "capacity_factor must be positive": {"capacity_factor": 0.0},
     "the routed experts have no quantized form yet": {"quantized": True},
+    "shared experts are not split along the sequence on their own": {
+        "shared_experts_sequence_parallel_enabled": True
+    },
 }
 
 

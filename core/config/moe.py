@@ -219,6 +219,12 @@ def routed_mlp_problems(config: Any, neuron_config: Any) -> list[str]:
             "weights would be quantized per expert matrix and then misread); leave quantized "
             "off for mixture-of-experts models"
         )
+    if neuron_config.shared_experts_sequence_parallel_enabled:
+        problems.append(
+            "shared_experts_sequence_parallel_enabled: shared experts are not split along the "
+            "sequence on their own here; sequence_parallel_enabled splits the whole MLP block, "
+            "shared experts included: leave it False"
+        )
     factor = neuron_config.capacity_factor
     if factor is not None and factor <= 0:
         problems.append(f"capacity_factor must be positive or None; got {factor}")
