@@ -1,0 +1,103 @@
+"""tp_degree=2 over two gloo ranks beyond Llama: Qwen2's biased (fused) Q/K/V and Mistral's
+sliding window shorter than the sequence, eager and compiled, each rank against HF's greedy
+tokens. One spawn serves both families (starting the ranks is the cost)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from test_tensor_parallel import MASK, NEW_TOKENS, PROMPTS, become_launched_rank, free_port
+from test_tensor_parallel import generate as generate_tokens
+from transformers import AutoModelForCausalLM
+
+from nxdplug import NeuronConfig, from_pretrained
+from nxdplug.testing import end_rank_process, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = {
+    "torch_dtype": "float32",
+    "batch_size": 2,
+    "seq_len": 48,
+    "max_context_length": 16,
+    "tp_degree": 2,
+    "enable_bucketing": False,  # one graph per submodel keeps compile() short
+}
+FAMILIES = {
+    # Qwen2 has biases on Q, K and V: fused, the bias is split part by part over the ranks.
+    "qwen2": ({"seed": 3}, {"fused_qkv": True}),
+    # 6 prompt + 20 new tokens run past the window of 8.
+    "mistral": ({"seed": 7, "sliding_window": 8}, {}),
+}
+
+
+def _rank(rank: int, world: int, port: int, checkpoints: str, work: str) -> None:
+    become_launched_rank(rank, world, port)
+    import torch.distributed as dist
+
+    try:
+        for family, path in json.loads(checkpoints).items():
+            settings = NeuronConfig(**SETTINGS, **FAMILIES[family][1])
+            app = from_pretrained(path, settings)
+            app.to_cpu()
+            attention = app.context_encoding_model.model.layers[0].self_attn
+            facts = {"sliding_window": getattr(attention, "sliding_window", None)}
+            if hasattr(attention, "qkv_proj"):
+                facts["qkv_bias_rows"] = attention.qkv_proj.bias.shape[0]
+            (Path(work) / f"{family}-facts-{rank}.json").write_text(json.dumps(facts))
+            torch.save(generate_tokens(app), Path(work) / f"{family}-eager-{rank}.pt")
+            compiled = Path(work) / f"{family}-compiled"
+            app = from_pretrained(path, NeuronConfig(**SETTINGS, **FAMILIES[family][1]))
+            app.compile(compiled, quiet=True)
+            app.load(compiled, quiet=True)
+            torch.save(generate_tokens(app), Path(work) / f"{family}-compiled-{rank}.pt")
+        end_rank_process()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tiny_checkpoint, tmp_path_factory):
+    checkpoints = {
+        family: tiny_checkpoint(family, **overrides) for family, (overrides, _) in FAMILIES.items()
+    }
+    work = tmp_path_factory.mktemp("tp2-families")
+    paths = json.dumps({family: str(path) for family, path in checkpoints.items()})
+    mp.spawn(_rank, args=(2, free_port(), paths, str(work)), nprocs=2, join=True)
+    expected = {}
+    for family, path in checkpoints.items():
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        expected[family] = hf_greedy(hf, PROMPTS, MASK, NEW_TOKENS).sequences
+    unwindowed = tiny_checkpoint("mistral", **(FAMILIES["mistral"][0] | {"sliding_window": None}))
+    hf = AutoModelForCausalLM.from_pretrained(unwindowed, dtype=torch.float32)
+    expected["mistral without window"] = hf_greedy(hf, PROMPTS, MASK, NEW_TOKENS).sequences
+    return work, expected
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("step", ["eager", "compiled"])
+def test_every_rank_generates_hf_greedy_tokens(two_rank_run, family: str, step: str) -> None:
+    work, expected = two_rank_run
+    tokens = expected[family]
+    new = tokens[:, PROMPTS.shape[1] :]
+    assert len(set(new.flatten().tolist())) > 3  # not one token
+    assert (new != 0).all()  # no eos (id 0), at which HF would stop and pad
+    for rank in range(2):
+        assert torch.equal(torch.load(work / f"{family}-{step}-{rank}.pt"), tokens), rank
+
+
+def test_each_rank_holds_half_of_qwen2s_qkv_bias_and_mistrals_window(two_rank_run) -> None:
+    work, expected = two_rank_run
+    assert PROMPTS.shape[1] + NEW_TOKENS > 8  # the window is passed, and it changes the tokens
+    assert not torch.equal(expected["mistral"], expected["mistral without window"])
+    for rank in range(2):
+        qwen2 = json.loads((work / f"qwen2-facts-{rank}.json").read_text())
+        # 4 query heads and 2 K/V heads of width 16: (64 + 32 + 32) rows, half on each rank.
+        assert qwen2 == {"sliding_window": None, "qkv_bias_rows": 64}
+        mistral = json.loads((work / f"mistral-facts-{rank}.json").read_text())
+        assert mistral == {"sliding_window": 8}
