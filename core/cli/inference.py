@@ -46,6 +46,11 @@ def inference_config(model_path: Path, options: dict[str, Any]) -> Any:
 def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
     _add_model_path(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="name the plugin or backend that handles each attribute set to other than its default",
+    )
     add_neuron_config_options(parser)
     extensions.add_extension_arguments(parser, "check-config")
 
@@ -63,6 +68,7 @@ def selection_summary(selection: Any) -> dict[str, Any]:
 
 
 def run_check_config(args: argparse.Namespace) -> int:
+    from nxdplug.config.coverage import explain
     from nxdplug.pipeline import config_problems, select_plugins
 
     config = inference_config(args.model_path, neuron_config_kwargs(args))
@@ -71,13 +77,20 @@ def run_check_config(args: argparse.Namespace) -> int:
         summary: dict[str, Any] | None = selection_summary(select_plugins(config))
     except NxdPlugError:
         summary = None  # the reason is among the problems
+    handled_by = explain(config.neuron_config) if args.explain else None
     if args.json:
-        print(json.dumps({"plugins": summary, "problems": problems}, indent=2))
+        report = {"plugins": summary, "problems": problems}
+        if handled_by is not None:
+            report["handled_by"] = handled_by
+        print(json.dumps(report, indent=2))
     else:
         if summary is not None:
             for key, value in summary.items():
                 shown = ", ".join(value) if isinstance(value, list) else value
                 print(f"{key:22} {shown or '-'}")
+        if handled_by is not None:
+            print("\nattributes set, and what handles them:")
+            print("\n".join(f"  {name:40} {who}" for name, who in handled_by.items()) or "  -")
         if problems:
             print(f"\n{len(problems)} problem(s):")
             print("\n".join(f"  - {p}" for p in problems))
