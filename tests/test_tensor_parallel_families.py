@@ -5,6 +5,11 @@ tokens. One spawn serves both families (starting the ranks is the cost)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +106,35 @@ def test_each_rank_holds_half_of_qwen2s_qkv_bias_and_mistrals_window(two_rank_ru
         assert qwen2 == {"sliding_window": None, "qkv_bias_rows": 64}
         mistral = json.loads((work / f"mistral-facts-{rank}.json").read_text())
         assert mistral == {"sliding_window": 8}
+
+
+def test_the_readmes_torchrun_command_prints_hf_tokens_from_rank_0(tiny_checkpoint, tmp_path):
+    """README "Tensor parallelism over processes": the same command line, a tiny checkpoint."""
+    bin_dir = Path(sys.executable).parent
+    torchrun, nxdplug = (
+        shutil.which("torchrun", path=bin_dir),
+        shutil.which("nxdplug", path=bin_dir),
+    )
+    if torchrun is None or nxdplug is None:
+        pytest.skip(f"torchrun or nxdplug is not installed in {bin_dir}")
+    checkpoint = tiny_checkpoint("llama", seed=11)
+    compiled = tmp_path / "tp2"
+    # The README's line, plus a free rendezvous port: others may run torchrun on 29500 meanwhile.
+    command = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port())]
+    command += [nxdplug, "run", "--model-path", str(checkpoint)]
+    command += ["--tp-degree", "2", "--compiled-model-path", str(compiled)]
+    command += ["--prompt", "class Stack:", "--max-new-tokens", "40", "--seq-len", "128"]
+    command += ["--torch-dtype", "float32", "--check-accuracy-mode", "token-matching"]
+    env = os.environ | {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    start = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    # Rank 0 prints, once; both ranks compiled their graphs and weight shards.
+    assert output.count("Output 0: class Stack:") == 1, output[-4000:]
+    assert output.count("token matching: PASS (1 rows x 40 tokens identical to HF)") == 1
+    assert sorted(p.name for p in (compiled / "weights").iterdir()) == [
+        "rank0.safetensors",
+        "rank1.safetensors",
+    ]
+    assert time.monotonic() - start < 120  # about 30 s on 2 cores
