@@ -229,6 +229,45 @@ def test_dynamic_rows_in_one_batch_follow_their_own_settings(checkpoint) -> None
     assert (rank[3] > 2).any()  # temperature 3 over 50 tokens
 
 
+def test_the_guides_dynamic_sampling_samples_each_row_without_do_sample(checkpoint) -> None:
+    """The feature guide's example: dynamic=True alone, rows of (top_k, top_p, temperature);
+    top_k 1 is greedy, top_k 5 draws among the exact 5 best tokens, more than one of them."""
+    config = NeuronConfig(
+        **SETTINGS, on_device_sampling_config=OnDeviceSamplingConfig(dynamic=True)
+    )
+    app = from_pretrained(checkpoint, config)
+    app.to_cpu()
+    guide = app(
+        input_ids=PROMPTS,
+        attention_mask=MASK,
+        sampling_params=torch.tensor([[50, 0.5, 0.75], [5, 1.0, 1.0]]),
+    )
+    assert guide.tokens.shape == (2, 1)
+    logits = make_app(checkpoint)(input_ids=PROMPTS, attention_mask=MASK).logits[:, -1]
+    top5 = logits.topk(5, dim=-1).indices
+    rows = torch.tensor([[1, 1.0, 1.0], [5, 1.0, 1.0]])
+    drawn: list[set[int]] = [set(), set()]
+    for seed in range(200):
+        torch.manual_seed(seed)
+        app.reset()
+        tokens = app(input_ids=PROMPTS, attention_mask=MASK, sampling_params=rows).tokens[:, 0]
+        drawn[0].add(int(tokens[0]))
+        drawn[1].add(int(tokens[1]))
+    assert drawn[0] == {int(logits[0].argmax())}
+    assert drawn[1] <= set(top5[1].tolist()) and len(drawn[1]) > 1
+    # generate(): sampling_params, or the GenerationConfig's do_sample, with no do_sample in
+    # the OnDeviceSamplingConfig.
+    greedy = generate(make_app(checkpoint), eos_token_id=None)
+    greedy_rows = torch.tensor([[1, 1.0, 1.0]] * 2)
+    assert torch.equal(generate(app, sampling_params=greedy_rows, eos_token_id=None), greedy)
+    assert torch.equal(generate(app, eos_token_id=None), greedy)
+    torch.manual_seed(0)
+    sampled = generate(app, do_sample=True, top_k=50, temperature=1.5, eos_token_id=None)
+    torch.manual_seed(0)
+    by_rows = generate(app, sampling_params=torch.tensor([[50, 1.0, 1.5]] * 2), eos_token_id=None)
+    assert torch.equal(sampled, by_rows) and not torch.equal(sampled, greedy)
+
+
 @pytest.mark.parametrize(
     ("sampling", "params", "error", "message"),
     [
@@ -237,7 +276,7 @@ def test_dynamic_rows_in_one_batch_follow_their_own_settings(checkpoint) -> None
         (SAMPLING, [[5, 1.0, 0.0]] * 2, SamplingParamsError, "temperature must be a finite"),
         (SAMPLING, [[2.5, 1.0, 1.0]] * 2, SamplingParamsError, "top_k must be a whole number"),
         (SAMPLING, [[5, 1.0, 1.0]], SamplingParamsError, r"shape \[batch, 3\] = \[2, 3\]"),
-        ({"dynamic": True}, [[5, 1.0, 1.0]] * 2, SamplingParamsError, "decodes greedily"),
+        ({}, [[5, 1.0, 1.0]] * 2, SamplingParamsError, "dynamic is False"),
         ({"do_sample": True}, [[5, 1.0, 1.0]] * 2, SamplingParamsError, "dynamic is False"),
         (None, [[5, 1.0, 1.0]] * 2, NotSupportedError, "enabled by on_device_sampling_config"),
     ],
@@ -255,7 +294,6 @@ def test_sampling_params_are_honoured_or_refused(checkpoint, sampling, params, e
         ({"do_sample": True}, {"temperature": 0.5}, r"asked for temperature=0\.5"),
         ({}, {"do_sample": True}, "asked for do_sample=True"),
         (SAMPLING, {"do_sample": True, "top_k": 0}, "top_k=0 keeps every token"),
-        ({"dynamic": True}, {"do_sample": True}, "the model decodes greedily"),
     ],
 )
 def test_generate_refuses_what_the_model_cannot_honour(checkpoint, sampling, kwargs, message):

@@ -11,7 +11,9 @@ class OnDeviceSamplingConfig:
 
     ``do_sample`` chooses multinomial (True) or greedy (False) sampling; ``top_k``, ``top_p`` and
     ``temperature`` are the defaults for every request, which ``dynamic`` lets each request
-    override; ``global_topk`` bounds the candidates kept before top-k / top-p.
+    override (with ``dynamic`` the model samples as each row's ``sampling_params`` ask, top_k 1
+    being greedy, whatever ``do_sample`` says, as NxD Inference's sampler does);
+    ``global_topk`` bounds the candidates kept before top-k / top-p.
     ``on_device_sampling_config``, ``top_k_kernel_enabled`` and ``sampling_dp_degree`` are
     NxD Inference's too (a marker, a Neuron kernel switch, how the sampling work is split over
     ranks): kept in the config, the tokens do not depend on them.

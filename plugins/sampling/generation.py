@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from nxdplug.errors import NotSupportedError
-from nxdplug.plugins.sampling.on_device import sampling_params_tensor
+from nxdplug.plugins.sampling.on_device import samples, sampling_params_tensor
 from nxdplug.registry import get_registry
 from nxdplug.runtime.sampling import SamplingParams
 
@@ -72,12 +72,13 @@ def device_token_source(
             "on-device sampling returns only with NeuronConfig(output_logits=True); set it, "
             "or leave them off"
         )
-    greedy = not sampling_config.do_sample
+    greedy = not samples(sampling_config)
     given = step_keywords.get("sampling_params")
     if given is not None:
         return DeviceSampling(step_keywords, given, greedy)
     if sampling_config.dynamic:
         rows = _sampling_rows(context, config, batch_size)
+        greedy = not config.do_sample  # HF's greedy scores are the logits
         return DeviceSampling(step_keywords | {"sampling_params": rows}, rows, greedy)
     _refuse_other_settings(sampling_config, generate_kwargs)
     rows = sampling_params_tensor(
@@ -90,14 +91,7 @@ def _sampling_rows(context: Any, config: GenerationConfig, batch: int) -> torch.
     """The GenerationConfig's settings as ``sampling_params``, one row per request."""
     if not config.do_sample:
         return sampling_params_tensor(batch, 1, 1.0, 1.0)
-    sampling_config = context.neuron_config.on_device_sampling_config
-    if not sampling_config.do_sample:
-        raise NotSupportedError(
-            "the GenerationConfig asks to sample (do_sample=True, given or from the "
-            "checkpoint's generation_config.json) but the model decodes greedily "
-            "(on_device_sampling_config.do_sample=False); pass do_sample=False, or set "
-            "do_sample=True in the OnDeviceSamplingConfig"
-        )
+    sampling_config = context.neuron_config.on_device_sampling_config  # dynamic: it samples
     top_k = config.top_k
     if not top_k:  # HF: top_k 0 keeps every token
         global_topk = sampling_config.global_topk

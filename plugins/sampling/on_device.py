@@ -17,8 +17,10 @@ torch's global RNG, so ``torch.manual_seed`` makes sampling reproducible; with
 ``deterministic=True`` it reseeds to a fixed seed instead, so the same inputs give the same
 tokens every time.
 
-With ``do_sample=False`` the graph takes the argmax and only greedy rows (``top_k`` 1) are
-accepted as ``sampling_params``.
+The graph samples when ``do_sample`` or ``dynamic`` is set (NxD Inference's sampler draws
+whenever dynamic ``sampling_params`` ask for it: a row with ``top_k`` 1 is greedy, one with a
+larger ``top_k`` is sampled, with no separate ``do_sample``). With neither, the graph takes the
+argmax and only greedy rows (``top_k`` 1) are accepted as ``sampling_params``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ from nxdplug.runtime.step import StepInputs
 
 DETERMINISTIC_SEED = 0
 _SMALLEST_NOISE = torch.finfo(torch.float32).tiny  # keeps -log(-log(u)) finite at u = 0
+
+
+def samples(sampling_config: Any) -> bool:
+    """Whether the graph draws tokens (else it takes the argmax): ``do_sample``, or ``dynamic``,
+    whose per-row ``sampling_params`` choose between greedy (``top_k`` 1) and sampling."""
+    return bool(sampling_config.do_sample or sampling_config.dynamic)
 
 
 class SamplingParamsError(NxdPlugError, ValueError):
@@ -93,8 +101,8 @@ def sampling_params_problems(
         elif not do_sample and top_k != 1:
             problems.append(
                 f"{where}: asks to sample, but the model decodes greedily "
-                "(on_device_sampling_config.do_sample=False); use top_k=1, or set "
-                "do_sample=True and compile again"
+                "(on_device_sampling_config.do_sample=False, dynamic=False); use top_k=1, "
+                "or set do_sample=True or dynamic=True and compile again"
             )
         if not 0 < top_p <= 1:
             problems.append(f"{where}: top_p must be in (0, 1]")
@@ -110,7 +118,7 @@ class OnDeviceSampler(nn.Module):
 
     def __init__(self, sampling_config: Any) -> None:
         super().__init__()
-        self.do_sample = sampling_config.do_sample
+        self.do_sample = samples(sampling_config)
         self.global_topk = sampling_config.global_topk
 
     def forward(
@@ -144,7 +152,7 @@ class SamplingInputs:
 
     def __init__(self, config: Any) -> None:
         sampling_config = config.neuron_config.on_device_sampling_config
-        self.do_sample = sampling_config.do_sample
+        self.do_sample = samples(sampling_config)
         self.dynamic = sampling_config.dynamic
         self.deterministic = sampling_config.deterministic
         self.global_topk = sampling_config.global_topk
