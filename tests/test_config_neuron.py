@@ -18,7 +18,6 @@ from nxdplug.config import (
     OnDeviceSamplingConfig,
     RoutedExpertsMLPOpsConfig,
     RouterConfig,
-    generate_buckets,
     to_torch_dtype,
 )
 from nxdplug.config.neuron_config import LNC_ENV
@@ -206,31 +205,11 @@ def test_dtype_set_after_construction_is_converted() -> None:
     assert config.torch_dtype is torch.float16
 
 
-@pytest.mark.parametrize(
-    ("min_length", "max_length", "expected"),
-    [
-        (128, 128, [128]),
-        (128, 100, [100]),
-        (128, 1, [1]),
-        (128, 129, [128, 129]),
-        (128, 256, [128, 256]),
-        (128, 1000, [128, 256, 512, 1000]),
-        (128, 4096, [128, 256, 512, 1024, 2048, 4096]),
-        (64, 300, [64, 128, 256, 300]),
-    ],
-)
-def test_generate_buckets(min_length: int, max_length: int, expected: list[int]) -> None:
-    assert generate_buckets(min_length, max_length) == expected
-
-
-def test_generate_buckets_rejects_non_positive_lengths() -> None:
-    with pytest.raises(ValueError, match="positive"):
-        generate_buckets(128, 0)
-
-
 def test_automatic_buckets_when_bucketing_is_enabled() -> None:
+    # NxD Inference's rounding: no 256 bucket below 300 (log2(300) rounds to 8); the table of
+    # generate_buckets is in test_buckets.py.
     config = NeuronConfig(enable_bucketing=True, seq_len=1000, max_context_length=300)
-    assert config.context_encoding_buckets == [128, 256, 300]
+    assert config.context_encoding_buckets == [128, 300]
     assert config.token_generation_buckets == [128, 256, 512, 1000]
 
 

@@ -113,7 +113,7 @@ FAILING = [
     (
         {"token_generation_buckets": [64, 512]},
         None,
-        "the largest of token_generation_buckets (512) exceeds seq_len (128)",
+        "the largest of token_generation_buckets (512) exceeds max_length (128)",
     ),
     ({"padding_side": "top"}, None, "padding_side is 'top'; choose one of 'left', 'right'"),
     ({"padding_side": "lfet"}, None, "'lfet' (did you mean 'left'?)"),

@@ -42,7 +42,14 @@ STATIC_EXPORTS = {
         "get_generate_outputs": "nxdplug.runtime.accuracy:get_generate_outputs",
     },
     "nxdplug.nxdi.modules.autobucketing": {
-        "generate_buckets": "nxdplug.config.buckets:generate_buckets",
+        name: f"nxdplug.config.buckets:{name}"
+        for name in (
+            "generate_buckets",
+            "generate_buckets_for_cte",
+            "generate_buckets_for_tkg",
+            "generate_buckets_for_speculation",
+            "generate_buckets_for_fused_spec",
+        )
     },
     "nxdplug.nxdi.modules.moe_v2": {
         "initialize_moe_module": "nxdplug.modules.moe:initialize_moe_module",
@@ -143,7 +150,7 @@ def test_a_model_module_is_its_plugins_module(family: str) -> None:
         ("nxdplug.nxdi.utils.accuracy", "check_accuracy_logits"),
         ("nxdplug.nxdi.utils.hf_adapter", "to_pretrained_config"),
         ("nxdplug.nxdi.modules.generation.sampling", "Sampler"),
-        ("nxdplug.nxdi.modules.autobucketing", "generate_buckets_for_tkg"),
+        ("nxdplug.nxdi.modules.autobucketing", "generate_buckets_on_chunk_size"),
         ("nxdplug.nxdi.modules.lora_serving", "LoraCheckpoint"),
         ("nxdplug.nxdi.models.config", "ChunkedPrefillConfig"),
         ("nxdplug.nxdi.models.llama.modeling_llama", "NeuronLlamaMLP"),

@@ -127,7 +127,7 @@ class NeuronConfig(ComparedByValue):
         default=_computed(_auto_buckets("max_context_length")), converter=_optional_list
     )
     token_generation_buckets: list[int] | None = attrs.field(
-        default=_computed(_auto_buckets("seq_len")), converter=_optional_list
+        default=_computed(_auto_buckets("max_length")), converter=_optional_list
     )
 
     # Quantization

@@ -57,7 +57,7 @@ AT_LEAST_ZERO = ("speculation_length", "medusa_speculation_length", "num_medusa_
 # bucket list -> the length its largest bucket may not exceed
 BUCKET_LIMITS = {
     "context_encoding_buckets": "max_context_length",
-    "token_generation_buckets": "seq_len",
+    "token_generation_buckets": "max_length",  # as NxD Inference asserts
 }
 
 Rule = Callable[["InferenceConfig", NeuronConfig], Iterable[str]]
