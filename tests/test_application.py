@@ -100,8 +100,44 @@ def test_batch_smaller_than_the_compiled_batch(llama_path, hf_llama) -> None:
 def test_batch_larger_than_the_compiled_batch_is_refused(llama_path) -> None:
     app = make_app(llama_path, batch_size=1)
     ids, mask = left_padded(ROWS)
-    with pytest.raises(NxdPlugError, match="batches of at most 1"):
+    with pytest.raises(NxdPlugError, match=r"the KV cache holds 1 \(max_batch_size\)"):
         app(input_ids=ids, attention_mask=mask)
+
+
+THREE_ROWS = [*ROWS, [61, 7, 7, 400, 2]]
+
+
+@pytest.mark.parametrize(("rows", "ctx_batch_size"), [(2, 1), (3, 1), (3, 2)])
+def test_a_batch_larger_than_ctx_batch_size_is_encoded_in_sub_batches(
+    llama_path, rows, ctx_batch_size
+) -> None:
+    """Sub-batches of ctx_batch_size rows, as NxD Inference encodes them: the logits and the
+    tokens of encoding each row in a call of its own (3 rows by 2: the last sub-batch repeats
+    row 1, there being no free cache row to pad with)."""
+    app = make_app(llama_path, batch_size=rows, ctx_batch_size=ctx_batch_size)
+    shapes = capture_shapes(app)
+    ids, mask = left_padded(THREE_ROWS[:rows])
+    logits = app(input_ids=ids, attention_mask=mask).logits
+    assert [shape[0][0] for shape in shapes] == [ctx_batch_size] * -(-rows // ctx_batch_size)
+    alone = make_app(llama_path, batch_size=1)
+    for row, prompt in enumerate(THREE_ROWS[:rows]):
+        alone.reset()
+        expected = alone(input_ids=torch.tensor([prompt])).logits
+        torch.testing.assert_close(logits[row : row + 1], expected, atol=1e-5, rtol=1e-5)
+    tokens = HuggingFaceGenerationAdapter(app).generate(
+        ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None
+    )
+    whole = make_app(llama_path, batch_size=rows)
+    expected = HuggingFaceGenerationAdapter(whole).generate(
+        ids, attention_mask=mask, max_new_tokens=8, eos_token_id=None
+    )
+    assert torch.equal(tokens, expected)
+    for row, prompt in enumerate(THREE_ROWS[:rows]):
+        alone.reset()
+        one = HuggingFaceGenerationAdapter(alone).generate(
+            torch.tensor([prompt]), max_new_tokens=8, eos_token_id=None
+        )
+        assert torch.equal(tokens[row, -8:], one[0, -8:])
 
 
 def test_prompt_longer_than_the_largest_bucket_is_a_clear_error(llama_path) -> None:

@@ -154,23 +154,62 @@ class ModelWrapper(nn.Module):
         self.check_ready(rows)
         needed = step.input_ids.shape[-1] if self.is_context_encoding else None
         step = self.pad_to_bucket(step, needed)
+        if rows > self.batch_size:  # context encoding only (check_ready)
+            return self.run_sub_batches(step)
         return self.run_padded(rows, step)
 
-    def run_padded(self, rows: int, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def run_sub_batches(self, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Encode a batch larger than the phase's batch size (ctx_batch_size) in sub-batches
+        of that many rows, in order, as NxD Inference does; the outputs are joined.
+
+        A short last sub-batch is padded with cache rows no sequence of the whole batch uses;
+        when there are too few, it is filled with the rows just before it instead (encoded
+        again: the same inputs write the same cache contents), their outputs dropped."""
+        rows, size = step.rows, self.batch_size
+        free = self.neuron_config.max_batch_size - rows
+        reserved = set(step.seq_ids.tolist())
+        parts = []
+        for start in range(0, rows, size):
+            stop = min(start + size, rows)
+            first = start if stop - start + free >= size else stop - size
+
+            def take(t: torch.Tensor, first: int = first, stop: int = stop) -> torch.Tensor:
+                return t[first:stop]
+
+            chunk = step.map_rows(take).replace(seq_ids=take(step.seq_ids))
+            outputs = self.run_padded(chunk.rows, chunk, reserved)
+            parts.append(_rows_from(outputs, start - first))
+        if isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts)
+        return tuple(torch.cat(column) for column in zip(*parts, strict=True))
+
+    def run_padded(
+        self, rows: int, step: StepInputs, reserved: set[int] | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Run ``step`` (already of a bucket's width) padded to the batch size, and return the
-        outputs of its first ``rows`` rows."""
+        outputs of its first ``rows`` rows. ``reserved``: cache rows padding must not use
+        (besides the step's own)."""
         with in_phase(self.phase):
-            outputs = self.model(self.pad_batch(step))
+            outputs = self.model(self.pad_batch(step, reserved))
         if isinstance(outputs, torch.Tensor):
             return outputs[:rows]
         return tuple(output[:rows] for output in outputs)
 
     def check_ready(self, rows: int) -> None:
-        """Refuse a call before the model is loaded, or with more rows than the batch size."""
+        """Refuse a call before the model is loaded, or with more rows than the batch size
+        (context encoding: than the cache rows, max_batch_size; it runs sub-batches)."""
         if self.model is None:
             raise NxdPlugError(
                 f"{self.tag} is not loaded: call to_cpu() (or compile() then load()) first"
             )
+        if self.is_context_encoding and rows > self.batch_size:
+            limit = self.neuron_config.max_batch_size
+            if rows > limit:
+                raise NxdPlugError(
+                    f"{rows} sequences were given but the KV cache holds {limit} "
+                    "(max_batch_size); raise batch_size"
+                )
+            return
         if rows > self.batch_size:
             raise NxdPlugError(
                 f"{rows} sequences were given but {self.tag} runs batches of at most "
@@ -194,15 +233,15 @@ class ModelWrapper(nn.Module):
             position_ids=torch.cat([step.position_ids, extra], dim=-1),
         )
 
-    def pad_batch(self, step: StepInputs) -> StepInputs:
+    def pad_batch(self, step: StepInputs, reserved: set[int] | None = None) -> StepInputs:
         """``step`` with as many rows as the batch size: padding rows repeat row 0's inputs and
-        write to cache rows no real sequence uses."""
+        write to cache rows no real sequence uses (neither the step's nor ``reserved``)."""
         rows = step.rows
         missing = self.batch_size - rows
         if missing == 0:
             return step
         seq_ids = step.seq_ids
-        taken = set(seq_ids.tolist())
+        taken = set(seq_ids.tolist()) | (reserved or set())
         free_rows = [r for r in range(self.neuron_config.max_batch_size) if r not in taken]
         if len(free_rows) < missing:
             raise NxdPlugError(
@@ -215,3 +254,12 @@ class ModelWrapper(nn.Module):
             return torch.cat([t, t[:1].expand(missing, *t.shape[1:])])
 
         return step.map_rows(pad).replace(seq_ids=torch.cat([seq_ids, pad_seq_ids]))
+
+
+def _rows_from(
+    outputs: torch.Tensor | tuple[torch.Tensor, ...], first: int
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The outputs from row ``first`` on."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs[first:]
+    return tuple(output[first:] for output in outputs)
