@@ -115,6 +115,11 @@ FAILING = [
         None,
         "the largest of token_generation_buckets (512) exceeds max_length (128)",
     ),
+    (
+        {"token_generation_buckets": [64, 512], "max_length": 1024},
+        None,
+        "the largest of token_generation_buckets (512) exceeds seq_len (128)",
+    ),
     ({"padding_side": "top"}, None, "padding_side is 'top'; choose one of 'left', 'right'"),
     ({"padding_side": "lfet"}, None, "'lfet' (did you mean 'left'?)"),
     ({"torch_dtype": "int8"}, None, "torch_dtype is int8; use one of bfloat16, float16, float32"),

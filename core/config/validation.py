@@ -54,10 +54,11 @@ DEFAULTS_FROM = {
     "n_positions": "seq_len",
 }
 AT_LEAST_ZERO = ("speculation_length", "medusa_speculation_length", "num_medusa_heads")
-# bucket list -> the length its largest bucket may not exceed
+# bucket list -> the lengths its largest bucket may not exceed (token generation: max_length, as
+# NxD Inference asserts, and seq_len, the KV cache's positions)
 BUCKET_LIMITS = {
-    "context_encoding_buckets": "max_context_length",
-    "token_generation_buckets": "max_length",  # as NxD Inference asserts
+    "context_encoding_buckets": ("max_context_length",),
+    "token_generation_buckets": ("max_length", "seq_len"),
 }
 
 Rule = Callable[["InferenceConfig", NeuronConfig], Iterable[str]]
@@ -210,7 +211,7 @@ def _tensor_parallel(config: InferenceConfig, nc: NeuronConfig) -> Iterator[str]
 
 
 def _buckets(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
-    for name, limit_name in BUCKET_LIMITS.items():
+    for name, limit_names in BUCKET_LIMITS.items():
         buckets = getattr(nc, name)
         if buckets is None:
             continue
@@ -222,12 +223,14 @@ def _buckets(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
                 f"{name} {buckets} are not in increasing order; sort them and remove repeats: "
                 f"{sorted(set(buckets))}"
             )
-        limit = _int_or_none(getattr(nc, limit_name))
-        if limit is not None and max(buckets) > limit:
-            yield (
-                f"the largest of {name} ({max(buckets)}) exceeds {limit_name} ({limit}); "
-                f"drop it, or raise {limit_name}"
-            )
+        for limit_name in limit_names:
+            limit = _int_or_none(getattr(nc, limit_name))
+            if limit is not None and max(buckets) > limit:
+                yield (
+                    f"the largest of {name} ({max(buckets)}) exceeds {limit_name} ({limit}); "
+                    f"drop it, or raise {limit_name}"
+                )
+                break
 
 
 def _sampling(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
