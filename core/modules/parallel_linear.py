@@ -69,17 +69,25 @@ def _all_reduce_sum_shape(tensor: torch.Tensor, group: str = TP) -> torch.Tensor
     return torch.empty_like(tensor)
 
 
-def all_gather_last_dim(
-    tensor: torch.Tensor, rank: int, world: int, group: str = TP
+def all_gather(
+    tensor: torch.Tensor, dim: int, rank: int, world: int, group: str = TP
 ) -> torch.Tensor:
-    """Every rank's ``tensor`` side by side along the last dim, in rank order within
-    ``group``.
+    """Every rank's ``tensor`` side by side along ``dim``, in rank order within ``group``.
 
     Each rank puts its part in zeros at its own offset and the ranks' tensors are summed: adding
     zeros is exact, and all-reduce is the collective AOTInductor's CPU runtime provides.
     """
-    width = tensor.shape[-1]
-    return all_reduce_sum(F.pad(tensor, (rank * width, (world - rank - 1) * width)), group)
+    size = tensor.shape[dim]
+    pad = [0, 0] * (tensor.dim() - dim % tensor.dim() - 1)
+    pad += [rank * size, (world - rank - 1) * size]
+    return all_reduce_sum(F.pad(tensor, pad), group)
+
+
+def all_gather_last_dim(
+    tensor: torch.Tensor, rank: int, world: int, group: str = TP
+) -> torch.Tensor:
+    """:func:`all_gather` along the last dim (column-parallel outputs, embedding widths)."""
+    return all_gather(tensor, -1, rank, world, group)
 
 
 def shard_size(size: int, tp_degree: int, what: str) -> int:

@@ -20,10 +20,9 @@ from contextvars import ContextVar
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from nxdplug.errors import ConfigError
-from nxdplug.modules.parallel_linear import TP, all_reduce_sum
+from nxdplug.modules.parallel_linear import TP, all_gather
 
 
 @attrs.frozen
@@ -49,12 +48,8 @@ class SequenceShards:
         return x.narrow(1, self.rank * size, size)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's slice side by side along dim 1, in rank order: each rank puts its slice
-        in zeros at its own offset and the ranks' tensors are summed (adding zeros is exact)."""
-        size = x.shape[1]
-        before, after = self.rank * size, (self.world - self.rank - 1) * size
-        pad = [0, 0] * (x.dim() - 2) + [before, after]
-        return all_reduce_sum(F.pad(x, pad), self.group)
+        """Every rank's slice side by side along dim 1, in rank order."""
+        return all_gather(x, 1, self.rank, self.world, self.group)
 
 
 _SHARDS: ContextVar[SequenceShards | None] = ContextVar("nxdplug_sequence_shards", default=None)
