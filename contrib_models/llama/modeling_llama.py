@@ -46,7 +46,11 @@ class LlamaInferenceConfig(InferenceConfig):
 
 
 class NeuronLlamaDecoderLayer(PreNormDecoderLayer):
-    """x + attention(norm(x)), then h + mlp(norm(h))."""
+    """x + attention(norm(x)), then h + mlp(norm(h)).
+
+    The attention's variants are arguments (biases, a sliding window, per-head Q/K norms);
+    ``mlp`` replaces the gated MLP (a mixture-of-experts block).
+    """
 
     def __init__(
         self,
@@ -54,19 +58,29 @@ class NeuronLlamaDecoderLayer(PreNormDecoderLayer):
         layer_idx: int,
         *,
         qkv_bias: bool = False,
+        o_bias: bool = False,
         sliding_window: int | None = None,
+        qk_layernorm: bool = False,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = NeuronAttentionBase(
-            config, layer_idx, qkv_bias=qkv_bias, sliding_window=sliding_window
+            config,
+            layer_idx,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            sliding_window=sliding_window,
+            qk_layernorm=qk_layernorm,
         )
-        self.mlp = GatedMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            config.hidden_act,
-            bias=bool(getattr(config, "mlp_bias", False)),
-            reduce_dtype=config.neuron_config.rpl_reduce_dtype,
-        )
+        if mlp is None:
+            mlp = GatedMLP(
+                config.hidden_size,
+                config.intermediate_size,
+                config.hidden_act,
+                bias=bool(getattr(config, "mlp_bias", False)),
+                reduce_dtype=config.neuron_config.rpl_reduce_dtype,
+            )
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

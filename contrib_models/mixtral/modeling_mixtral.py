@@ -8,12 +8,13 @@ import attrs
 from torch import nn
 
 from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
-from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM, NeuronLlamaModel
+from nxdplug.contrib_models.llama.modeling_llama import (
+    NeuronLlamaDecoderLayer,
+    NeuronLlamaForCausalLM,
+    NeuronLlamaModel,
+)
 from nxdplug.errors import ConfigError
-from nxdplug.modules.attention import NeuronAttentionBase
-from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.moe import initialize_moe_module
-from nxdplug.modules.norms import RMSNorm
 
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
@@ -56,16 +57,14 @@ class MixtralInferenceConfig(InferenceConfig):
         return MixtralNeuronConfig
 
 
-class NeuronMixtralDecoderLayer(PreNormDecoderLayer):
-    """x + attention(norm(x)), then h + moe(norm(h))."""
+class NeuronMixtralDecoderLayer(NeuronLlamaDecoderLayer):
+    """Llama's layer with a mixture-of-experts block for its MLP."""
 
     def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
         window = getattr(config, "sliding_window", None)
-        self.self_attn = NeuronAttentionBase(config, layer_idx, sliding_window=window)
-        self.mlp = initialize_moe_module(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        super().__init__(
+            config, layer_idx, sliding_window=window, mlp=initialize_moe_module(config)
+        )
 
 
 class NeuronMixtralModel(NeuronLlamaModel):

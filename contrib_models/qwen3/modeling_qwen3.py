@@ -11,14 +11,11 @@ from torch import nn
 from nxdplug.config import InferenceConfig
 from nxdplug.contrib_models.llama.modeling_llama import (
     LlamaInferenceConfig,
+    NeuronLlamaDecoderLayer,
     NeuronLlamaForCausalLM,
     NeuronLlamaModel,
 )
 from nxdplug.contrib_models.qwen2.modeling_qwen2 import layer_window
-from nxdplug.modules.attention import NeuronAttentionBase
-from nxdplug.modules.decoder import PreNormDecoderLayer
-from nxdplug.modules.mlp import GatedMLP
-from nxdplug.modules.norms import RMSNorm
 
 
 class Qwen3InferenceConfig(LlamaInferenceConfig):
@@ -28,13 +25,12 @@ class Qwen3InferenceConfig(LlamaInferenceConfig):
         return [*super().get_required_attributes(), "head_dim"]
 
 
-class NeuronQwen3DecoderLayer(PreNormDecoderLayer):
-    """x + attention(norm(x)), then h + mlp(norm(h)); the attention has per-head Q/K norms."""
+class NeuronQwen3DecoderLayer(NeuronLlamaDecoderLayer):
+    """Llama's layer with per-head Q/K norms, attention biases and per-layer windows."""
 
     def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
         bias = bool(getattr(config, "attention_bias", False))
-        self.self_attn = NeuronAttentionBase(
+        super().__init__(
             config,
             layer_idx,
             qkv_bias=bias,
@@ -42,14 +38,6 @@ class NeuronQwen3DecoderLayer(PreNormDecoderLayer):
             sliding_window=layer_window(config, layer_idx),
             qk_layernorm=True,
         )
-        self.mlp = GatedMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            config.hidden_act,
-            reduce_dtype=config.neuron_config.rpl_reduce_dtype,
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class NeuronQwen3Model(NeuronLlamaModel):

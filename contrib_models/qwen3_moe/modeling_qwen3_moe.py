@@ -12,17 +12,17 @@ import attrs
 from torch import nn
 
 from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
-from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM, NeuronLlamaModel
+from nxdplug.contrib_models.llama.modeling_llama import (
+    NeuronLlamaDecoderLayer,
+    NeuronLlamaForCausalLM,
+    NeuronLlamaModel,
+)
 from nxdplug.errors import ConfigError
-from nxdplug.modules.attention import NeuronAttentionBase
-from nxdplug.modules.decoder import PreNormDecoderLayer
-from nxdplug.modules.mlp import GatedMLP
 from nxdplug.modules.moe import initialize_moe_module
 from nxdplug.modules.moe.checkpoint_settings import (
     agree_with_checkpoint,
     moe_neuron_config_problems,
 )
-from nxdplug.modules.norms import RMSNorm
 
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
@@ -107,28 +107,23 @@ def experts_config(config: Any) -> Any:
     return view
 
 
-class NeuronQwen3MoeDecoderLayer(PreNormDecoderLayer):
-    """x + attention(norm(x)), then h + mlp(norm(h)); the MLP is routed experts in sparse layers
-    and a gated MLP in dense ones."""
+class NeuronQwen3MoeDecoderLayer(NeuronLlamaDecoderLayer):
+    """Qwen3's attention (per-head Q/K norms); the MLP is routed experts in sparse layers and
+    Llama's gated MLP in dense ones."""
 
     def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
         bias = bool(getattr(config, "attention_bias", False))
         window = config.sliding_window if getattr(config, "use_sliding_window", False) else None
-        self.self_attn = NeuronAttentionBase(
-            config, layer_idx, qkv_bias=bias, o_bias=bias, sliding_window=window, qk_layernorm=True
+        sparse = is_sparse_layer(config, layer_idx)
+        super().__init__(
+            config,
+            layer_idx,
+            qkv_bias=bias,
+            o_bias=bias,
+            sliding_window=window,
+            qk_layernorm=True,
+            mlp=initialize_moe_module(experts_config(config)) if sparse else None,
         )
-        if is_sparse_layer(config, layer_idx):
-            self.mlp: nn.Module = initialize_moe_module(experts_config(config))
-        else:
-            self.mlp = GatedMLP(
-                config.hidden_size,
-                config.intermediate_size,
-                config.hidden_act,
-                reduce_dtype=config.neuron_config.rpl_reduce_dtype,
-            )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class NeuronQwen3MoeModel(NeuronLlamaModel):
