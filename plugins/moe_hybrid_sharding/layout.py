@@ -19,8 +19,7 @@ from torch import nn
 
 from nxdplug.errors import ConfigError
 from nxdplug.modules.moe import ExpertMLPs
-from nxdplug.modules.moe.parallel import MoEDegrees
-from nxdplug.modules.parallel_linear import tp_rank, tp_world_size
+from nxdplug.modules.moe.parallel import rank_layout
 from nxdplug.runtime.step import current_phase
 
 PHASES = ("context_encoding", "token_generation")
@@ -75,9 +74,8 @@ class PhaseLayoutExperts(nn.Module):
 
     def __init__(self, experts: ExpertMLPs, neuron_config: Any) -> None:
         super().__init__()
-        single = tp_world_size() == 1
         for phase, (tp, ep) in phase_degrees(neuron_config).items():
-            degrees = MoEDegrees(tp, ep, tp_rank()) if not single else MoEDegrees(1, 1, 0)
+            degrees = rank_layout(tp, ep)
             layout = ExpertMLPs(
                 experts.config,
                 tp_degree=degrees.tp_degree,

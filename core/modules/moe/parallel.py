@@ -35,17 +35,21 @@ class MoEDegrees:
         return self.rank // self.tp_degree
 
 
+def rank_layout(tp_degree: int, ep_degree: int) -> MoEDegrees:
+    """This rank's place in a layout of ``tp_degree x ep_degree`` ranks; one process (tests,
+    ``to_cpu``) holds every expert whole."""
+    if tp_world_size() == 1:
+        return MoEDegrees(tp_degree=1, ep_degree=1, rank=0)
+    return MoEDegrees(tp_degree=tp_degree, ep_degree=ep_degree, rank=tp_rank())
+
+
 def moe_degrees(neuron_config: Any) -> MoEDegrees:
     """The expert layout of this rank. With both degrees left at 1 and several ranks, each
-    expert is split over all of them (tensor parallelism, as for the dense MLP). One process
-    (tests, ``to_cpu``) holds everything."""
+    expert is split over all of them (tensor parallelism, as for the dense MLP)."""
     problems = parallel_degree_problems(neuron_config)
     if problems:
         raise ConfigError(problems)
-    world = tp_world_size()
-    if world == 1:
-        return MoEDegrees(tp_degree=1, ep_degree=1, rank=0)
     moe_tp, moe_ep = neuron_config.moe_tp_degree, neuron_config.moe_ep_degree
     if moe_tp * moe_ep == 1:
-        moe_tp = world
-    return MoEDegrees(tp_degree=moe_tp, ep_degree=moe_ep, rank=tp_rank())
+        moe_tp = tp_world_size()
+    return rank_layout(moe_tp, moe_ep)
