@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig
 
     from nxdplug.config import InferenceConfig
+    from nxdplug.engine.token_choice import GraphSampling
     from nxdplug.pipeline import PipelineContext
     from nxdplug.runtime.generation import TokenSource
 
@@ -319,6 +320,19 @@ class PipelineSpecs:
                 context, generation_config, batch_size, step_keywords, generate_kwargs
             ):
                 return TokensFromTheModel(generation_config, batch_size, step_keywords)
+        """
+
+    @hookspec(firstresult=True)
+    def nxdplug_request_sampling(self, context: PipelineContext) -> GraphSampling | None:
+        """Say how the serving engine hands each request's sampling settings to a model that
+        samples in its graph (which settings it can honour, the per-row inputs it takes); the
+        first plugin that answers wins. None, or no answer: the engine samples on the host.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_request_sampling(context):
+                return RowsOfSettings(context.config)
         """
 
 

@@ -49,7 +49,6 @@ PLUGIN_PROVIDED_ATTRIBUTES = (
     "lora_config",
     "hybrid_sharding_config",
     "flash_decoding_enabled",
-    "async_mode",
     "draft_model_modules_to_not_convert",
 )
 

@@ -46,7 +46,6 @@ def test_a_valid_config_has_no_problems() -> None:
             mlp_kernel_enabled=True,
             quantized_mlp_kernel_enabled=True,
             rmsnorm_quantize_kernel_enabled=True,
-            async_mode=True,
             on_device_sampling_config=OnDeviceSamplingConfig(),
             speculation_length=4,
             enable_eagle_speculation=True,
@@ -69,6 +68,12 @@ def test_a_valid_config_has_no_problems() -> None:
 
 # (neuron config keywords, model attributes or None for the default, expected message part)
 FAILING = [
+    ({"async_mode": True}, None, "async_mode=True needs on-device sampling"),
+    (
+        {"async_mode": True, "on_device_sampling_config": {}, "speculation_length": 3},
+        None,
+        "async_mode=True with speculative decoding is not implemented",
+    ),
     ({"tp_degree": 3}, None, "num_attention_heads (8) is not divisible by tp_degree (3)"),
     (
         {"sequence_parallel_enabled": True, "tp_degree": 4, "seq_len": 130},

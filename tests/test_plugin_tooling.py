@@ -143,6 +143,7 @@ def test_plugins_list_by_hook(capsys) -> None:
     assert [row["name"] for row in rows] == ["sampling"]
     assert rows[0]["hooks"] == [
         "nxdplug_features",
+        "nxdplug_request_sampling",
         "nxdplug_samplers",
         "nxdplug_step_inputs",
         "nxdplug_token_source",

@@ -269,6 +269,24 @@ def _lora_config(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
         )
 
 
+def _async_mode(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    """The feature guide's prerequisites of async mode, checked before anything is built."""
+    if not nc.async_mode:
+        return
+    if nc.on_device_sampling_config is None:
+        yield (
+            "async_mode=True needs on-device sampling (the next step starts from the tokens the "
+            "model chose, before the host sees them); set on_device_sampling_config, or "
+            "async_mode=False"
+        )
+    speculating = nc.speculation_length > 0 or nc.is_medusa or nc.enable_eagle_speculation
+    if speculating:
+        yield (
+            "async_mode=True with speculative decoding is not implemented (NxD Inference "
+            "allows it with fused speculation only); set async_mode=False to speculate"
+        )
+
+
 RULES: tuple[Rule, ...] = (
     _choices,
     _dtypes,
@@ -278,6 +296,7 @@ RULES: tuple[Rule, ...] = (
     _tensor_parallel,
     _buckets,
     _sampling,
+    _async_mode,
     _lora_config,
     routed_mlp_problems,
 )

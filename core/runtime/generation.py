@@ -31,6 +31,7 @@ from nxdplug.runtime.generate_processors import (
 )
 from nxdplug.runtime.sampling import SamplingParams
 from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice
+from nxdplug.runtime.step_ahead import StepAhead
 
 # transformers' own fallbacks for settings neither the model nor the caller gives (its
 # _get_default_generation_params in transformers 5; the lengths are decided with the prompt).
@@ -270,15 +271,24 @@ class HuggingFaceGenerationAdapter:
         all_scores: list[torch.Tensor | None] = []
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        step_input = input_ids
-        for step in range(new_tokens):
-            outputs = model(
+
+        def call(step_input: torch.Tensor, step_mask: torch.Tensor) -> Any:
+            return model(
                 input_ids=step_input,
-                attention_mask=mask,
+                attention_mask=step_mask,
                 input_capture_hook=self.input_capture_hook,
                 **sampling.step_keywords,
             )
+
+        steps = StepAhead(call, pipelined=self._runs_ahead(sampling))
+        step_input = input_ids
+        for step in range(new_tokens):
+            outputs = steps.outputs(step_input, mask)
             next_tokens, logits, scores = sampling.step(outputs, sequences)
+            if step < new_tokens - 1:
+                steps.start_next(
+                    next_tokens[:, None], torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
+                )
             if keep_logits:
                 all_logits.append(logits)
             if keep_scores:
@@ -293,6 +303,7 @@ class HuggingFaceGenerationAdapter:
             if unfinished.max() == 0 or step == new_tokens - 1:
                 break
             step_input = next_tokens[:, None]
+        steps.finish()
         if streamer is not None:
             streamer.end()
 
@@ -302,6 +313,13 @@ class HuggingFaceGenerationAdapter:
             sequences=sequences,
             scores=tuple(all_scores) if keep_scores else None,
             logits=tuple(all_logits) if keep_logits else None,
+        )
+
+    def _runs_ahead(self, sampling: HostSampling | PluginTokens) -> bool:
+        """Whether each step starts before the host handles the last one (async_mode): only
+        when the model chooses the tokens, so the next step's inputs are known at once."""
+        return bool(self.neuron_model.neuron_config.async_mode) and isinstance(
+            sampling, PluginTokens
         )
 
     @staticmethod

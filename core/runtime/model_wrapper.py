@@ -235,12 +235,18 @@ class ModelWrapper(nn.Module):
 
     def pad_batch(self, step: StepInputs, reserved: set[int] | None = None) -> StepInputs:
         """``step`` with as many rows as the batch size: padding rows repeat row 0's inputs and
-        write to cache rows no real sequence uses (neither the step's nor ``reserved``)."""
+        write to cache rows no real sequence uses (neither the step's nor ``reserved``). With
+        continuous batching every other line may hold a running sequence, so padding rows
+        repeat row 0's cache line too: they write what row 0 writes, where it writes it."""
         rows = step.rows
         missing = self.batch_size - rows
         if missing == 0:
             return step
         seq_ids = step.seq_ids
+        if self.neuron_config.is_continuous_batching:
+            return step.map_rows(lambda t: _repeat_first_row(t, missing)).replace(
+                seq_ids=_repeat_first_row(seq_ids, missing)
+            )
         taken = set(seq_ids.tolist()) | (reserved or set())
         free_rows = [r for r in range(self.neuron_config.max_batch_size) if r not in taken]
         if len(free_rows) < missing:
@@ -250,10 +256,13 @@ class ModelWrapper(nn.Module):
             )
         pad_seq_ids = torch.tensor(free_rows[:missing], dtype=seq_ids.dtype, device=seq_ids.device)
 
-        def pad(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t[:1].expand(missing, *t.shape[1:])])
+        return step.map_rows(lambda t: _repeat_first_row(t, missing)).replace(
+            seq_ids=torch.cat([seq_ids, pad_seq_ids])
+        )
 
-        return step.map_rows(pad).replace(seq_ids=torch.cat([seq_ids, pad_seq_ids]))
+
+def _repeat_first_row(tensor: torch.Tensor, times: int) -> torch.Tensor:
+    return torch.cat([tensor, tensor[:1].expand(times, *tensor.shape[1:])])
 
 
 def _rows_from(

@@ -74,3 +74,10 @@ def nxdplug_token_source(
     return device_token_source(
         context, generation_config, batch_size, step_keywords, generate_kwargs
     )
+
+
+@hookimpl
+def nxdplug_request_sampling(context: Any) -> Any:
+    from nxdplug.plugins.sampling.request_sampling import RequestSampling
+
+    return RequestSampling(context.config)

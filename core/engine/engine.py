@@ -1,0 +1,401 @@
+"""The engine: a scheduler over the KV cache's lines.
+
+Each :meth:`Engine.step` admits waiting requests into free lines (their prompts encoded by the
+context-encoding model, ``ctx_batch_size`` at a time, into those lines alone: ``seq_ids``), then
+runs one token-generation step for every running request (``tkg_batch_size`` rows per call),
+chooses each request's token with its own settings, and frees the line of every request that
+ended. Requests come and go between steps; the graphs never change shape, so nothing recompiles.
+
+With ``async_mode`` (which needs on-device sampling) the next decode step is started with the
+tokens the model just chose, before the host looks at them: the host's work of a step
+(choosing what ended, decoding text, handing out outputs) overlaps the model's next step. A
+request that ended is dropped from the step after; its extra token is thrown away.
+
+``add_request`` and ``abort`` may be called from other threads while one thread steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from nxdplug.engine.cache_lines import CacheLines
+from nxdplug.engine.detokenizer import IncrementalText
+from nxdplug.engine.requests import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineFullError,
+    Request,
+    RequestError,
+    RequestOutput,
+    SamplingSettings,
+)
+from nxdplug.engine.token_choice import TokenChoice
+from nxdplug.errors import ConfigError
+
+StepOutputs = tuple[list[int], list[float] | None]
+
+
+def engine_problems(application: Any) -> list[str]:
+    """Why ``application`` cannot be served by the engine; empty when it can."""
+    neuron_config = application.neuron_config
+    problems = []
+    if not neuron_config.is_continuous_batching and neuron_config.max_batch_size > 1:
+        problems.append(
+            f"the engine gives each request its own KV-cache line, which needs "
+            f"is_continuous_batching=True (max_batch_size={neuron_config.max_batch_size})"
+        )
+    if application.plugins.speculation_mode is not None:
+        problems.append(
+            "serving with speculative decoding is not implemented; serve the model without "
+            "speculation_length / is_medusa / enable_eagle_speculation"
+        )
+    return problems
+
+
+class Engine:
+    """Continuous batching over an application's cache lines.
+
+    ``tokenizer`` (optional) turns tokens into text and makes ``stop`` strings work;
+    ``max_waiting`` bounds the queue (beyond it ``add_request`` raises EngineFullError);
+    ``eos_token_ids`` default to the model's generation config; ``runner`` calls the model (the
+    application itself; with tensor parallelism, one that hands each step to every rank).
+    """
+
+    def __init__(
+        self,
+        application: Any,
+        tokenizer: Any = None,
+        *,
+        max_waiting: int = 1024,
+        eos_token_ids: Iterable[int] | None = None,
+        runner: Callable[..., Any] | None = None,
+    ) -> None:
+        problems = engine_problems(application)
+        if problems:
+            raise ConfigError(problems, source="the engine's model")
+        neuron_config = application.neuron_config
+        self.application = application
+        self.tokenizer = tokenizer
+        self.runner = runner or application
+        self.max_waiting = max_waiting
+        self.lines = CacheLines(neuron_config.max_batch_size)
+        self.ctx_rows = neuron_config.ctx_batch_size
+        self.tkg_rows = neuron_config.tkg_batch_size
+        self.max_prompt = neuron_config.max_context_length
+        self.max_positions = neuron_config.seq_len
+        self.vocab_size = getattr(application.config, "vocab_size", None)
+        self.eos_token_ids = frozenset(
+            model_eos_token_ids(application) if eos_token_ids is None else eos_token_ids
+        )
+        self.choice = TokenChoice(application.context)
+        self.async_mode = bool(neuron_config.async_mode)
+        self._worker = ThreadPoolExecutor(1, "nxdplug-step") if self.async_mode else None
+        self._pending: tuple[list[Request], Future[Any]] | None = None
+        self._lock = threading.Lock()
+        self._waiting: deque[Request] = deque()
+        self._running: dict[int, Request] = {}
+        self._texts: dict[str, IncrementalText] = {}
+        self._ids = itertools.count()
+        self._known: set[str] = set()
+        application.reset()
+
+    # --- requests, from any thread -------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        settings: SamplingSettings | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Refuses, with a RequestError naming the field, what
+        the model cannot do, and raises EngineFullError when ``max_waiting`` requests wait."""
+        settings = settings or SamplingSettings()
+        request = Request(request_id or "", list(prompt_ids), settings)
+        self.check(request)
+        if not settings.greedy and self.choice.samples_on_host:
+            request.generator = torch.Generator()
+            if settings.seed is None:
+                request.generator.seed()
+            else:
+                request.generator.manual_seed(settings.seed)
+        with self._lock:
+            if len(self._waiting) >= self.max_waiting:
+                raise EngineFullError(
+                    f"{len(self._waiting)} requests are waiting, the engine's limit; retry later"
+                )
+            if not request_id:
+                request.request_id = f"req-{next(self._ids)}"
+            elif request_id in self._known:
+                raise RequestError(f"request id {request_id!r} is in use", field="request_id")
+            self._known.add(request.request_id)
+            self._waiting.append(request)
+        return request.request_id
+
+    def check(self, request: Request) -> None:
+        """Refuse a request the model cannot serve (RequestError, with the field)."""
+        for field, problem in request.settings.problems():
+            raise RequestError(f"{field} {problem}", field=field)
+        prompt = len(request.prompt_ids)
+        if prompt == 0:
+            raise RequestError("the prompt is empty; give at least one token", field="prompt")
+        if prompt > self.max_prompt:
+            raise RequestError(
+                f"the prompt has {prompt} tokens but the model takes at most {self.max_prompt} "
+                "(max_context_length)",
+                field="prompt",
+            )
+        if prompt + request.settings.max_tokens > self.max_positions:
+            raise RequestError(
+                f"the prompt's {prompt} tokens plus max_tokens={request.settings.max_tokens} "
+                f"exceed the model's {self.max_positions} positions (seq_len); ask for at most "
+                f"{self.max_positions - prompt} tokens",
+                field="max_tokens",
+            )
+        if self.vocab_size is not None and any(
+            not 0 <= t < self.vocab_size for t in request.prompt_ids
+        ):
+            raise RequestError(
+                f"the prompt holds token ids outside the vocabulary [0, {self.vocab_size})",
+                field="prompt",
+            )
+        if request.settings.stop and self.tokenizer is None:
+            raise RequestError("stop strings need the engine's tokenizer", field="stop")
+        self.choice.check(request.settings)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its line is freed at the next step, which reports it finished."""
+        with self._lock:
+            for request in (*self._waiting, *self._running.values()):
+                if request.request_id == request_id:
+                    request.abort_requested = True
+
+    # --- state ----------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._pending)
+
+    # --- stepping, from one thread --------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Admit, encode, decode once; the outputs of every request that moved."""
+        outputs = self._take_aborts()
+        if self._pending is not None:
+            batch, future = self._pending
+            self._pending = None
+            result = future.result()
+            if not self._can_admit():
+                self._start_decode(batch, first_tokens=result[0])
+            return outputs + self._accept(batch, result)
+        admitted = self._admit()
+        for start in range(0, len(admitted), self.ctx_rows):
+            batch = admitted[start : start + self.ctx_rows]
+            outputs += self._accept(batch, self._prefill(batch))
+        decoding = [r for r in self._running.values() if r not in admitted and not r.finished]
+        if decoding:
+            if self._worker is not None:
+                self._start_decode(decoding)
+            else:
+                outputs += self._accept(decoding, self._decode(decoding))
+        return outputs
+
+    def close(self) -> None:
+        """Stop the step worker (async mode)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+
+    def _take_aborts(self) -> list[RequestOutput]:
+        outputs = []
+        with self._lock:
+            for request in [r for r in self._waiting if r.abort_requested]:
+                self._waiting.remove(request)
+                outputs.append(self._finish(request, FINISH_ABORT))
+            for request in [r for r in self._running.values() if r.abort_requested]:
+                outputs.append(self._finish(request, FINISH_ABORT))
+        return outputs
+
+    def _can_admit(self) -> bool:
+        return bool(self._waiting) and self.lines.free > 0
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        with self._lock:
+            while self._waiting and self.lines.free > 0:
+                request = self._waiting.popleft()
+                request.line = self.lines.take()
+                self._running[request.line] = request
+                if self.tokenizer is not None:
+                    self._texts[request.request_id] = IncrementalText(
+                        self.tokenizer, request.settings.stop
+                    )
+                admitted.append(request)
+        return admitted
+
+    def _prefill(self, batch: list[Request]) -> StepOutputs:
+        """Encode the prompts of ``batch`` (left-padded) into their lines."""
+        longest = max(len(r.prompt_ids) for r in batch)
+        input_ids = torch.zeros(len(batch), longest, dtype=torch.long)
+        attention_mask = torch.zeros(len(batch), longest, dtype=torch.long)
+        for row, request in enumerate(batch):
+            input_ids[row, longest - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
+            attention_mask[row, longest - len(request.prompt_ids) :] = 1
+        outputs = self.runner(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            seq_ids=self._seq_ids(batch),
+            **self.choice.step_keywords(batch),
+        )
+        return self._choose(batch, outputs)
+
+    def _decode(
+        self, batch: list[Request], first_tokens: Sequence[int] | None = None
+    ) -> StepOutputs:
+        return self._run_decode(self._decode_calls(batch, first_tokens))
+
+    def _decode_calls(
+        self, batch: list[Request], first_tokens: Sequence[int] | None = None
+    ) -> list[tuple[list[Request], dict[str, torch.Tensor]]]:
+        """The token-generation calls of one step for ``batch``, ``tkg_batch_size`` rows each:
+        each request's last token (or ``first_tokens``, chosen but not yet added) at its next
+        position."""
+        calls = []
+        for start in range(0, len(batch), self.tkg_rows):
+            rows = batch[start : start + self.tkg_rows]
+            if first_tokens is None:
+                last = [r.output_ids[-1] for r in rows]
+                positions = [r.length - 1 for r in rows]
+            else:
+                last = list(first_tokens[start : start + len(rows)])
+                positions = [r.length for r in rows]
+            inputs = {
+                "input_ids": torch.tensor(last, dtype=torch.long)[:, None],
+                "position_ids": torch.tensor(positions, dtype=torch.long)[:, None],
+                "seq_ids": self._seq_ids(rows),
+            }
+            calls.append((rows, inputs | self.choice.step_keywords(rows)))
+        return calls
+
+    def _run_decode(
+        self, calls: list[tuple[list[Request], dict[str, torch.Tensor]]]
+    ) -> StepOutputs:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for rows, inputs in calls:
+            chosen, chosen_logprobs = self._choose(rows, self.runner(**inputs))
+            tokens += chosen
+            logprobs += chosen_logprobs or [float("nan")] * len(rows)
+        return tokens, logprobs
+
+    def _start_decode(
+        self, batch: list[Request], first_tokens: Sequence[int] | None = None
+    ) -> None:
+        """Start the next decode step on the worker (async mode); its inputs are made here."""
+        if first_tokens is not None:
+            kept = [(r, t) for r, t in zip(batch, first_tokens, strict=True) if not r.finished]
+            batch, first_tokens = [r for r, _ in kept], [t for _, t in kept]
+        else:
+            batch = [r for r in batch if not r.finished]
+        if not batch:
+            return
+        calls = self._decode_calls(batch, first_tokens)
+
+        def run() -> StepOutputs:
+            with torch.inference_mode():
+                return self._run_decode(calls)
+
+        self._pending = (batch, self._worker.submit(run))
+
+    def _seq_ids(self, batch: Sequence[Request]) -> torch.Tensor:
+        return torch.tensor([r.line for r in batch], dtype=torch.long)
+
+    def _choose(self, batch: Sequence[Request], outputs: Any) -> StepOutputs:
+        tokens = outputs.tokens
+        logits = None if outputs.logits is None else outputs.logits[:, -1]
+        return self.choice.choose(
+            batch, logits, None if tokens is None else tokens.view(-1)[: len(batch)]
+        )
+
+    def _accept(self, batch: list[Request], result: StepOutputs) -> list[RequestOutput]:
+        """Add each request's new token, end those that stop, and report them."""
+        tokens, logprobs = result
+        outputs = []
+        for index, (request, token) in enumerate(zip(batch, tokens, strict=True)):
+            if request.finished:
+                continue  # ended while this step ran (async mode): its token is dropped
+            request.output_ids.append(token)
+            if request.settings.logprobs and logprobs is not None:
+                request.logprobs.append(logprobs[index])
+            reason = self._stop_reason(request, token)
+            text, stopped = "", False
+            incremental = self._texts.get(request.request_id)
+            if incremental is not None:
+                text, stopped = incremental.update(request.output_ids)
+            if stopped:
+                reason = FINISH_STOP
+            if reason is not None:
+                with self._lock:
+                    outputs.append(self._finish(request, reason, text))
+            else:
+                outputs.append(self._output(request, text))
+        return outputs
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        settings = request.settings
+        if token in settings.stop_token_ids:
+            return FINISH_STOP
+        if token in self.eos_token_ids and not settings.ignore_eos:
+            return FINISH_STOP
+        if len(request.output_ids) >= settings.max_tokens:
+            return FINISH_LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: str, text: str = "") -> RequestOutput:
+        """End ``request`` (the caller holds the lock) and free its line."""
+        request.finish_reason = reason
+        if request.line is not None:
+            del self._running[request.line]
+            self.lines.release(request.line)
+        incremental = self._texts.pop(request.request_id, None)
+        if incremental is not None:
+            text += incremental.finish()
+        self._known.discard(request.request_id)
+        return self._output(request, text)
+
+    def _output(self, request: Request, text: str) -> RequestOutput:
+        tokens, logprobs = request.new_tokens()
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=tuple(tokens),
+            text=text,
+            logprobs=tuple(logprobs) if request.settings.logprobs else None,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=len(request.output_ids),
+        )
+
+
+def model_eos_token_ids(application: Any) -> list[int]:
+    """The end-of-sequence tokens of the model's generation config (or config)."""
+    from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
+
+    eos = HuggingFaceGenerationAdapter(application).generation_config.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

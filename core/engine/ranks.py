@@ -1,0 +1,72 @@
+"""Serving a tensor-parallel model: the first rank schedules, every rank runs each step.
+
+Under ``torchrun --nproc-per-node N`` each process holds one shard, and every forward call must
+happen on all ranks with the same inputs (the layers' collectives pair them up). The first rank
+runs the engine with a :class:`StepBroadcaster` as its runner: each call's inputs are broadcast
+before it runs; the other ranks sit in :func:`follow_steps`, running what they receive. While the
+engine is idle the broadcaster sends a heartbeat now and then, so that the followers' waiting
+broadcast does not reach the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HEARTBEAT = "heartbeat"
+STOP = "stop"
+HEARTBEAT_SECONDS = 60.0
+
+
+class StepBroadcaster:
+    """The engine's runner on the first rank."""
+
+    def __init__(self, application: Any, heartbeat_seconds: float = HEARTBEAT_SECONDS) -> None:
+        self.application = application
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._heartbeat = threading.Thread(
+            target=self._beat, args=(heartbeat_seconds,), name="nxdplug-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
+
+    def __call__(self, **inputs: torch.Tensor) -> Any:
+        with self._lock:
+            _send(inputs)
+            return self.application(**inputs)
+
+    def stop(self) -> None:
+        """Tell the followers to return; the broadcaster cannot be used after."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        with self._lock:
+            _send(STOP)
+        self._heartbeat.join()
+
+    def _beat(self, seconds: float) -> None:
+        while not self._stopped.wait(seconds):
+            with self._lock:
+                if not self._stopped.is_set():
+                    _send(HEARTBEAT)
+
+
+def follow_steps(application: Any) -> None:
+    """Run every step the first rank broadcasts, until it says stop."""
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+        if message == STOP:
+            return
+        if message == HEARTBEAT:
+            continue
+        with torch.inference_mode():
+            application(**message)
+
+
+def _send(message: Any) -> None:
+    dist.broadcast_object_list([message], src=0)

@@ -1,0 +1,130 @@
+"""A request as the engine sees it: its prompt, its sampling settings, its state, its outputs."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from nxdplug.errors import NxdPlugError
+
+# OpenAI's finish reasons: a stop condition (EOS, a stop token or string), the token budget, or
+# the caller gave up (a cancelled request, a client gone).
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+
+
+class RequestError(NxdPlugError, ValueError):
+    """A request the engine cannot take as it is (a bad setting, a prompt too long); the
+    message names the field and what it accepts. A server answers it with a 400."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class EngineFullError(NxdPlugError):
+    """More requests wait than the engine's queue limit; a server answers 503."""
+
+
+@attrs.frozen
+class SamplingSettings:
+    """How one request is decoded, with OpenAI's meanings.
+
+    ``temperature`` 0 (or ``top_k`` 1) is greedy; ``top_k`` 0 and ``top_p`` 1 switch those
+    filters off. ``seed`` makes a sampled request's tokens reproducible. ``stop`` strings end the
+    text before them; ``stop_token_ids`` and the model's EOS (unless ``ignore_eos``) end it after
+    the token. ``logprobs``: return the log-probability of each chosen token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def problems(self) -> list[tuple[str, str]]:
+        """``(field, what is wrong)`` for every setting out of range; empty when usable."""
+        found = []
+        if not _is_whole(self.max_tokens) or self.max_tokens < 1:
+            found.append(("max_tokens", f"must be a whole number >= 1, got {self.max_tokens!r}"))
+        if not (_is_number(self.temperature) and 0 <= self.temperature <= 100):
+            found.append(("temperature", f"must be in [0, 100], got {self.temperature!r}"))
+        if not _is_whole(self.top_k) or self.top_k < 0:
+            found.append(("top_k", f"must be a whole number >= 0 (0: off), got {self.top_k!r}"))
+        if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
+            found.append(("top_p", f"must be in (0, 1], got {self.top_p!r}"))
+        if self.seed is not None and not _is_whole(self.seed):
+            found.append(("seed", f"must be a whole number, got {self.seed!r}"))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            found.append(("stop", "must be non-empty strings"))
+        if any(not _is_whole(t) or t < 0 for t in self.stop_token_ids):
+            found.append(("stop_token_ids", "must be token ids (whole numbers >= 0)"))
+        return found
+
+
+def _is_whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_whole(value) or (isinstance(value, float) and math.isfinite(value))
+
+
+@attrs.frozen
+class RequestOutput:
+    """What one step added to a request: new tokens, the text they complete, and whether the
+    request ended (``finish_reason`` then says why). ``text`` holds back characters that may
+    still become a stop string or an incomplete UTF-8 sequence; the last output releases them."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[float, ...] | None
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@attrs.define(eq=False)
+class Request:
+    """A request in the engine: waiting for a line, running on one, or finished."""
+
+    request_id: str
+    prompt_ids: list[int]
+    settings: SamplingSettings
+    arrival: float = attrs.field(factory=time.monotonic)
+    line: int | None = None
+    output_ids: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    finish_reason: str | None = None
+    abort_requested: bool = False
+    generator: torch.Generator | None = None
+    emitted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def length(self) -> int:
+        """Tokens in its cache line once its last token is written: prompt and output."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def new_tokens(self) -> tuple[Sequence[int], Sequence[float]]:
+        """The tokens (and logprobs) not handed out yet; marks them handed out."""
+        start, self.emitted_tokens = self.emitted_tokens, len(self.output_ids)
+        return self.output_ids[start:], self.logprobs[start:]

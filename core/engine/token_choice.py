@@ -1,0 +1,91 @@
+"""How the engine gets each request's next token.
+
+On the host, from the logits, each request with its own settings and random generator. When the
+model samples in its graph, a plugin answering ``nxdplug_request_sampling`` says which settings
+the graph can honour and turns each step's requests into its per-row inputs; the engine then
+takes the model's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from nxdplug.engine.requests import Request, RequestError, SamplingSettings
+from nxdplug.registry import get_registry
+from nxdplug.runtime.sampling import SamplingParams
+
+
+class GraphSampling(Protocol):
+    """A model that samples in its graph, as the engine sees it."""
+
+    returns_logits: bool
+
+    def refusal(self, settings: SamplingSettings) -> tuple[str, str] | None:
+        """``(field, why)`` when the graph cannot sample as ``settings`` ask; else None."""
+
+    def step_keywords(self, settings: Sequence[SamplingSettings]) -> dict[str, torch.Tensor]:
+        """The forward keywords carrying one row of settings per request of a step."""
+
+
+class TokenChoice:
+    """The engine's sampler for one application."""
+
+    def __init__(self, context: Any) -> None:
+        self.graph: GraphSampling | None = context.hook("nxdplug_request_sampling")(context=context)
+        self.returns_logits = self.graph is None or self.graph.returns_logits
+        self.greedy = get_registry().get("samplers", "greedy").load("implementation")()
+        self.multinomial = get_registry().get("samplers", "multinomial").load("implementation")()
+
+    @property
+    def samples_on_host(self) -> bool:
+        return self.graph is None
+
+    def check(self, settings: SamplingSettings) -> None:
+        """Refuse settings this model cannot honour (a RequestError naming the field)."""
+        if settings.logprobs and not self.returns_logits:
+            raise RequestError(
+                "logprobs need the model's logits, but it samples in its graph without "
+                "returning them; serve it with output_logits=True",
+                field="logprobs",
+            )
+        refusal = None if self.graph is None else self.graph.refusal(settings)
+        if refusal is not None:
+            field, why = refusal
+            raise RequestError(why, field=field)
+
+    def step_keywords(self, requests: Sequence[Request]) -> dict[str, torch.Tensor]:
+        if self.graph is None:
+            return {}
+        return self.graph.step_keywords([r.settings for r in requests])
+
+    def choose(
+        self, requests: Sequence[Request], logits: torch.Tensor | None, tokens: torch.Tensor | None
+    ) -> tuple[list[int], list[float] | None]:
+        """Each request's next token from one step's outputs (``logits`` [rows, vocab] or None,
+        the model's ``tokens`` [rows] or None), and their logprobs when any request asks."""
+        if tokens is None:
+            tokens = torch.stack(
+                [self._draw(r, row) for r, row in zip(requests, logits, strict=True)]
+            )
+        logprobs = None
+        if logits is not None and any(r.settings.logprobs for r in requests):
+            logprobs = (
+                torch.log_softmax(logits.float(), dim=-1)
+                .gather(-1, tokens.view(-1, 1))
+                .view(-1)
+                .tolist()
+            )
+        return tokens.view(-1).tolist(), logprobs
+
+    def _draw(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
+        settings = request.settings
+        if settings.greedy:
+            return self.greedy(logits[None], SamplingParams())[0]
+        params = SamplingParams(
+            top_k=settings.top_k, top_p=settings.top_p, temperature=settings.temperature
+        )
+        scores = self.multinomial.scores(logits[None].float(), params)
+        return torch.multinomial(scores.softmax(dim=-1), 1, generator=request.generator)[0, 0]

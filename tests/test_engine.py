@@ -1,0 +1,297 @@
+"""The serving engine (continuous batching over cache lines) against HF transformers.
+
+Every greedy request must get the tokens HF's ``generate()`` gives its prompt alone, whatever
+else runs beside it, eager and compiled, with and without async mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nxdplug import (
+    HuggingFaceGenerationAdapter,
+    NeuronConfig,
+    OnDeviceSamplingConfig,
+    from_pretrained,
+)
+from nxdplug.engine import Engine, EngineFullError, RequestError, SamplingSettings
+from nxdplug.errors import ConfigError
+
+LENGTHS = (3, 7, 12, 5, 9, 4, 14)
+MAX_TOKENS = (10, 4, 8, 12, 6, 9, 5)
+SETTINGS = {
+    "torch_dtype": "float32",
+    "is_continuous_batching": True,
+    "batch_size": 4,
+    "seq_len": 64,
+    "max_context_length": 16,
+}
+DYNAMIC = {"on_device_sampling_config": OnDeviceSamplingConfig(dynamic=True, global_topk=32)}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama", seed=1, initializer_range=0.15)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 500, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def solo(checkpoint, prompts) -> list[list[int]]:
+    """HF transformers' greedy tokens for each prompt alone (no EOS stop)."""
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt, count in zip(prompts, MAX_TOKENS, strict=True):
+            tokens = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=count,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outputs.append(tokens[0, len(prompt) :].tolist())
+    return outputs
+
+
+def app_for(checkpoint, **settings):
+    app = from_pretrained(checkpoint, NeuronConfig(**(SETTINGS | settings)))
+    app.to_cpu()
+    return app
+
+
+def serve_all(engine: Engine, prompts, arrive_every: int = 0, **settings) -> dict[str, list[int]]:
+    """Run every prompt through ``engine``; with ``arrive_every`` > 0 one request arrives per
+    that many steps (so requests join and leave while others decode). Returns the tokens by
+    request id, in prompt order."""
+    order, tokens = [], {}
+    queue = list(zip(prompts, MAX_TOKENS, strict=True))
+    steps = 0
+    while queue or engine.has_unfinished():
+        while queue and (arrive_every == 0 or steps % arrive_every == 0):
+            prompt, count = queue.pop(0)
+            order.append(engine.add_request(prompt, SamplingSettings(count, 0, **settings)))
+            if arrive_every:
+                break
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+        steps += 1
+    return {request: tokens[request] for request in order}
+
+
+def test_the_greedy_paths_vary(solo) -> None:
+    varied = [tokens for tokens in solo if len(set(tokens)) > len(tokens) // 2]
+    assert len(varied) >= len(solo) - 2
+
+
+@pytest.mark.parametrize("ctx_batch_size", [1, 3])
+@pytest.mark.parametrize("arrive_every", [0, 2])
+def test_each_request_gets_its_solo_greedy_tokens(
+    checkpoint, prompts, solo, ctx_batch_size, arrive_every
+) -> None:
+    engine = Engine(app_for(checkpoint, ctx_batch_size=ctx_batch_size), eos_token_ids=[])
+    assert list(serve_all(engine, prompts, arrive_every).values()) == solo
+    assert engine.lines.in_use == 0 and not engine.has_unfinished()
+
+
+def test_async_mode_with_on_device_sampling_gives_the_same_tokens(
+    checkpoint, prompts, solo
+) -> None:
+    app = app_for(checkpoint, async_mode=True, **DYNAMIC)
+    engine = Engine(app, eos_token_ids=[])
+    assert engine.async_mode
+    assert list(serve_all(engine, prompts, arrive_every=3).values()) == solo
+    assert engine.lines.in_use == 0
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def compiled_folder(checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("engine") / "compiled"
+    app = from_pretrained(checkpoint, NeuronConfig(**compiled_settings()))
+    app.compile(folder, quiet=True)
+    return folder
+
+
+def compiled_settings(**more):
+    buckets = {"enable_bucketing": True, "context_encoding_buckets": [8, 16]}
+    buckets["token_generation_buckets"] = [32, 64]
+    return SETTINGS | DYNAMIC | buckets | {"ctx_batch_size": 2} | more
+
+
+@pytest.mark.parametrize("async_mode", [False, True])
+def test_compiled_engine_with_buckets(checkpoint, compiled_folder, prompts, solo, async_mode):
+    """Requests come and go on the compiled graphs (two buckets per phase); async mode is a
+    runtime setting, so both load the same compiled folder."""
+    app = from_pretrained(checkpoint, NeuronConfig(**compiled_settings(async_mode=async_mode)))
+    app.load(compiled_folder, quiet=True)
+    assert app.backend_name == "inductor"
+    engine = Engine(app, eos_token_ids=[])
+    assert list(serve_all(engine, prompts, arrive_every=2).values()) == solo
+    assert engine.lines.in_use == 0
+    engine.close()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(checkpoint, prompts) -> None:
+    engine = Engine(app_for(checkpoint), eos_token_ids=[])
+    sampled = {"temperature": 0.9, "top_k": 50, "top_p": 0.9, "seed": 7}
+
+    def run(others: int) -> list[int]:
+        first = engine.add_request(prompts[0], SamplingSettings(20, **sampled))
+        for prompt in prompts[1 : 1 + others]:
+            engine.add_request(prompt, SamplingSettings(20, temperature=1.0))
+        tokens = {}
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens.setdefault(output.request_id, []).extend(output.token_ids)
+        return tokens[first]
+
+    alone, crowded = run(0), run(3)
+    assert alone == crowded
+    engine.add_request(prompts[0], SamplingSettings(20, **(sampled | {"seed": 8})))
+    other = []
+    while engine.has_unfinished():
+        other += [t for output in engine.step() for t in output.token_ids]
+    assert other != alone
+
+
+def test_stop_conditions(checkpoint, prompts, solo) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    eos = solo[0][3]
+    first_eos = solo[0].index(eos)
+    engine = Engine(app_for(checkpoint), tokenizer, eos_token_ids=[eos])
+
+    def finish(**settings):
+        request = engine.add_request(prompts[0], SamplingSettings(10, 0, **settings))
+        tokens, text, last = [], "", None
+        while engine.has_unfinished():
+            for output in engine.step():
+                assert output.request_id == request
+                tokens += output.token_ids
+                text += output.text
+                last = output
+        return tokens, text, last
+
+    tokens, _, last = finish()
+    assert tokens == solo[0][: first_eos + 1] and last.finish_reason == "stop"
+    tokens, _, last = finish(ignore_eos=True)
+    assert tokens == solo[0] and last.finish_reason == "length"
+    assert last.completion_tokens == 10 and last.prompt_tokens == len(prompts[0])
+    tokens, _, last = finish(ignore_eos=True, stop_token_ids=[solo[0][1]])
+    assert tokens == solo[0][:2] and last.finish_reason == "stop"
+
+    full_text = tokenizer.decode(solo[0], skip_special_tokens=True)
+    _, text, _ = finish(ignore_eos=True)
+    assert text == full_text
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
+    tokens, text, last = finish(ignore_eos=True, stop=[stop])
+    assert stop.strip() and text == full_text[: full_text.index(stop)]
+    assert last.finish_reason == "stop" and len(tokens) < 10
+
+
+def test_logprobs_are_the_chosen_tokens_log_softmax(checkpoint, prompts, solo) -> None:
+    app = app_for(checkpoint)
+    engine = Engine(app, eos_token_ids=[])
+    engine.add_request(prompts[1], SamplingSettings(4, 0, logprobs=True))
+    logprobs = []
+    while engine.has_unfinished():
+        logprobs += [lp for output in engine.step() for lp in output.logprobs]
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompts[1] + solo[1]])).logits[0].log_softmax(-1)
+    start = len(prompts[1]) - 1
+    expected = [logits[start + i, token].item() for i, token in enumerate(solo[1])]
+    assert logprobs == pytest.approx(expected, abs=1e-4)
+
+
+def test_abort_frees_the_line(checkpoint, prompts) -> None:
+    engine = Engine(app_for(checkpoint, batch_size=2), eos_token_ids=[])
+    running = [engine.add_request(p, SamplingSettings(30, 0)) for p in prompts[:2]]
+    waiting = engine.add_request(prompts[2], SamplingSettings(30, 0))
+    engine.step()
+    assert engine.lines.in_use == 2 and engine.num_waiting == 1
+    engine.abort(waiting)
+    engine.abort(running[0])
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs[waiting].finish_reason == "abort" and outputs[running[0]].finished
+    assert outputs[running[0]].finish_reason == "abort"
+    assert engine.lines.in_use == 1 and engine.num_waiting == 0
+    engine.abort(running[1])
+    engine.step()
+    assert engine.lines.in_use == 0 and not engine.has_unfinished()
+
+
+def test_queue_limit(checkpoint, prompts) -> None:
+    engine = Engine(app_for(checkpoint), max_waiting=2)
+    engine.add_request(prompts[0])
+    engine.add_request(prompts[1])
+    with pytest.raises(EngineFullError, match="2 requests are waiting"):
+        engine.add_request(prompts[2])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "settings", "field", "message"),
+    [
+        ([1] * 17, {}, "prompt", "at most 16 \\(max_context_length\\)"),
+        ([1] * 10, {"max_tokens": 60}, "max_tokens", "ask for at most 54 tokens"),
+        ([1, 2], {"temperature": -1.0}, "temperature", "must be in \\[0, 100\\]"),
+        ([1, 2], {"top_p": 0.0}, "top_p", "must be in \\(0, 1\\]"),
+        ([], {}, "prompt", "the prompt is empty"),
+        ([1, 10**6], {}, "prompt", "outside the vocabulary"),
+        ([1, 2], {"stop": ["x"]}, "stop", "need the engine's tokenizer"),
+    ],
+)
+def test_bad_requests_are_refused(checkpoint, prompt, settings, field, message) -> None:
+    engine = Engine(app_for(checkpoint))
+    with pytest.raises(RequestError, match=message) as caught:
+        engine.add_request(prompt, SamplingSettings(**settings))
+    assert caught.value.field == field
+    assert not engine.has_unfinished()
+
+
+def test_on_device_sampling_refuses_what_it_cannot_honour(checkpoint) -> None:
+    fixed = OnDeviceSamplingConfig(do_sample=True, top_k=5, temperature=0.7)
+    engine = Engine(app_for(checkpoint, on_device_sampling_config=fixed))
+    with pytest.raises(RequestError, match="dynamic=True") as caught:
+        engine.add_request([1, 2], SamplingSettings(temperature=1.0))
+    assert caught.value.field == "temperature"
+    engine.add_request([1, 2], SamplingSettings(temperature=0.7, top_k=5))
+    dynamic = Engine(app_for(checkpoint, **DYNAMIC))
+    with pytest.raises(RequestError, match="one random stream") as caught:
+        dynamic.add_request([1, 2], SamplingSettings(seed=3))
+    with pytest.raises(RequestError, match="global_topk=32"):
+        dynamic.add_request([1, 2], SamplingSettings(top_k=40))
+    with pytest.raises(RequestError, match="output_logits=True"):
+        dynamic.add_request([1, 2], SamplingSettings(logprobs=True))
+
+
+def test_engine_needs_continuous_batching(checkpoint) -> None:
+    with pytest.raises(ConfigError, match="is_continuous_batching=True"):
+        Engine(app_for(checkpoint, is_continuous_batching=False))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_generate_in_async_mode_matches_hf(checkpoint, compiled_folder, prompts, solo, compiled):
+    """``generate()`` with async_mode: the next step runs while the host handles the last."""
+    app = from_pretrained(checkpoint, NeuronConfig(**compiled_settings(async_mode=True)))
+    if compiled:
+        app.load(compiled_folder, quiet=True)
+    else:
+        app.to_cpu()
+    calls = []
+    adapter = HuggingFaceGenerationAdapter(
+        app, input_capture_hook=lambda model, inputs: calls.append(inputs[0].shape)
+    )
+    for prompt, expected in zip(prompts[:2], solo[:2], strict=True):
+        calls.clear()
+        output = adapter.generate(
+            torch.tensor([prompt]), max_new_tokens=len(expected), eos_token_id=None
+        )
+        assert output[0, len(prompt) :].tolist() == expected
+        assert len(calls) == len(expected)
