@@ -1,0 +1,217 @@
+"""The HTTP layer: OpenAI's routes over an :class:`~nxdplug.serving.engine_thread.EngineThread`.
+
+A route checks the request, turns it into prompt ids and sampling settings, hands it to the
+engine thread and returns (or streams, as server-sent events) what comes back. Scheduling,
+batching and cancellation are the engine's; a streamed request whose client goes away is
+aborted when the stream is cancelled, which frees its KV-cache line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from nxdplug.engine import EngineFullError, RequestError
+from nxdplug.serving.engine_thread import EngineStoppedError, EngineThread, OutputStream
+from nxdplug.serving.metrics import ServingMetrics
+from nxdplug.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    error_body,
+)
+from nxdplug.serving.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    Usage,
+    chat_logprobs,
+    completion_logprobs,
+    merged,
+    now,
+)
+
+
+def build_app(
+    engine_thread: EngineThread, tokenizer: Any, model_name: str, metrics: ServingMetrics
+) -> FastAPI:
+    """The server's app; ``model_name`` is the one name requests may give as ``model``."""
+    app = FastAPI(title="nxdplug")
+    seq_len = engine_thread.engine.max_positions
+    _add_error_handlers(app)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        check_model(body.model)
+        body.refuse_unsupported()
+        stream = engine_thread.generate(body.prompt_ids(tokenizer), body.settings())
+        reply_id = "cmpl-" + stream.request_id.removeprefix("req-")
+        head = {"id": reply_id, "created": now(), "model": model_name}
+        if body.stream:
+            chunks = _completion_chunks(stream, head, tokenizer, body.include_usage())
+            return _event_stream(chunks)
+        output = merged([o async for o in stream])
+        choice = CompletionChoice(
+            text=output.text,
+            logprobs=completion_logprobs(output, tokenizer),
+            finish_reason=output.finish_reason,
+        )
+        return _json(Completion(**head, choices=[choice], usage=Usage.of(output)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        check_model(body.model)
+        body.refuse_unsupported()
+        prompt_ids = body.prompt_ids(tokenizer)
+        stream = engine_thread.generate(prompt_ids, body.settings(len(prompt_ids), seq_len))
+        reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
+        head = {"id": reply_id, "created": now(), "model": model_name}
+        if body.stream:
+            chunks = _chat_chunks(stream, head, tokenizer, body.include_usage())
+            return _event_stream(chunks)
+        output = merged([o async for o in stream])
+        choice = ChatChoice(
+            message=AssistantMessage(content=output.text),
+            logprobs=chat_logprobs(output, tokenizer),
+            finish_reason=output.finish_reason,
+        )
+        return _json(ChatCompletion(**head, choices=[choice], usage=Usage.of(output)))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "nxdplug",
+            "max_model_len": seq_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine_thread.is_alive():
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, "the engine thread is not running"), status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        content, content_type = metrics.render()
+        return Response(content, media_type=content_type)
+
+    return app
+
+
+async def _completion_chunks(
+    stream: OutputStream, head: dict[str, Any], tokenizer: Any, include_usage: bool
+) -> AsyncIterator[BaseModel]:
+    offset = 0
+    async for output in stream:
+        if not (output.text or output.finished or output.logprobs):
+            continue  # tokens whose text is held back (a possible stop string, a partial char)
+        choice = CompletionChoice(
+            text=output.text,
+            logprobs=completion_logprobs(output, tokenizer, offset),
+            finish_reason=output.finish_reason,
+        )
+        offset += len(output.text)
+        yield Completion(**head, choices=[choice])
+    if include_usage:
+        yield Completion(**head, choices=[], usage=Usage.of(output))
+
+
+async def _chat_chunks(
+    stream: OutputStream, head: dict[str, Any], tokenizer: Any, include_usage: bool
+) -> AsyncIterator[BaseModel]:
+    first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
+    yield ChatCompletionChunk(**head, choices=[first])
+    async for output in stream:
+        if not (output.text or output.finished or output.logprobs):
+            continue
+        choice = ChatChunkChoice(
+            delta=ChatDelta(content=output.text or None),
+            logprobs=chat_logprobs(output, tokenizer),
+            finish_reason=output.finish_reason,
+        )
+        yield ChatCompletionChunk(**head, choices=[choice])
+    if include_usage:
+        yield ChatCompletionChunk(**head, choices=[], usage=Usage.of(output))
+
+
+def _event_stream(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Server-sent events: ``data: {chunk}`` per chunk, then ``data: [DONE]``. An engine
+    failure mid-stream ends it with an error event (the status line is sent already)."""
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except Exception as exc:
+            yield f"data: {json.dumps(error_body(500, f'the engine failed: {exc}'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _json(body: BaseModel) -> JSONResponse:
+    return JSONResponse(body.model_dump(mode="json"))
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's body; a body that does not validate is a 400, as OpenAI's."""
+
+    def answer(status: int, message: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(status, message, param=param), status_code=status)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> Response:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> Response:
+        error = exc.errors()[0]
+        param = ".".join(str(part) for part in error["loc"] if part != "body") or None
+        if error["type"] == "json_invalid":
+            detail = error.get("ctx", {}).get("error", error["msg"])
+            return answer(400, f"malformed JSON body: {detail}")
+        if error["type"] == "extra_forbidden":
+            return answer(400, f"{param}: not supported by this server", param)
+        return answer(400, f"{param}: {error['msg']}", param)
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> Response:
+        return answer(400, str(exc), exc.field)
+
+    @app.exception_handler(EngineFullError)
+    @app.exception_handler(EngineStoppedError)
+    async def unavailable(request: Request, exc: Exception) -> Response:
+        return answer(503, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return answer(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> Response:
+        return answer(500, f"{type(exc).__name__}: {exc}")

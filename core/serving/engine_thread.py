@@ -1,0 +1,195 @@
+"""The engine's step loop on a thread of its own, with an asyncio face for request handlers.
+
+The engine is stepped from one thread only; HTTP handlers run on the event loop. The loop thread
+sleeps while the engine has nothing to do, steps while it has, and hands each output to its
+request's :class:`OutputStream` through ``loop.call_soon_threadsafe``. A stream that is closed
+before its request ended (a client gone, a cancelled handler) aborts the request, so its
+KV-cache line is freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from nxdplug.engine import RequestOutput, SamplingSettings
+from nxdplug.errors import NxdPlugError
+
+if TYPE_CHECKING:
+    from nxdplug.engine import Engine
+    from nxdplug.serving.metrics import ServingMetrics
+
+logger = logging.getLogger("nxdplug.serving")
+
+
+class EngineStoppedError(NxdPlugError):
+    """The engine thread stopped (shutting down, or after an engine failure): a 503."""
+
+
+@attrs.define
+class _Consumer:
+    """Where one request's outputs go, and its clock for the latency metrics."""
+
+    deliver: Callable[[RequestOutput | BaseException], None]
+    arrival: float
+    last_token: float | None = None
+
+
+class OutputStream:
+    """One request's outputs, in order, for ``async for``; the last has ``finished`` set.
+
+    Leaving the loop early (``break``, an exception, a cancelled task) aborts the request.
+    """
+
+    def __init__(self, request_id: str, queue: asyncio.Queue, abort: Callable[[str], None]):
+        self.request_id = request_id
+        self._queue = queue
+        self._abort = abort
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Abort the request unless it ended (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._abort(self.request_id)
+
+
+class EngineThread:
+    """Owns ``engine``: steps it on a background thread while requests are unfinished.
+
+    ``metrics`` (optional) records each output's tokens and latencies.
+    """
+
+    def __init__(self, engine: Engine, metrics: ServingMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._wake = threading.Condition()
+        self._consumers: dict[str, _Consumer] = {}
+        self._accepting = True
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="nxdplug-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def generate(self, prompt_ids: Sequence[int], settings: SamplingSettings) -> OutputStream:
+        """Queue a request and return its outputs' stream; call from the event loop.
+
+        Raises at once what ``engine.add_request`` raises (RequestError, EngineFullError), or
+        EngineStoppedError when the thread no longer takes requests.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        request_id = f"req-{uuid.uuid4().hex}"
+        self.submit(request_id, prompt_ids, settings, _threadsafe_put(loop, queue))
+        return OutputStream(request_id, queue, self.abort)
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        settings: SamplingSettings,
+        deliver: Callable[[RequestOutput | BaseException], None],
+    ) -> None:
+        """Queue a request whose outputs (or the engine's failure) go to ``deliver``, which is
+        called on the engine thread; thread-safe."""
+        with self._wake:
+            if not self._accepting or not self.is_alive():
+                raise EngineStoppedError("the server is shutting down; no new requests")
+            self._consumers[request_id] = _Consumer(deliver, time.monotonic())
+            try:
+                self.engine.add_request(prompt_ids, settings, request_id)
+            except BaseException:
+                del self._consumers[request_id]
+                raise
+            self._wake.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; thread-safe. Its last output (finish_reason "abort") still comes."""
+        self.engine.abort(request_id)
+        with self._wake:
+            self._wake.notify()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop taking requests, abort the running ones, let the loop deliver their last
+        outputs, join the thread and close the engine."""
+        with self._wake:
+            self._accepting = False
+            self._stopping = True
+            for request_id in self._consumers:
+                self.engine.abort(request_id)
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self.engine.close()
+
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                outputs = self.engine.step()
+                self._deliver(outputs, time.monotonic())
+        except Exception as exc:
+            logger.exception("the engine failed; the server stops taking requests")
+            with self._wake:
+                self._accepting = False
+                consumers, self._consumers = list(self._consumers.values()), {}
+            for consumer in consumers:
+                consumer.deliver(exc)
+
+    def _wait_for_work(self) -> bool:
+        """Sleep until the engine has work; False once stopping and nothing is left."""
+        with self._wake:
+            while not self.engine.has_unfinished():
+                if self._stopping:
+                    return False
+                self._wake.wait()
+            return True
+
+    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+        for output in outputs:
+            with self._wake:
+                consumer = self._consumers.get(output.request_id)
+                if output.finished:
+                    self._consumers.pop(output.request_id, None)
+            if consumer is None:
+                continue
+            if self.metrics is not None:
+                self.metrics.record(output, consumer.arrival, consumer.last_token, now)
+            if output.token_ids:
+                consumer.last_token = now
+            consumer.deliver(output)
+
+
+def _threadsafe_put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Any], None]:
+    def put(item: Any) -> None:
+        # A closed event loop raises RuntimeError: nobody waits for this request any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    return put

@@ -1,0 +1,216 @@
+"""OpenAI's request bodies, what this server honours of them, and its error body.
+
+A field that would change the result but is not implemented (``n`` > 1, penalties,
+``logit_bias``, ``best_of``, ``echo``, ``suffix``, alternatives in ``logprobs``, tools, and any
+field not declared here) is refused with a 400 naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nxdplug.engine import SamplingSettings
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, str(self), param=self.param, code=self.code)
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    error_type = ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "APIError")
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def bad_request(param: str, message: str) -> OpenAIError:
+    return OpenAIError(400, f"{param}: {message}", param=param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, description="vLLM's extra: 0 or -1 is off")
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        """Raise a 400 for the first field whose value this server cannot honour."""
+        for field, value, default in self._unsupported_fields():
+            if value not in (None, default):
+                raise bad_request(field, f"{value!r} is not supported by this server")
+        if self.n not in (None, 1):
+            raise bad_request("n", f"only n=1 is supported (got {self.n}); send n requests")
+
+    def _unsupported_fields(self) -> list[tuple[str, Any, Any]]:
+        return [
+            ("presence_penalty", self.presence_penalty, 0),
+            ("frequency_penalty", self.frequency_penalty, 0),
+            ("logit_bias", self.logit_bias, {}),
+        ]
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_settings(self, max_tokens: int, logprobs: bool) -> SamplingSettings:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingSettings(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            seed=self.seed,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one prompt, as text or token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _unsupported_fields(self) -> list[tuple[str, Any, Any]]:
+        return [
+            *super()._unsupported_fields(),
+            ("echo", self.echo, False),
+            ("suffix", self.suffix, None),
+            ("best_of", self.best_of, 1),
+        ]
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs is not None and not 0 <= self.logprobs <= 1:
+            raise bad_request(
+                "logprobs",
+                f"only the chosen token's log-probability is returned: logprobs must be 0 or 1 "
+                f"(got {self.logprobs})",
+            )
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise bad_request(
+                    "prompt", f"one prompt per request is supported (got {len(prompt)})"
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenizer(prompt).input_ids
+        return list(prompt)
+
+    def settings(self) -> SamplingSettings:
+        """16 tokens unless asked, OpenAI's default for completions."""
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        return self.sampling_settings(max_tokens, logprobs=self.logprobs is not None)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A message with text content; tool calls and images are refused (extra fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        content = self.content or ""
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``: messages rendered by the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.top_logprobs:
+            raise bad_request(
+                "top_logprobs",
+                "only the chosen token's log-probability is returned: top_logprobs must be 0 "
+                f"(got {self.top_logprobs})",
+            )
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad_request(
+                "messages",
+                "this model's tokenizer has no chat template (tokenizer_config.json "
+                "chat_template); use /v1/completions with a prompt",
+            )
+        messages = [message.template_dict() for message in self.messages]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the template's own raise_exception, or a Jinja error
+            raise bad_request("messages", f"the chat template refused them: {exc}") from exc
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    def settings(self, prompt_tokens: int, seq_len: int) -> SamplingSettings:
+        """Unless asked, as many tokens as the model's positions leave after the prompt."""
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = max(seq_len - prompt_tokens, 1)
+        return self.sampling_settings(max_tokens, logprobs=self.logprobs)
