@@ -41,6 +41,7 @@ from nxdplug.cli.plugins import (
     run_plugins_hooks,
     run_plugins_list,
 )
+from nxdplug.cli.serve import add_serve_arguments, run_serve
 from nxdplug.errors import NxdPlugError
 
 PROG = "nxdplug"
@@ -155,6 +156,12 @@ COMMANDS: tuple[Command, ...] = (
         "time context encoding and token generation (optionally against HF transformers)",
         run=run_benchmark,
         add_arguments=add_benchmark_arguments,
+    ),
+    Command(
+        "serve",
+        "serve a model over HTTP with OpenAI's completions and chat completions API",
+        run=run_serve,
+        add_arguments=add_serve_arguments,
     ),
     Command(
         "make-tiny-model",

@@ -1,0 +1,181 @@
+"""``nxdplug serve``: an OpenAI-compatible HTTP server over the engine.
+
+The model is built as ``nxdplug run`` builds it, with continuous batching on (a KV-cache line
+per request). The port is taken before the model loads, so a busy port fails at once. On Ctrl-C
+or SIGTERM uvicorn stops taking connections and gives the requests in flight
+:data:`GRACE_SECONDS` to finish; the engine thread then aborts whatever still runs, stops, and
+the command exits 0. Under ``torchrun`` the first rank serves and the others follow its steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from nxdplug.cli import extensions
+from nxdplug.cli.inference import add_compiled_model_options, inference_config, load_model
+from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
+from nxdplug.errors import NxdPlugError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+GRACE_SECONDS = 5
+# Serving defaults, below the options the user gives: a line per request, prompts encoded one
+# at a time as they arrive (as NxD Inference's vLLM integration does).
+SERVE_DEFAULTS = {"is_continuous_batching": True, "batch_size": 8, "ctx_batch_size": 1}
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-path", required=True, type=Path, metavar="DIR", help="an HF checkpoint folder"
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
+    server.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name requests give and /v1/models lists (default: --model-path as given)",
+    )
+    server.add_argument(
+        "--max-waiting",
+        type=positive_int,
+        default=1024,
+        metavar="N",
+        help="requests queued beyond the running ones; more are answered 503",
+    )
+    server.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="info and debug log each request"
+    )
+    add_compiled_model_options(parser, required=False)
+    add_neuron_config_options(parser)
+    extensions.add_extension_arguments(parser, "serve")
+    parser.epilog = (
+        "Serving defaults (each overridable): --is-continuous-batching, --batch-size 8, "
+        "--ctx-batch-size 1."
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    _require_serving_packages()
+    sock = _listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
+    config = inference_config(args.model_path, SERVE_DEFAULTS | neuron_config_kwargs(args))
+    extensions.prepare_config(args, config)
+    model = load_model(args, config)
+    tokenizer = _load_tokenizer(args.model_path)
+
+    from nxdplug.modules.parallel_linear import tp_rank, tp_world_size
+
+    if tp_world_size() > 1 and tp_rank() != 0:
+        from nxdplug.engine.ranks import follow_steps
+
+        follow_steps(model)
+        return 0
+    assert sock is not None
+    broadcaster = None
+    if tp_world_size() > 1:
+        from nxdplug.engine.ranks import StepBroadcaster
+
+        broadcaster = StepBroadcaster(model)
+    try:
+        _serve(args, sock, model, tokenizer, broadcaster)
+    finally:
+        if broadcaster is not None:
+            broadcaster.stop()
+    return 0
+
+
+def _serve(
+    args: argparse.Namespace, sock: socket.socket, model: Any, tokenizer: Any, runner: Any
+) -> None:
+    import uvicorn
+
+    from nxdplug.engine import Engine
+    from nxdplug.serving.app import build_app
+    from nxdplug.serving.engine_thread import EngineThread
+    from nxdplug.serving.metrics import ServingMetrics
+
+    engine = Engine(model, tokenizer, max_waiting=args.max_waiting, runner=runner)
+    metrics = ServingMetrics(engine)
+    engine_thread = EngineThread(engine, metrics)
+    name = args.served_model_name or str(args.model_path)
+    app = build_app(engine_thread, tokenizer, name, metrics)
+    server_config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        access_log=args.log_level in ("debug", "info"),
+        timeout_graceful_shutdown=GRACE_SECONDS,
+    )
+    if args.log_level != "debug":  # uvicorn's start-up lines; the one line below says it all
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    host, port = sock.getsockname()[:2]
+    engine_thread.start()
+    try:
+        print(
+            f"nxdplug: serving {name} at http://{_url_host(host)}:{port}/v1 "
+            f"({model.backend_name} backend, batch size {model.neuron_config.max_batch_size})",
+            flush=True,
+        )
+        _graceful_server_class()(server_config).run(sockets=[sock])
+    finally:
+        engine_thread.shutdown()
+
+
+def _require_serving_packages() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise NxdPlugError(
+            f"`nxdplug serve` needs {exc.name}, which is not installed: "
+            "pip install 'nxdplug[serve]'"
+        ) from exc
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """Take the port now, before the model loads, so that a busy port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise NxdPlugError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _load_tokenizer(model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_path))
+    except (OSError, ValueError) as exc:
+        raise NxdPlugError(
+            f"no usable tokenizer in {model_path} ({type(exc).__name__}); `nxdplug serve` needs "
+            "tokenizer.json / tokenizer_config.json beside the weights"
+        ) from exc
+
+
+def _graceful_server_class() -> type:
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, except that a signal only stops it: uvicorn re-raises the signal
+        after its shutdown (Ctrl-C would end in KeyboardInterrupt, SIGTERM in death by signal),
+        where ``nxdplug serve`` exits 0 after a clean stop."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()
+
+    return GracefulServer
