@@ -1,0 +1,494 @@
+"""``nxdplug serve``: a real server process, driven by the official ``openai`` client.
+
+Greedy outputs are checked against HF transformers' greedy decoding of the same checkpoint;
+errors against OpenAI's error body; the load test and the client that hangs up against the
+server's own metrics (every KV-cache line free afterwards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from nxdplug.cli.main import main  # noqa: E402
+from nxdplug.serving.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
+from nxdplug.testing.tiny_models import make_tiny_checkpoint  # noqa: E402
+
+SEQ_LEN = 512  # long enough that a 400-token stream outlasts a client that hangs up
+MODEL = "tiny-llama"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+STARTED = re.compile(r"at (http://\S+)/v1 ")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = make_tiny_checkpoint(
+        "llama", tmp_path_factory.mktemp("serve") / "ckpt", seed=1,
+        overrides={"initializer_range": 0.15},
+    )  # fmt: skip
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Iterator[str]:
+    """A running ``nxdplug serve``; its base URL. Stopped with SIGTERM, which must exit 0."""
+    command = [
+        sys.executable, "-c", "import sys; from nxdplug.cli.main import main; sys.exit(main())",
+        "serve", "--model-path", str(checkpoint), "--served-model-name", MODEL, "--port", "0",
+        "--seq-len", str(SEQ_LEN), "--batch-size", "4", "--torch-dtype", "float32",
+        "--log-level", "warning",
+    ]  # fmt: skip
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        first_line = process.stdout.readline()
+        match = STARTED.search(first_line)
+        assert match, f"no start-up line: {first_line!r} {process.stderr.read()}"
+        base = match.group(1)
+        for _ in range(100):
+            try:
+                if get(f"{base}/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        yield base
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+        assert process.returncode == 0, stderr
+        assert "Traceback" not in stderr, stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint: Path):
+    return AutoTokenizer.from_pretrained(str(checkpoint))
+
+
+@pytest.fixture(scope="module")
+def greedy(checkpoint: Path, tokenizer):
+    """HF transformers' greedy text for prompt ids, ignoring EOS (the oracle)."""
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    cache: dict[tuple[tuple[int, ...], int], str] = {}
+
+    def decode(prompt_ids: list[int], max_tokens: int) -> str:
+        key = (tuple(prompt_ids), max_tokens)
+        if key not in cache:
+            with torch.inference_mode():
+                out = hf_model.generate(
+                    torch.tensor([prompt_ids]),
+                    max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            cache[key] = tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
+        return cache[key]
+
+    return decode
+
+
+def request(url: str, body: str | None = None) -> tuple[int, str]:
+    """Status and body of a GET (or a JSON POST with ``body``), errors included."""
+    data = None if body is None else body.encode()
+    sent = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(sent, timeout=60) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def get(url: str) -> tuple[int, str]:
+    return request(url)
+
+
+def metric(base: str, name: str) -> float:
+    text = get(f"{base}/metrics")[1]
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def wait_until_idle(base: str) -> None:
+    names = (
+        "nxdplug:kv_cache_lines_in_use",
+        "nxdplug:num_requests_running",
+        "nxdplug:num_requests_waiting",
+    )
+    for _ in range(100):
+        if all(metric(base, name) == 0 for name in names):
+            return
+        time.sleep(0.05)
+    pytest.fail(
+        "the server did not free its KV-cache lines: " + str([metric(base, n) for n in names])
+    )
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+# --- the OpenAI API --------------------------------------------------------------------------
+
+
+def test_completion_is_hf_greedy(client, tokenizer, greedy) -> None:
+    prompt = "def add(a, b):\n    return"
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True}, logprobs=0,
+    )  # fmt: skip
+    prompt_ids = tokenizer(prompt).input_ids
+    choice = reply.choices[0]
+    assert choice.text == greedy(prompt_ids, 12)
+    assert choice.finish_reason == "length"
+    assert reply.object == "text_completion" and reply.model == MODEL
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+    assert reply.usage.completion_tokens == 12 and reply.usage.total_tokens == len(prompt_ids) + 12
+    assert len(choice.logprobs.token_logprobs) == 12
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+
+
+def test_completion_of_token_ids_streamed(client, greedy) -> None:
+    prompt_ids = [5, 17, 300, 42, 9, 120]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompt_ids, max_tokens=20, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert all(c.object == "text_completion" for c in chunks)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == greedy(prompt_ids, 20)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_completion_is_hf_greedy(client, tokenizer, greedy) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "import os"},
+    ]
+    prompt_ids = chat_prompt_ids(tokenizer, messages)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=15, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == greedy(prompt_ids, 15)
+    assert reply.usage.prompt_tokens == len(prompt_ids)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=15, temperature=0, stream=True,
+            logprobs=True, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == greedy(prompt_ids, 15)
+    assert sum(len(c.choices[0].logprobs.content) for c in chunks[1:]) == 15
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_without_max_tokens_fills_the_sequence(client, tokenizer) -> None:
+    messages = [{"role": "user", "content": "x = 1"}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    prompt = len(chat_prompt_ids(tokenizer, messages))
+    assert reply.usage.completion_tokens == SEQ_LEN - prompt
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_stop_string_ends_the_text_before_it(client, greedy, tokenizer) -> None:
+    prompt_ids = [7, 8, 9, 10]
+    full = greedy(prompt_ids, 12)
+    stop = full[3:5]
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].text == full[: full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_models_health_and_metrics(server: str, client) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert get(f"{server}/health")[0] == 200
+    text = get(f"{server}/metrics")[1]
+    for name in (
+        "nxdplug:num_requests_running",
+        "nxdplug:num_requests_waiting",
+        "nxdplug:kv_cache_lines_in_use",
+        "nxdplug:prompt_tokens_total",
+        "nxdplug:generation_tokens_total",
+        "nxdplug:request_success_total",
+        "nxdplug:time_to_first_token_seconds_bucket",
+        "nxdplug:inter_token_latency_seconds_bucket",
+        "nxdplug:e2e_request_latency_seconds_bucket",
+    ):
+        assert name in text
+    assert metric(server, "nxdplug:kv_cache_lines_total") == 4
+    before = metric(server, "nxdplug:generation_tokens_total")
+    client.completions.create(
+        model=MODEL, prompt=[1, 2], max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert metric(server, "nxdplug:generation_tokens_total") == before + 3
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def post(base: str, path: str, body: str | dict) -> tuple[int, dict]:
+    status, text = request(f"{base}/v1/{path}", body if isinstance(body, str) else json.dumps(body))
+    return status, json.loads(text)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "gpt-4", "prompt": "a"}, 404, "model"),
+        ('{"model": "tiny-llama", "prompt": ', 400, None),
+        ({"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "a b " * 400}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "a", "max_tokens": SEQ_LEN}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "a", "echo": True}, 400, "echo"),
+        ({"model": MODEL, "prompt": "a", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+        ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "a", "best_of": 3}, 400, "best_of"),
+        ({"model": MODEL, "prompt": "a", "made_up": 1}, 400, "made_up"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({"model": MODEL}, 400, "prompt"),
+    ],
+    ids=lambda v: str(v)[:40],
+)
+def test_bad_completion_requests(server: str, body, status: int, param) -> None:
+    code, reply = post(server, "completions", body)
+    assert code == status, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and error["message"]
+    assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "a", "tool_calls": []}]},
+            "messages.0.tool_calls",
+        ),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_bad_chat_requests(server: str, extra: dict, param: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a"}]} | extra
+    code, reply = post(server, "chat/completions", body)
+    assert code == 400, reply
+    assert reply["error"]["param"] == param
+
+
+def test_the_openai_client_sees_the_errors(client) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="a")
+    with pytest.raises(openai.BadRequestError, match="only n=1"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a"}], n=2
+        )
+    # ... and the server keeps serving
+    assert (
+        client.completions.create(model=MODEL, prompt="a", max_tokens=2).usage.completion_tokens
+        >= 1
+    )
+
+
+def test_a_tokenizer_without_chat_template_is_a_clear_400(checkpoint: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    tokenizer.chat_template = None
+    request = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "a"}])
+    with pytest.raises(OpenAIError, match="no chat template") as raised:
+        request.prompt_ids(tokenizer)
+    assert raised.value.status == 400
+
+
+def test_a_busy_port_is_a_one_line_error(server: str, checkpoint: Path, capsys) -> None:
+    port = server.rsplit(":", 1)[1]
+    code = main(["serve", "--model-path", str(checkpoint), "--port", port])
+    assert code == 1
+    error = capsys.readouterr().err
+    assert (
+        error.startswith("nxdplug: error: cannot listen on 127.0.0.1:") and "Traceback" not in error
+    )
+
+
+# --- load and cancellation ---------------------------------------------------------------------
+
+
+def test_concurrent_clients_get_their_solo_greedy_outputs(server: str, client, greedy) -> None:
+    generator = torch.Generator().manual_seed(0)
+    jobs = [
+        (torch.randint(3, 500, (3 + (i * 7) % 40,), generator=generator).tolist(), 2 + (i * 5) % 19)
+        for i in range(64)
+    ]
+    expected = [greedy(prompt, max_tokens) for prompt, max_tokens in jobs]
+
+    def ask(job: tuple[list[int], int]) -> str:
+        prompt, max_tokens = job
+        reply = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert reply.usage.completion_tokens == max_tokens
+        return reply.choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, jobs))
+    assert answers == expected
+    wait_until_idle(server)
+
+
+def test_a_client_that_hangs_up_frees_its_line(server: str, client) -> None:
+    aborted = 'nxdplug:request_success_total{finished_reason="abort"}'
+    text = get(f"{server}/metrics")[1]
+    before = float(m.group(1)) if (m := re.search(re.escape(aborted) + r" (\S+)", text)) else 0.0
+    stream = client.completions.create(
+        model=MODEL, prompt=[1, 2, 3], max_tokens=SEQ_LEN - 3, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for count, _ in enumerate(stream):
+        if count == 1:
+            break
+    stream.close()
+    wait_until_idle(server)
+    assert metric(server, aborted) == before + 1
+
+
+def test_a_request_waits_for_a_free_line(server: str, client) -> None:
+    """Five requests on four lines: the fifth waits for a line, and all finish."""
+    barrier = threading.Barrier(5)
+
+    def ask(_: int) -> int:
+        barrier.wait()
+        reply = client.completions.create(
+            model=MODEL, prompt=[4, 5], max_tokens=40, extra_body={"ignore_eos": True}
+        )
+        return reply.usage.completion_tokens
+
+    with ThreadPoolExecutor(5) as pool:
+        assert list(pool.map(ask, range(5))) == [40] * 5
+    wait_until_idle(server)
+
+
+# --- the engine thread, without HTTP -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def application(checkpoint: Path):
+    from nxdplug import NeuronConfig, from_pretrained
+
+    neuron_config = NeuronConfig(
+        batch_size=2, ctx_batch_size=1, is_continuous_batching=True, seq_len=64,
+        torch_dtype="float32",
+    )  # fmt: skip
+    model = from_pretrained(checkpoint, neuron_config)
+    model.to_cpu()
+    return model
+
+
+def test_engine_thread_streams_and_a_closed_stream_aborts(application) -> None:
+    from nxdplug.engine import Engine, SamplingSettings
+    from nxdplug.serving.engine_thread import EngineStoppedError, EngineThread
+
+    engine = Engine(application)
+    engine_thread = EngineThread(engine)
+    engine_thread.start()
+    settings = SamplingSettings(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def scenario() -> tuple[int, str | None]:
+        whole = [o async for o in engine_thread.generate([1, 2, 3], settings)]
+        stream = engine_thread.generate([1, 2, 3], settings)
+        async for _ in stream:
+            break  # the consumer leaves: the request is aborted
+        return sum(len(o.token_ids) for o in whole), whole[-1].finish_reason
+
+    assert asyncio.run(scenario()) == (40, "length")
+    for _ in range(100):
+        if engine.lines.in_use == 0 and not engine.has_unfinished():
+            break
+        time.sleep(0.01)
+    assert engine.lines.in_use == 0 and not engine.has_unfinished()
+    engine_thread.shutdown(timeout=10)
+    assert not engine_thread.is_alive()
+
+    async def after_shutdown() -> None:
+        engine_thread.generate([1], settings)
+
+    with pytest.raises(EngineStoppedError):
+        asyncio.run(after_shutdown())
+
+
+def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
+    from nxdplug.engine import Engine, SamplingSettings
+    from nxdplug.serving.engine_thread import EngineThread
+
+    def broken(**inputs: torch.Tensor) -> None:
+        raise RuntimeError("the device fell off")
+
+    engine_thread = EngineThread(Engine(application, runner=broken))
+    engine_thread.start()
+
+    async def scenario() -> None:
+        async for _ in engine_thread.generate([1, 2], SamplingSettings(max_tokens=4)):
+            pass
+
+    with pytest.raises(RuntimeError, match="the device fell off"):
+        asyncio.run(scenario())
+    engine_thread.shutdown(timeout=10)
+    assert not engine_thread.is_alive()
