@@ -10,9 +10,12 @@ the command exits 0. Under ``torchrun`` the first rank serves and the others fol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +75,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if tp_world_size() > 1 and tp_rank() != 0:
         from nxdplug.engine.ranks import follow_steps
 
-        follow_steps(model)
+        with _deaf_to_stop_signals():
+            follow_steps(model)
         return 0
     assert sock is not None
     broadcaster = None
@@ -122,6 +126,18 @@ def _serve(
         _graceful_server_class()(server_config).run(sockets=[sock])
     finally:
         engine_thread.shutdown()
+
+
+@contextlib.contextmanager
+def _deaf_to_stop_signals() -> Iterator[None]:
+    """A follower rank ignores Ctrl-C and SIGTERM (sent to the whole process group by a
+    terminal or by torchrun): it stops when the first rank, shutting down, tells it to."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _require_serving_packages() -> None:
