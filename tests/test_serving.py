@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -57,35 +58,45 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint: Path) -> Iterator[str]:
-    """A running ``nxdplug serve``; its base URL. Stopped with SIGTERM, which must exit 0."""
+def start_server(checkpoint: Path, *options: str, env: dict[str, str] | None = None):
+    """A ``nxdplug serve`` process on a free port, and its base URL once the start-up line is
+    printed (None for a rank that does not serve)."""
     command = [
         sys.executable, "-c", "import sys; from nxdplug.cli.main import main; sys.exit(main())",
         "serve", "--model-path", str(checkpoint), "--served-model-name", MODEL, "--port", "0",
-        "--seq-len", str(SEQ_LEN), "--batch-size", "4", "--torch-dtype", "float32",
-        "--log-level", "warning",
+        "--torch-dtype", "float32", "--log-level", "warning", *options,
     ]  # fmt: skip
-    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    env = os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {})
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    try:
-        first_line = process.stdout.readline()
-        match = STARTED.search(first_line)
-        assert match, f"no start-up line: {first_line!r} {process.stderr.read()}"
-        base = match.group(1)
-        for _ in range(100):
-            try:
-                if get(f"{base}/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.1)
-        yield base
-        process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=30)
+    if env.get("RANK", "0") != "0":
+        return process, None
+    first_line = process.stdout.readline()
+    match = STARTED.search(first_line)
+    if not match:
+        process.kill()
+        pytest.fail(f"no start-up line: {first_line!r} {process.communicate()[1]}")
+    return process, match.group(1)
+
+
+def stop(processes: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
+    """Signal every process, as a terminal signals its process group; each must exit 0."""
+    for process in processes:
+        process.send_signal(sig)
+    for process in processes:
+        _, stderr = process.communicate(timeout=60)
         assert process.returncode == 0, stderr
         assert "Traceback" not in stderr, stderr
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Iterator[str]:
+    """A running ``nxdplug serve``; its base URL. Stopped with SIGTERM, which must exit 0."""
+    process, base = start_server(checkpoint, "--seq-len", str(SEQ_LEN), "--batch-size", "4")
+    try:
+        yield base
+        stop([process])
     finally:
         if process.poll() is None:
             process.kill()
@@ -492,3 +503,40 @@ def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
         asyncio.run(scenario())
     engine_thread.shutdown(timeout=10)
     assert not engine_thread.is_alive()
+
+
+# --- tensor parallelism ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_hf_greedy_and_stop_together(checkpoint: Path, greedy) -> None:
+    """As ``torchrun --nproc-per-node 2 nxdplug serve ... --tp-degree 2`` launches it."""
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    launch["OMP_NUM_THREADS"] = "1"
+    options = ("--seq-len", "128", "--batch-size", "2", "--tp-degree", "2")
+    follower, _ = start_server(checkpoint, *options, env=launch | {"RANK": "1", "LOCAL_RANK": "1"})
+    try:
+        first, base = start_server(
+            checkpoint, *options, env=launch | {"RANK": "0", "LOCAL_RANK": "0"}
+        )
+        try:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+            prompt_ids = [5, 17, 300, 42, 9, 120]
+            reply = client.completions.create(
+                model=MODEL, prompt=prompt_ids, max_tokens=16, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert reply.choices[0].text == greedy(prompt_ids, 16)
+            stop([first, follower], signal.SIGINT)
+        finally:
+            if first.poll() is None:
+                first.kill()
+    finally:
+        if follower.poll() is None:
+            follower.kill()
