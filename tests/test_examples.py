@@ -72,3 +72,13 @@ def test_nxdi_speculative_script_prints_hf_greedy_text(tiny_checkpoint) -> None:
         expected[0], skip_special_tokens=True, clean_up_tokenization_spaces=False
     )
     assert printed.startswith(f"Output 0: {text}\nspeculation: "), printed
+
+
+def test_engine_async_mode_example_times_both_modes(tiny_checkpoint, tmp_path) -> None:
+    path = tiny_checkpoint("llama", seed=5)
+    command = [sys.executable, str(EXAMPLES / "engine_async_mode.py"), "--model-path", str(path)]
+    command += ["--compiled-model-path", str(tmp_path / "c"), "--torch-dtype", "float32"]
+    command += ["--batch-size", "2", "--prompt-length", "8", "--max-tokens", "8", "--runs", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert "async_mode=False" in result.stdout and "async_mode=True" in result.stdout
+    assert "gain" in result.stdout
