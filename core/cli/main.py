@@ -25,6 +25,10 @@ import attrs
 
 from nxdplug import __version__
 from nxdplug.cli.benchmark import add_benchmark_arguments, run_benchmark
+from nxdplug.cli.benchmark_serving import (
+    add_benchmark_serving_arguments,
+    run_benchmark_serving,
+)
 from nxdplug.cli.inference import (
     add_check_config_arguments,
     add_compile_arguments,
@@ -156,6 +160,13 @@ COMMANDS: tuple[Command, ...] = (
         "time context encoding and token generation (optionally against HF transformers)",
         run=run_benchmark,
         add_arguments=add_benchmark_arguments,
+    ),
+    Command(
+        "benchmark-serving",
+        "load an OpenAI-compatible server with concurrent streamed requests (as vLLM's "
+        "benchmark_serving.py); optionally against transformers serve",
+        run=run_benchmark_serving,
+        add_arguments=add_benchmark_serving_arguments,
     ),
     Command(
         "serve",
