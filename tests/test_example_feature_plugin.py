@@ -109,10 +109,9 @@ def test_run_generates_with_the_cap(installed, tiny_checkpoint) -> None:
 
 
 def test_the_packages_own_tests_pass(installed) -> None:
-    """Its tests, run from its own folder against the installed copy. The compiled-path test
-    (about 20 s, one inductor compile) is left to the package's own runs."""
+    """Its tests, compiled path included, run from its own folder against the installed copy."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "not compiled"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
         cwd=installed.source,
         env=installed.env(),
         capture_output=True,
@@ -120,4 +119,4 @@ def test_the_packages_own_tests_pass(installed) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and "deselected" in done.stdout
+    assert " passed" in done.stdout and "skipped" not in done.stdout

@@ -4,7 +4,9 @@
 - :func:`make_tiny_checkpoint`: a tiny random HF checkpoint of any registered architecture;
 - :func:`check_accuracy`: the oracle check of an nxdplug model against HF transformers on the same
   checkpoint, by token matching (greedy, exact) or logit matching (per step, with teacher
-  forcing on HF's tokens, tolerances that fit the dtype).
+  forcing on HF's tokens, tolerances that fit the dtype);
+- :func:`check_low_precision`: a bf16/fp16 model judged against HF float32, no further off than
+  HF's own forward in that dtype.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ import torch
 
 from nxdplug.errors import NxdPlugError
 from nxdplug.manager import NxdPlugPluginManager, create_plugin_manager, use_plugin_manager
+from nxdplug.testing.precision import PrecisionReport, check_low_precision
 from nxdplug.testing.tiny_models import make_tiny_checkpoint
 
 __all__ = [
     "AccuracyReport",
+    "PrecisionReport",
     "check_accuracy",
     "check_against_hf",
+    "check_low_precision",
     "chi_square_p_value",
     "derived_checkpoint",
     "exact_top_k_marginals",
