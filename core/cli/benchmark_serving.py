@@ -86,9 +86,10 @@ def add_benchmark_serving_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--warmup-requests",
         type=positive_int,
-        default=1,
         metavar="N",
-        help="untimed requests sent to each server first, one at a time",
+        help="untimed requests sent to each server first, --concurrency at a time (default: "
+        "--concurrency: transformers serve's first wave of concurrent requests pays a one-time "
+        "cost of seconds)",
     )
     load.add_argument("--prompt-length", type=positive_int, default=64, metavar="N")
     load.add_argument(
@@ -160,11 +161,14 @@ def _measure(
     prompts: list[str],
     progress: Callable[[str], None],
 ) -> dict[str, float]:
-    """Warm-up requests one at a time, then the timed load."""
+    """Untimed warm-up requests, then the timed load."""
     from nxdplug.benchmark.serving_load import run_serving_load
 
-    progress(f"{label}: {args.warmup_requests} warm-up request(s)")
-    run_serving_load(base_url, model, prompts, args.max_tokens, 1, args.warmup_requests, extra_body)
+    warmup = args.warmup_requests or args.concurrency
+    progress(f"{label}: {warmup} warm-up request(s)")
+    run_serving_load(
+        base_url, model, prompts, args.max_tokens, args.concurrency, warmup, extra_body
+    )
     progress(
         f"{label}: {args.num_requests} requests, {args.concurrency} at a time, "
         f"{args.max_tokens} tokens each"
