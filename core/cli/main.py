@@ -263,3 +263,7 @@ def _describe(exc: BaseException) -> str:
 def _report(message: str, *, exit_code: int) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
