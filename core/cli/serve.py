@@ -27,8 +27,14 @@ from nxdplug.errors import NxdPlugError
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GRACE_SECONDS = 5
 # Serving defaults, below the options the user gives: a line per request, prompts encoded one
-# at a time as they arrive (as NxD Inference's vLLM integration does).
-SERVE_DEFAULTS = {"is_continuous_batching": True, "batch_size": 8, "ctx_batch_size": 1}
+# at a time as they arrive, buckets (as NxD Inference's vLLM integration does): a short prompt
+# or a young sequence does not pay for the longest one.
+SERVE_DEFAULTS = {
+    "is_continuous_batching": True,
+    "batch_size": 8,
+    "ctx_batch_size": 1,
+    "enable_bucketing": True,
+}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +64,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     extensions.add_extension_arguments(parser, "serve")
     parser.epilog = (
         "Serving defaults (each overridable): --is-continuous-batching, --batch-size 8, "
-        "--ctx-batch-size 1."
+        "--ctx-batch-size 1, --enable-bucketing."
     )
 
 
