@@ -174,11 +174,16 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight to multiply inputs of ``dtype`` by; layers storing another form of the
-        weight (quantized, say) override this, not ``forward``."""
+        weight (quantized, say) override this, or ``project``, not ``forward``."""
         return self.weight
 
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` on this rank's shard; a layer with a kernel of its own for
+        its form of the weight overrides this."""
+        return F.linear(x, self.weight_for(x.dtype), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight_for(x.dtype), self.bias)
+        out = self.project(x, self.bias)
         if self.gather_output and use_collectives(self.tp_degree, self.group):
             out = all_gather_last_dim(out, self.rank, self.tp_degree, self.group)
         return out
@@ -239,11 +244,15 @@ class RowParallelLinear(nn.Module):
         """The weight to multiply inputs of ``dtype`` by (see ColumnParallelLinear.weight_for)."""
         return self.weight
 
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` (see ColumnParallelLinear.project)."""
+        return F.linear(x, self.weight_for(x.dtype), bias)
+
     def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output, ``x`` being its slice of the input features; the
         terms are summed over the ranks. A layer adding a term of its own overrides this, so
         that one all-reduce sums both."""
-        return F.linear(x, self.weight_for(x.dtype))
+        return self.project(x, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

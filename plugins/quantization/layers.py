@@ -26,6 +26,10 @@ from nxdplug.plugins.quantization.targets import (
     names_module,
 )
 
+# Up to this many rows the int8 kernel beats dequantizing for a bf16 GEMM (measured on this
+# CPU, 2048x768: 80 us against 79 us at 8 rows, 2.5x faster at 1; 3x slower at 128).
+INT8_KERNEL_MAX_ROWS = 8
+
 
 class QuantizedWeight:
     """What the quantized layers add to their parallel linear base: the 8-bit weight, its scale
@@ -47,6 +51,25 @@ class QuantizedWeight:
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The 8-bit weight dequantized for this call; the base layer's forward does the rest."""
         return dequantize_weight(self.weight, self.weight_scale, dtype)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A few rows (decoding) times an int8 weight on the CPU go to PyTorch's weight-only int8
+        kernel, which reads the 8-bit weight and scales each output by its row's scale after an
+        exact int8 x float product (float32 accumulation): the step reads half the bytes of a
+        bf16 weight and makes no full-precision copy. Its cost grows with the rows (about a GEMV
+        each), so prompts, fp8 weights and other devices dequantize the weight for a GEMM."""
+        rows = x.numel() // x.shape[-1]
+        if not (
+            self.weight.dtype == torch.int8
+            and x.device.type == "cpu"
+            and rows <= INT8_KERNEL_MAX_ROWS
+        ):
+            return super().project(x, bias)
+        scale = self.weight_scale.to(x.dtype).expand(self.weight.shape[0]).contiguous()
+        flat = x.reshape(rows, x.shape[-1]).contiguous()
+        out = torch._weight_int8pack_mm(flat, self.weight, scale)
+        out = out.reshape(*x.shape[:-1], -1)
+        return out if bias is None else out + bias
 
 
 class QuantizedColumnParallelLinear(QuantizedWeight, ColumnParallelLinear):
