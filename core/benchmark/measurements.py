@@ -382,14 +382,16 @@ def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> Deco
     of routed experts, those a step can route to) and the KV cache of ``positions`` tokens per
     row.
 
-    The weights are counted on the model class built on the meta device, so the count is the
-    same whether the model runs eagerly or from compiled graphs, and costs no memory.
+    The weights are counted on the model class built on the meta device and transformed by the
+    enabled plugins (8-bit weights count one byte each), so the count is the same whether the
+    model runs eagerly or from compiled graphs, and costs no memory.
     """
     from nxdplug.runtime.meta_init import parameters_on_meta
 
     config = model.config
-    with parameters_on_meta():
+    with parameters_on_meta(), model.context.active():
         skeleton = model.context_encoding_model.model_cls(config, optimize_inference=False)
+        model.context.transform_model(skeleton)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     dtype = config.neuron_config.torch_dtype
     weights = decode_weight_bytes(skeleton, dtype, batch_size, tied)
