@@ -281,29 +281,31 @@ class HuggingFaceGenerationAdapter:
             )
 
         steps = StepAhead(call, pipelined=self._runs_ahead(sampling))
-        step_input = input_ids
-        for step in range(new_tokens):
-            outputs = steps.outputs(step_input, mask)
-            next_tokens, logits, scores = sampling.step(outputs, sequences)
-            if step < new_tokens - 1:
-                steps.start_next(
-                    next_tokens[:, None], torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
-                )
-            if keep_logits:
-                all_logits.append(logits)
-            if keep_scores:
-                all_scores.append(scores)
-            if parts.pads_finished_rows:
-                next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
-            sequences = torch.cat([sequences, next_tokens[:, None]], dim=-1)
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-            unfinished = unfinished & ~criteria(sequences, tuple(all_scores) or None)
-            if streamer is not None:
-                streamer.put(next_tokens.cpu())
-            if unfinished.max() == 0 or step == new_tokens - 1:
-                break
-            step_input = next_tokens[:, None]
-        steps.finish()
+        try:
+            step_input = input_ids
+            for step in range(new_tokens):
+                outputs = steps.outputs(step_input, mask)
+                next_tokens, logits, scores = sampling.step(outputs, sequences)
+                if step < new_tokens - 1:
+                    steps.start_next(
+                        next_tokens[:, None], torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
+                    )
+                if keep_logits:
+                    all_logits.append(logits)
+                if keep_scores:
+                    all_scores.append(scores)
+                if parts.pads_finished_rows:
+                    next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
+                sequences = torch.cat([sequences, next_tokens[:, None]], dim=-1)
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+                unfinished = unfinished & ~criteria(sequences, tuple(all_scores) or None)
+                if streamer is not None:
+                    streamer.put(next_tokens.cpu())
+                if unfinished.max() == 0 or step == new_tokens - 1:
+                    break
+                step_input = next_tokens[:, None]
+        finally:
+            steps.finish()
         if streamer is not None:
             streamer.end()
 
