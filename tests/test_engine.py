@@ -111,6 +111,20 @@ def test_async_mode_with_on_device_sampling_gives_the_same_tokens(
     engine.close()
 
 
+def test_async_mode_lets_a_late_request_join_at_once(checkpoint, prompts) -> None:
+    """A request arriving while others decode is decoded beside them, not after them."""
+    engine = Engine(app_for(checkpoint, async_mode=True, **DYNAMIC), eos_token_ids=[])
+    early = [engine.add_request(p, SamplingSettings(40, 0)) for p in prompts[:2]]
+    for _ in range(3):
+        engine.step()
+    late = engine.add_request(prompts[2], SamplingSettings(5, 0))
+    finished = []
+    while engine.has_unfinished():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == [late, *early]
+    engine.close()
+
+
 @pytest.fixture(scope="module")
 def compiled_folder(checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("engine") / "compiled"

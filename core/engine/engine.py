@@ -9,7 +9,9 @@ ended. Requests come and go between steps; the graphs never change shape, so not
 With ``async_mode`` (which needs on-device sampling) the next decode step is started with the
 tokens the model just chose, before the host looks at them: the host's work of a step
 (choosing what ended, decoding text, handing out outputs) overlaps the model's next step. A
-request that ended is dropped from the step after; its extra token is thrown away.
+request that ended is dropped from the step after; its extra token is thrown away. The chain
+breaks for a step whenever requests join (a prompt to encode, or one just encoded), so that
+the next step decodes every running request.
 
 ``add_request`` and ``abort`` may be called from other threads while one thread steps.
 """
@@ -200,7 +202,8 @@ class Engine:
             batch, future = self._pending
             self._pending = None
             result = future.result()
-            if not self._can_admit():
+            newcomers = any(r not in batch for r in self._running.values())
+            if not (newcomers or self._can_admit()):
                 self._start_decode(batch, first_tokens=result[0])
             return outputs + self._accept(batch, result)
         admitted = self._admit()
