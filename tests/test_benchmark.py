@@ -11,6 +11,7 @@ import statistics
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from nxdplug.benchmark.measurements import (
     BenchmarkReport,
@@ -108,7 +109,7 @@ def test_json_report_shape_and_ratios(capsys, llama_path) -> None:
     assert code == 0, err
     assert err == ""  # --quiet
     report = json.loads(out)
-    assert set(report) == {"config", "nxdplug", "hf", "ratios", "bandwidth"}
+    assert set(report) == {"config", "nxdplug", "hf", "ratios", "bandwidth", "memory"}
     assert report["config"]["backend"] == "eager"
     assert report["config"]["new_tokens"] == 4 and report["config"]["prompt_length"] == 8
     assert set(report["nxdplug"]) == set(report["hf"]) == set(report["ratios"])
@@ -123,6 +124,11 @@ def test_json_report_shape_and_ratios(capsys, llama_path) -> None:
         fraction = bandwidth["fraction_of_ceiling"][name]
         expected = report[name]["decode_tokens_per_s"] / bandwidth["ceiling_tokens_per_s"]
         assert fraction == pytest.approx(expected)
+    # every weight once (the tied head not twice), and a process holding them holds more
+    memory = report["memory"]
+    hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
+    assert memory["model_weight_bytes"] == sum(p.numel() * 4 for p in hf.parameters())
+    assert memory["peak_rss_bytes"] > memory["model_weight_bytes"]
 
 
 def test_compare_hf_table_has_both_columns(capsys, llama_path) -> None:

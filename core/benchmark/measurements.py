@@ -13,11 +13,13 @@ weight once plus the KV cache held so far, so it cannot produce more than
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -386,12 +388,8 @@ def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> Deco
     enabled plugins (8-bit weights count one byte each), so the count is the same whether the
     model runs eagerly or from compiled graphs, and costs no memory.
     """
-    from nxdplug.runtime.meta_init import parameters_on_meta
-
     config = model.config
-    with parameters_on_meta(), model.context.active():
-        skeleton = model.context_encoding_model.model_cls(config, optimize_inference=False)
-        model.context.transform_model(skeleton)
+    skeleton = _weights_skeleton(model)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     dtype = config.neuron_config.torch_dtype
     weights = decode_weight_bytes(skeleton, dtype, batch_size, tied)
@@ -404,6 +402,43 @@ def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> Deco
         weights=weights,
         kv_cache=round(kv_cache_bytes(config, batch_size, positions)),
     )
+
+
+def reset_peak_rss() -> None:
+    """Start the process's peak resident memory (VmHWM) afresh, where Linux allows it."""
+    # Not Linux, or not allowed: the peak then counts from the process's start.
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int | None:
+    """The process's peak resident memory since its start or :func:`reset_peak_rss`."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def model_weight_bytes(model: Any) -> int:
+    """Bytes of every weight the loaded model holds (as the plugins transformed it)."""
+    config = model.config
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return weight_bytes(_weights_skeleton(model), config.neuron_config.torch_dtype, tied)
+
+
+def _weights_skeleton(model: Any) -> nn.Module:
+    """The application's model class built on the meta device (no memory, no KV cache) and
+    transformed by the enabled plugins, for counting its weights."""
+    from nxdplug.runtime.meta_init import parameters_on_meta
+
+    with parameters_on_meta(), model.context.active():
+        skeleton = model.context_encoding_model.model_cls(model.config, optimize_inference=False)
+        model.context.transform_model(skeleton)
+    return skeleton
 
 
 # (label, key in GenerationStats.to_dict(), format)
@@ -428,6 +463,8 @@ class BenchmarkReport:
     read_gb_per_s: float
     bytes_per_step: DecodeBytes
     mean_positions: float
+    peak_rss: int | None = None  # bytes, the process's peak once the model was loaded
+    weight_bytes: int | None = None  # bytes of every weight the model holds
 
     @property
     def ceiling_tokens_per_s(self) -> float:
@@ -463,6 +500,7 @@ class BenchmarkReport:
                     if stats is not None
                 },
             },
+            "memory": {"peak_rss_bytes": self.peak_rss, "model_weight_bytes": self.weight_bytes},
         }
 
     def format_table(self) -> str:
@@ -518,6 +556,16 @@ class BenchmarkReport:
             f"bytes per step  {b.total / 1e6:.2f} MB = {b.weights / 1e6:.2f} MB weights + "
             f"{b.kv_cache / 1e6:.2f} MB KV cache ({self.mean_positions:g} positions on average)",
             f"ceiling         {self.ceiling_tokens_per_s:.1f} decode tok/s",
+            *self._memory_lines(),
+        ]
+
+    def _memory_lines(self) -> list[str]:
+        if self.peak_rss is None or not self.weight_bytes:
+            return []
+        return [
+            f"peak RSS        {self.peak_rss / 1e6:.1f} MB once loaded (the process, Python and "
+            f"torch included) = {self.peak_rss / self.weight_bytes:.2f}x the model's "
+            f"{self.weight_bytes / 1e6:.1f} MB of weights"
         ]
 
 

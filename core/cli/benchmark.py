@@ -135,7 +135,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     progress(f"loading {args.model_path} ({dtype_name}, batch {batch_size})")
     refuse_unused_draft(args, config)
     extensions.prepare_config(args, config)
-    model = load_model(args, config)
+    model = load_model(args, config, before_load=benchmark.reset_peak_rss)
+    peak_rss = benchmark.peak_rss_bytes()  # before HF transformers' model is loaded
 
     input_ids = _prompts(args, config.vocab_size, batch_size)
     if model.plugins.speculation_mode is not None:
@@ -184,6 +185,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         read_gb_per_s=benchmark.measure_read_bandwidth(),
         bytes_per_step=benchmark.decode_bytes_per_step(model, batch_size, positions),
         mean_positions=positions,
+        peak_rss=peak_rss,
+        weight_bytes=benchmark.model_weight_bytes(model),
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,16 +168,22 @@ def add_compiled_model_options(parser: argparse.ArgumentParser, required: bool) 
     )
 
 
-def load_model(args: argparse.Namespace, config: Any) -> Any:
-    """The application, compiled and loaded from --compiled-model-path, or eager on the CPU."""
+def load_model(
+    args: argparse.Namespace, config: Any, before_load: Callable[[], None] | None = None
+) -> Any:
+    """The application, compiled and loaded from --compiled-model-path, or eager on the CPU.
+    ``before_load`` runs once compiling is done, just before the weights are loaded."""
     from nxdplug.runtime.application import from_pretrained
 
     model = from_pretrained(args.model_path, config=config)
     model.compiler_args = args.compiler_args
+    if args.compiled_model_path is not None:
+        model.compile(args.compiled_model_path, quiet=args.quiet)
+    if before_load is not None:
+        before_load()
     if args.compiled_model_path is None:
         model.to_cpu()
     else:
-        model.compile(args.compiled_model_path, quiet=args.quiet)
         model.load(args.compiled_model_path, quiet=args.quiet)
     return model
 
