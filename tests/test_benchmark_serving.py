@@ -20,7 +20,7 @@ from nxdplug.benchmark.serving_load import (
     run_serving_load,
     synthetic_prompts,
 )
-from nxdplug.cli.benchmark_serving import RUN_NXDPLUG
+from nxdplug.cli.benchmark_serving import NXDPLUG_COMMAND
 from nxdplug.cli.main import main
 from nxdplug.errors import NxdPlugError
 from nxdplug.testing.tiny_models import make_tiny_checkpoint
@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def base_url(checkpoint: Path) -> Iterator[str]:
     port = free_port()
     command = [
-        sys.executable, "-c", RUN_NXDPLUG, "serve", "--model-path", str(checkpoint),
+        sys.executable, *NXDPLUG_COMMAND, "serve", "--model-path", str(checkpoint),
         "--served-model-name", "tiny", "--port", str(port), "--batch-size", "4",
         "--log-level", "warning", *SERVE_OPTIONS,
     ]  # fmt: skip

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "examples" / "nxdplug-softcap"
 # Offline and into a folder of its own; the build uses the environment's setuptools.
 PIP_INSTALL = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
 PIP_INSTALL += ["--no-deps", "--no-build-isolation", "--no-index"]
-CLI = [sys.executable, "-c", "import sys; from nxdplug.cli.main import main; sys.exit(main())"]
+CLI = [sys.executable, "-m", "nxdplug.cli.main"]
 
 
 @attrs.frozen

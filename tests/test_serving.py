@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ pytest.importorskip("prometheus_client")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from nxdplug.benchmark.server_process import free_port  # noqa: E402
 from nxdplug.cli.main import main  # noqa: E402
 from nxdplug.serving.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
 from nxdplug.testing.tiny_models import make_tiny_checkpoint  # noqa: E402
@@ -62,7 +62,7 @@ def start_server(checkpoint: Path, *options: str, env: dict[str, str] | None = N
     """A ``nxdplug serve`` process on a free port, and its base URL once the start-up line is
     printed (None for a rank that does not serve)."""
     command = [
-        sys.executable, "-c", "import sys; from nxdplug.cli.main import main; sys.exit(main())",
+        sys.executable, "-m", "nxdplug.cli.main",
         "serve", "--model-path", str(checkpoint), "--served-model-name", MODEL, "--port", "0",
         "--torch-dtype", "float32", "--log-level", "warning", *options,
     ]  # fmt: skip
@@ -506,12 +506,6 @@ def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
 
 
 # --- tensor parallelism ------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from nxdplug.errors import NxdPlugError
 
 HOST = "127.0.0.1"
 # The command line of this Python's nxdplug (the nxdplug script may not be on PATH).
-RUN_NXDPLUG = "import sys; from nxdplug.cli.main import main; sys.exit(main())"
+NXDPLUG_COMMAND = ("-m", "nxdplug.cli.main")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1"}
 # transformers serve rejects fields it does not know (ignore_eos among them) but takes a whole
 # generation config; an eos id of -1 matches no token.
@@ -218,7 +218,7 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def _nxdplug_server(args: argparse.Namespace) -> ServerUnderTest:
     model = str(args.model_path)
-    command = [sys.executable, "-c", RUN_NXDPLUG, "serve", "--model-path", model]
+    command = [sys.executable, *NXDPLUG_COMMAND, "serve", "--model-path", model]
     command += ["--served-model-name", model, "--log-level", "warning"]
     if args.compiled_model_path is not None:
         command += ["--compiled-model-path", str(args.compiled_model_path)]
