@@ -260,11 +260,12 @@ def _first_model(base_url: str) -> str:
 
 
 def _prompts(args: argparse.Namespace) -> list[str]:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from nxdplug.benchmark.serving_load import read_prompt_file, synthetic_prompts
+    from nxdplug.cli.inference import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(args.model_path))
+    tokenizer = load_tokenizer(args.model_path, "benchmark-serving")
     vocab_size = AutoConfig.from_pretrained(str(args.model_path)).get_text_config().vocab_size
     if len(tokenizer) < vocab_size:
         warnings.warn(

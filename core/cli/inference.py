@@ -24,7 +24,7 @@ from nxdplug.cli.speculation import acceptance_line, add_speculation_options, re
 from nxdplug.errors import NxdPlugError
 
 
-def _add_model_path(parser: argparse.ArgumentParser) -> None:
+def add_model_path(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-path", required=True, type=Path, metavar="DIR", help="an HF checkpoint folder"
     )
@@ -45,7 +45,7 @@ def inference_config(model_path: Path, options: dict[str, Any]) -> Any:
 
 
 def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_path(parser)
+    add_model_path(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
         "--explain",
@@ -104,7 +104,7 @@ def run_check_config(args: argparse.Namespace) -> int:
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_path(parser)
+    add_model_path(parser)
     parser.add_argument(
         "--prompt",
         dest="prompts",
@@ -126,19 +126,18 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     extensions.add_extension_arguments(parser, "run")
 
 
-def _tokenizer(model_path: Path, padding_side: str) -> Any:
+def load_tokenizer(model_path: Path, command: str, **kwargs: Any) -> Any:
+    """The checkpoint's tokenizer (``kwargs`` go to ``AutoTokenizer.from_pretrained``); a
+    folder without one is a user error naming ``command``."""
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path), padding_side=padding_side)
+        return AutoTokenizer.from_pretrained(str(model_path), **kwargs)
     except (OSError, ValueError) as exc:
         raise NxdPlugError(
-            f"no usable tokenizer in {model_path} ({type(exc).__name__}); `nxdplug run` needs "
-            "tokenizer.json / tokenizer_config.json beside the weights"
+            f"no usable tokenizer in {model_path} ({type(exc).__name__}); `nxdplug {command}` "
+            "needs tokenizer.json / tokenizer_config.json beside the weights"
         ) from exc
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def add_compiled_model_options(parser: argparse.ArgumentParser, required: bool) -> None:
@@ -189,7 +188,7 @@ def load_model(
 
 
 def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_model_path(parser)
+    add_model_path(parser)
     add_compiled_model_options(parser, required=True)
     parser.add_argument(
         "--debug", action="store_true", help="keep each exported graph, annotated with source lines"
@@ -230,7 +229,11 @@ def run_run(args: argparse.Namespace) -> int:
             "speculating model does not compute; use token-matching"
         )
     generation |= extensions.generate_keywords(args, model)
-    tokenizer = _tokenizer(args.model_path, config.neuron_config.padding_side)
+    tokenizer = load_tokenizer(
+        args.model_path, "run", padding_side=config.neuron_config.padding_side
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     batch = tokenizer(args.prompts, return_tensors="pt", padding=True)
 
     adapter = HuggingFaceGenerationAdapter(model)

@@ -16,11 +16,16 @@ import os
 import signal
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from nxdplug.cli import extensions
-from nxdplug.cli.inference import add_compiled_model_options, inference_config, load_model
+from nxdplug.cli.inference import (
+    add_compiled_model_options,
+    add_model_path,
+    inference_config,
+    load_model,
+    load_tokenizer,
+)
 from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
 from nxdplug.errors import NxdPlugError
 
@@ -38,9 +43,7 @@ SERVE_DEFAULTS = {
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model-path", required=True, type=Path, metavar="DIR", help="an HF checkpoint folder"
-    )
+    add_model_path(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
@@ -74,7 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
     config = inference_config(args.model_path, SERVE_DEFAULTS | neuron_config_kwargs(args))
     extensions.prepare_config(args, config)
     model = load_model(args, config)
-    tokenizer = _load_tokenizer(args.model_path)
+    tokenizer = load_tokenizer(args.model_path, "serve")
 
     from nxdplug.modules.parallel_linear import tp_rank, tp_world_size
 
@@ -174,18 +177,6 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def _load_tokenizer(model_path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_path))
-    except (OSError, ValueError) as exc:
-        raise NxdPlugError(
-            f"no usable tokenizer in {model_path} ({type(exc).__name__}); `nxdplug serve` needs "
-            "tokenizer.json / tokenizer_config.json beside the weights"
-        ) from exc
 
 
 def _graceful_server_class() -> type:
