@@ -396,9 +396,9 @@ class Engine:
 
 def model_eos_token_ids(application: Any) -> list[int]:
     """The end-of-sequence tokens of the model's generation config (or config)."""
-    from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
+    from nxdplug.runtime.generation import model_generation_config
 
-    eos = HuggingFaceGenerationAdapter(application).generation_config.eos_token_id
+    eos = model_generation_config(application).eos_token_id
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)

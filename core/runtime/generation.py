@@ -125,6 +125,18 @@ class PluginTokens:
         return tokens, logits, scores
 
 
+def model_generation_config(model: Any) -> GenerationConfig:
+    """The checkpoint's ``generation_config.json``, else one with the config's special tokens."""
+    folder = Path(model.model_path)
+    if (folder / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(str(folder))
+    tokens = {
+        name: getattr(model.config, name, None)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id")
+    }
+    return GenerationConfig(**{k: v for k, v in tokens.items() if v is not None})
+
+
 def _application_of(assistant_model: Any) -> Any:
     """The draft application of ``assistant_model``: NxD Inference's scripts pass the draft
     wrapped in its own HuggingFaceGenerationAdapter, others pass the application itself."""
@@ -140,18 +152,7 @@ class HuggingFaceGenerationAdapter:
         self.neuron_model = model
         self.config = model.config
         self.input_capture_hook = input_capture_hook
-        self.generation_config = self._model_generation_config(model)
-
-    @staticmethod
-    def _model_generation_config(model: Any) -> GenerationConfig:
-        folder = Path(model.model_path)
-        if (folder / "generation_config.json").is_file():
-            return GenerationConfig.from_pretrained(str(folder))
-        tokens = {
-            name: getattr(model.config, name, None)
-            for name in ("bos_token_id", "eos_token_id", "pad_token_id")
-        }
-        return GenerationConfig(**{k: v for k, v in tokens.items() if v is not None})
+        self.generation_config = model_generation_config(model)
 
     def resolve_generation_config(
         self, generation_config: GenerationConfig | None, **kwargs: Any
