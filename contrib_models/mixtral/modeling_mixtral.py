@@ -15,6 +15,7 @@ from nxdplug.contrib_models.llama.modeling_llama import (
 )
 from nxdplug.errors import ConfigError
 from nxdplug.modules.moe import initialize_moe_module
+from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
 
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
@@ -42,13 +43,9 @@ class MixtralInferenceConfig(InferenceConfig):
 
     def validate_config(self) -> None:
         super().validate_config()
-        if not isinstance(self.neuron_config, MoENeuronConfig):
-            raise ConfigError(
-                [
-                    f"Mixtral needs a MoENeuronConfig (got {type(self.neuron_config).__name__}): "
-                    "build it with MixtralNeuronConfig(...) or MoENeuronConfig(...)"
-                ]
-            )
+        problems = moe_neuron_config_problems(self.neuron_config, "Mixtral", "MixtralNeuronConfig")
+        if problems:
+            raise ConfigError(problems)
         if not self.neuron_config.glu_mlp:
             raise ConfigError(["Mixtral's experts are gated MLPs: set glu_mlp=True"])
 
