@@ -39,8 +39,8 @@ def test_check_config_reports_every_problem_and_exits_1(capsys, llama_path) -> N
         "check-config",
         "--model-path",
         str(llama_path),
-        "--tp-degree",
-        "3",
+        "--neuron-config",
+        "batch_size=0",
         "--neuron-config",
         "fused_qvk=true",
         "--neuron-config",
@@ -48,7 +48,7 @@ def test_check_config_reports_every_problem_and_exits_1(capsys, llama_path) -> N
     )
     assert code == 1 and err == ""
     assert "3 problem(s)" in out
-    assert "not divisible by tp_degree (3)" in out
+    assert "batch_size is 0" in out
     assert "did you mean 'fused_qkv'" in out
     assert "flash_decoding_enabled=True is set, but no installed plugin implements it" in out
 
@@ -89,7 +89,7 @@ def test_run_samples_reproducibly_with_a_seed(capsys, llama_path) -> None:
     [
         (["--model-path", "/no/such/folder"], "is not a folder"),
         (["--max-new-tokens", "500"], "seq_len=128"),
-        (["--tp-degree", "3"], "not divisible by tp_degree (3)"),
+        (["--neuron-config", "batch_size=0"], "batch_size is 0"),
         (["--max-context-length", "2"], "largest context_encoding_model bucket is 2"),
     ],
 )

@@ -74,7 +74,11 @@ FAILING = [
         None,
         "async_mode=True with speculative decoding is not implemented",
     ),
-    ({"tp_degree": 3}, None, "num_attention_heads (8) is not divisible by tp_degree (3)"),
+    (
+        {"tp_degree": 2},
+        {"num_attention_heads": 8, "num_key_value_heads": 3},
+        "num_attention_heads (8) is not a multiple of num_key_value_heads (3)",
+    ),
     (
         {"sequence_parallel_enabled": True, "tp_degree": 4, "seq_len": 130},
         None,
@@ -197,13 +201,16 @@ def test_heads_are_checked_only_when_the_model_has_them() -> None:
     assert problems_of({}, tp_degree=3) == []
 
 
-def test_divisible_tp_degrees_are_suggested() -> None:
-    (problem,) = problems_of({"num_attention_heads": 12}, tp_degree=5)
-    assert "choose a tp_degree among 1, 2, 3, 4, 6, 12" in problem
+@pytest.mark.parametrize(("tp_degree", "kv_heads"), [(3, 8), (16, 8), (32, 2), (6, 4)])
+def test_query_heads_that_do_not_divide_by_tp_degree_are_padded_not_refused(
+    tp_degree: int, kv_heads: int
+) -> None:
+    model = {"num_attention_heads": 8, "num_key_value_heads": kv_heads}
+    assert problems_of(model, tp_degree=tp_degree) == []
 
 
 def test_several_problems_are_reported_together() -> None:
-    problems = problems_of(batch_size=0, padding_side="up", torch_dtype="int8", tp_degree=3)
+    problems = problems_of(batch_size=0, padding_side="up", torch_dtype="int8", tp_degree=0)
     assert len(problems) == 4
 
 
@@ -214,11 +221,10 @@ def test_a_bad_value_copied_into_derived_settings_is_reported_once() -> None:
 
 
 def test_attributes_set_after_construction_are_checked() -> None:
-    config = InferenceConfig(NeuronConfig(), num_attention_heads=8)
-    config.neuron_config.tp_degree = 16
+    config = InferenceConfig(NeuronConfig(), num_attention_heads=8, num_key_value_heads=8)
+    config.num_key_value_heads = 3
     assert core_config_problems(config) == [
-        "num_attention_heads (8) is not divisible by tp_degree (16); choose a tp_degree among "
-        "1, 2, 4, 8"
+        "num_attention_heads (8) is not a multiple of num_key_value_heads (3)"
     ]
 
 

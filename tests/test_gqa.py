@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from nxdplug.errors import ConfigError
 from nxdplug.modules.gqa import (
     GQA,
+    HeadLayout,
     determine_sharding_strategy,
     replicate_kv_heads,
     shardable_head_counts,
@@ -18,11 +19,15 @@ from nxdplug.modules.gqa import (
 
 @st.composite
 def head_layouts(draw: st.DrawFn) -> tuple[int, int, int]:
-    """(tp_degree, query heads, K/V heads) with the query heads divisible by tp_degree."""
+    """(tp_degree, query heads, K/V heads); the query heads need not divide by tp_degree."""
     num_kv = draw(st.integers(1, 8))
     num_q = num_kv * draw(st.integers(1, 4))
-    tp = draw(st.sampled_from([d for d in range(1, num_q + 1) if num_q % d == 0]))
+    tp = draw(st.integers(1, 2 * num_q))
     return tp, num_q, num_kv
+
+
+def layout_of(tp: int, num_q: int, num_kv: int, desired: GQA = GQA.REPLICATE_TO_TP_DEGREE):
+    return HeadLayout(num_q, num_kv, tp, determine_sharding_strategy(tp, num_kv, desired))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -39,26 +44,36 @@ def heads(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, head_dim: i
     return (x @ weight.T + bias).reshape(x.shape[0], -1, head_dim).transpose(0, 1)
 
 
-@settings(max_examples=60, deadline=None)
-@given(head_layouts())
-def test_every_query_head_keeps_its_kv_head_on_its_rank(layout: tuple[int, int, int]) -> None:
+def merged(per_head: torch.Tensor) -> torch.Tensor:
+    """``[heads, seq, head_dim]`` -> ``[seq, heads * head_dim]``, o_proj's input."""
+    return per_head.transpose(0, 1).reshape(per_head.shape[1], -1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(head_layouts(), st.sampled_from(list(GQA)))
+def test_every_query_head_keeps_its_kv_head_on_its_rank(
+    layout: tuple[int, int, int], desired: GQA
+) -> None:
     tp, num_q, num_kv = layout
-    strategy = determine_sharding_strategy(tp, num_kv)
+    heads_of = layout_of(tp, num_q, num_kv, desired)
+    new_q, new_kv = heads_of.head_counts
 
-    new_q, new_kv = shardable_head_counts(tp, num_q, num_kv, strategy)
+    assert new_q % tp == 0 and new_kv % tp == 0 and new_q % new_kv == 0
+    assert num_q <= new_q < num_q + tp
+    # Number the heads from 1 and lay the numbers out as one-value heads: padding shows as 0.
+    query_ids = heads_of.query_heads(torch.arange(1, num_q + 1), head_dim=1)
+    kv_ids = heads_of.kv_heads(torch.arange(1, num_kv + 1), head_dim=1)
+    assert sorted(query_ids[query_ids > 0].tolist()) == list(range(1, num_q + 1))
+    for new_head, query in enumerate(query_ids.tolist()):
+        kv_head = new_head // (new_q // new_kv)
+        if query:
+            assert kv_ids[kv_head] == (query - 1) // (num_q // num_kv) + 1  # its own K/V head
+        assert new_head // (new_q // tp) == kv_head // (new_kv // tp)  # on the same rank
 
-    assert new_q == num_q
-    assert new_kv % tp == 0 and new_kv % num_kv == 0 and num_q % new_kv == 0
-    copies = new_kv // num_kv
-    for i in range(num_q):
-        new_head = i // (num_q // new_kv)
-        assert new_head // copies == i // (num_q // num_kv)  # the same original K/V head
-        assert new_head // (new_kv // tp) == i // (num_q // tp)  # on the query head's rank
 
-
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(head_layouts(), st.integers(1, 3), st.integers(1, 5), st.sampled_from(list(GQA)))
-def test_replicated_attention_equals_gqa_attention(
+def test_laid_out_attention_equals_gqa_attention_on_every_rank(
     layout: tuple[int, int, int], head_dim: int, seq: int, desired: GQA
 ) -> None:
     tp, num_q, num_kv = layout
@@ -72,33 +87,35 @@ def test_replicated_attention_equals_gqa_attention(
     wq, bq = rand(num_q * head_dim, hidden), rand(num_q * head_dim)
     wk, bk = rand(num_kv * head_dim, hidden), rand(num_kv * head_dim)
     wv, bv = rand(num_kv * head_dim, hidden), rand(num_kv * head_dim)
-    q = heads(x, wq, bq, head_dim)
-    expected = attention(q, heads(x, wk, bk, head_dim), heads(x, wv, bv, head_dim))
+    wo = rand(hidden, num_q * head_dim)
+    k, v = (heads(x, w, b, head_dim) for w, b in ((wk, bk), (wv, bv)))
+    expected = merged(attention(heads(x, wq, bq, head_dim), k, v)) @ wo.T
 
-    strategy = determine_sharding_strategy(tp, num_kv, desired)
-    _, new_kv = shardable_head_counts(tp, num_q, num_kv, strategy)
+    heads_of = layout_of(tp, num_q, num_kv, desired)
+    new_q, new_kv = heads_of.head_counts
+    q = heads(x, heads_of.query_heads(wq, head_dim), heads_of.query_heads(bq, head_dim), head_dim)
     k, v = (
-        heads(
-            x,
-            replicate_kv_heads(w, num_kv, new_kv, head_dim),
-            replicate_kv_heads(b, num_kv, new_kv, head_dim),
-            head_dim,
-        )
+        heads(x, heads_of.kv_heads(w, head_dim), heads_of.kv_heads(b, head_dim), head_dim)
         for w, b in ((wk, bk), (wv, bv))
     )
+    wo = heads_of.query_heads(wo, head_dim, dim=1)
 
-    torch.testing.assert_close(attention(q, k, v), expected, rtol=1e-12, atol=1e-12)
-    # Each rank, with only its slice of the query and K/V heads, computes its heads exactly.
-    q_per_rank, kv_per_rank = num_q // tp, new_kv // tp
-    per_rank = [
-        attention(
-            q[r * q_per_rank : (r + 1) * q_per_rank],
-            k[r * kv_per_rank : (r + 1) * kv_per_rank],
-            v[r * kv_per_rank : (r + 1) * kv_per_rank],
+    torch.testing.assert_close(merged(attention(q, k, v)) @ wo.T, expected, rtol=1e-12, atol=1e-12)
+    # Each rank, with only its slice of the query and K/V heads and its columns of o_proj,
+    # computes a partial output; their sum (the all-reduce) is the model's.
+    q_per_rank, kv_per_rank = new_q // tp, new_kv // tp
+    partial_sums = [
+        merged(
+            attention(
+                q[r * q_per_rank : (r + 1) * q_per_rank],
+                k[r * kv_per_rank : (r + 1) * kv_per_rank],
+                v[r * kv_per_rank : (r + 1) * kv_per_rank],
+            )
         )
+        @ wo[:, r * q_per_rank * head_dim : (r + 1) * q_per_rank * head_dim].T
         for r in range(tp)
     ]
-    torch.testing.assert_close(torch.cat(per_rank), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sum(partial_sums), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -111,6 +128,9 @@ def test_replicated_attention_equals_gqa_attention(
         (8, 32, 32, GQA.REPLICATE_TO_TP_DEGREE, (32, 32)),  # MHA stays MHA
         (6, 24, 4, GQA.CONVERT_TO_MHA, (24, 24)),  # neither divides the other: fall back
         (12, 24, 8, GQA.CONVERT_TO_MHA, (24, 24)),
+        (32, 56, 8, GQA.REPLICATE_TO_TP_DEGREE, (64, 32)),  # query heads padded 56 -> 64
+        (32, 56, 56, GQA.CONVERT_TO_MHA, (64, 64)),  # MHA: both padded
+        (3, 32, 8, GQA.CONVERT_TO_MHA, (33, 33)),
     ],
 )
 def test_strategy_table(
@@ -118,6 +138,16 @@ def test_strategy_table(
 ) -> None:
     assert determine_sharding_strategy(tp, num_kv) is strategy
     assert shardable_head_counts(tp, num_q, num_kv, strategy) == counts
+
+
+def test_padding_goes_to_the_end_of_each_kv_group_under_replication() -> None:
+    # 6 query heads in 2 groups of 3 (one per K/V head), tp 4: each group grows to 4 heads.
+    heads_of = layout_of(4, 6, 2)
+
+    padded = heads_of.query_heads(torch.arange(1, 7), head_dim=1)
+
+    assert padded.tolist() == [1, 2, 3, 0, 4, 5, 6, 0]
+    assert heads_of.kv_heads(torch.arange(1, 3), head_dim=1).tolist() == [1, 1, 2, 2]
 
 
 def test_convert_to_mha_when_asked() -> None:
@@ -130,7 +160,6 @@ def test_convert_to_mha_when_asked() -> None:
 @pytest.mark.parametrize(
     ("tp", "num_q", "num_kv", "strategy", "message"),
     [
-        (3, 32, 8, GQA.CONVERT_TO_MHA, "num_attention_heads (32) is not divisible by tp_degree"),
         (6, 24, 4, GQA.REPLICATE_TO_TP_DEGREE, "CONVERT_TO_MHA"),
         (2, 12, 8, GQA.REPLICATE_TO_TP_DEGREE, "not a multiple of num_key_value_heads"),
         (0, 8, 8, GQA.CONVERT_TO_MHA, "must be positive"),

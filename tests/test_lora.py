@@ -269,3 +269,57 @@ def test_lora_memory_transpose_is_reported_as_having_no_effect(adapters) -> None
     checkpoint, paths = adapters
     with pytest.warns(RuntimeWarning, match="lora_memory_transpose=False has no effect"):
         make_app(checkpoint, paths, lora_memory_transpose=False)
+
+
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_adapters_follow_padded_query_heads(fused_qkv: bool) -> None:
+    """3 query heads, 1 K/V head at tp_degree 2: the base weights get a fourth, zero query head
+    (and two K/V copies); the adapters' deltas must land on the same rows and columns."""
+    from nxdplug import InferenceConfig
+    from nxdplug.modules.attention import head_layout
+    from nxdplug.plugins.lora.layout import in_model_layout
+
+    rank, hidden, head_dim = 4, 48, 16
+    neuron = NeuronConfig(tp_degree=2, fused_qkv=fused_qkv, lora_config={"max_lora_rank": rank})
+    config = InferenceConfig(
+        neuron, hidden_size=hidden, num_attention_heads=3, num_key_value_heads=1
+    )
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"q_proj": 3 * head_dim, "k_proj": head_dim, "v_proj": head_dim}
+    matrices = {
+        f"layers.0.self_attn.{name}": (
+            torch.randn(rank, hidden, generator=gen),
+            torch.randn(rows, rank, generator=gen),
+        )
+        for name, rows in shapes.items()
+    }
+    matrices["layers.0.self_attn.o_proj"] = (
+        torch.randn(rank, 3 * head_dim, generator=gen),
+        torch.randn(hidden, rank, generator=gen),
+    )
+    layout = head_layout(config)
+    x = torch.randn(5, hidden, generator=gen)
+    attention_out = torch.randn(5, 3 * head_dim, generator=gen)
+
+    def delta(a: torch.Tensor, b: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        return inputs @ a.T @ b.T
+
+    laid_out = in_model_layout(matrices, "adapter", config)
+
+    expected_q = layout.query_heads(delta(*matrices["layers.0.self_attn.q_proj"], x), head_dim, 1)
+    expected_k = layout.kv_heads(delta(*matrices["layers.0.self_attn.k_proj"], x).T, head_dim).T
+    if fused_qkv:
+        got = delta(*laid_out["layers.0.self_attn.qkv_proj"], x)
+        got_q, got_k = got[:, : 4 * head_dim], got[:, 4 * head_dim : 6 * head_dim]
+    else:
+        got_q = delta(*laid_out["layers.0.self_attn.q_proj"], x)
+        got_k = delta(*laid_out["layers.0.self_attn.k_proj"], x)
+    torch.testing.assert_close(got_q, expected_q)
+    assert (got_q[:, 3 * head_dim :] == 0).all()  # the padding head gets no delta
+    torch.testing.assert_close(got_k, expected_k)
+    # o_proj reads the padded attention output; the padding head's (zero) columns add nothing.
+    padded_out = layout.query_heads(attention_out, head_dim, dim=1)
+    torch.testing.assert_close(
+        delta(*laid_out["layers.0.self_attn.o_proj"], padded_out),
+        delta(*matrices["layers.0.self_attn.o_proj"], attention_out),
+    )

@@ -1,6 +1,8 @@
-"""tp_degree=2 over two gloo ranks beyond Llama: Qwen2's biased (fused) Q/K/V and Mistral's
-sliding window shorter than the sequence, eager and compiled, each rank against HF's greedy
-tokens. One spawn serves both families (starting the ranks is the cost)."""
+"""tp_degree=2 over two gloo ranks beyond Llama: Qwen2's biased (fused) Q/K/V, Mistral's
+sliding window shorter than the sequence, and query heads that do not divide by tp_degree
+(padded with zero heads, as NxD Inference pads them; GPT-OSS also pads its per-head sinks),
+eager and compiled, each rank against HF's greedy tokens. One spawn serves every model
+(starting the ranks is the cost)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -19,7 +22,7 @@ from test_tensor_parallel import MASK, NEW_TOKENS, PROMPTS, become_launched_rank
 from test_tensor_parallel import generate as generate_tokens
 from transformers import AutoModelForCausalLM
 
-from nxdplug import NeuronConfig, from_pretrained
+from nxdplug import MoENeuronConfig, NeuronConfig, from_pretrained
 from nxdplug.testing import end_rank_process, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -32,12 +35,39 @@ SETTINGS = {
     "tp_degree": 2,
     "enable_bucketing": False,  # one graph per submodel keeps compile() short
 }
+
+
+class Family(NamedTuple):
+    architecture: str
+    checkpoint: dict[str, Any]  # tiny_checkpoint overrides
+    settings: dict[str, Any]  # NeuronConfig settings beyond SETTINGS
+    steps: tuple[str, ...] = ("eager", "compiled")
+    config_class: type = NeuronConfig
+
+
 FAMILIES = {
     # Qwen2 has biases on Q, K and V: fused, the bias is split part by part over the ranks.
-    "qwen2": ({"seed": 3}, {"fused_qkv": True}),
+    "qwen2": Family("qwen2", {"seed": 3}, {"fused_qkv": True}),
     # 6 prompt + 20 new tokens run past the window of 8.
-    "mistral": ({"seed": 7, "sliding_window": 8}, {}),
+    "mistral": Family("mistral", {"seed": 7, "sliding_window": 8}, {}),
+    # 3 query heads, 1 K/V head: 4 query heads (the last one zero), the K/V head on both ranks.
+    # The padding is done to the weights before they are sharded: eager alone shows it.
+    "llama-3-heads": Family(
+        "llama",
+        {"seed": 5, "hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1},
+        {},
+        steps=("eager",),
+    ),
+    # 3 heads, MHA: converted and padded to 4 query and 4 K/V heads, fused; sinks padded too.
+    "gpt_oss-3-heads": Family(
+        "gpt_oss",
+        {"seed": 2, "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 16},
+        {"fused_qkv": True},
+        steps=("eager",),
+        config_class=MoENeuronConfig,
+    ),
 }
+RUNS = [(family, step) for family, spec in FAMILIES.items() for step in spec.steps]
 
 
 def _rank(rank: int, world: int, port: int, checkpoints: str, work: str) -> None:
@@ -46,17 +76,25 @@ def _rank(rank: int, world: int, port: int, checkpoints: str, work: str) -> None
 
     try:
         for family, path in json.loads(checkpoints).items():
-            settings = NeuronConfig(**SETTINGS, **FAMILIES[family][1])
-            app = from_pretrained(path, settings)
+            spec = FAMILIES[family]
+            app = from_pretrained(path, spec.config_class(**SETTINGS, **spec.settings))
             app.to_cpu()
             attention = app.context_encoding_model.model.layers[0].self_attn
             facts = {"sliding_window": getattr(attention, "sliding_window", None)}
-            if hasattr(attention, "qkv_proj"):
+            if hasattr(attention, "qkv_proj") and attention.qkv_proj.bias is not None:
                 facts["qkv_bias_rows"] = attention.qkv_proj.bias.shape[0]
+            facts["query_heads"] = attention.num_heads
+            if hasattr(attention, "q_proj"):
+                rows = attention.q_proj.weight.detach().reshape(attention.num_heads, -1)
+                facts["zero_query_heads"] = int((rows == 0).all(dim=1).sum())
+            if hasattr(attention, "sinks"):
+                facts["sinks"] = attention.sinks.detach().tolist()
             (Path(work) / f"{family}-facts-{rank}.json").write_text(json.dumps(facts))
             torch.save(generate_tokens(app), Path(work) / f"{family}-eager-{rank}.pt")
+            if "compiled" not in spec.steps:
+                continue
             compiled = Path(work) / f"{family}-compiled"
-            app = from_pretrained(path, NeuronConfig(**SETTINGS, **FAMILIES[family][1]))
+            app = from_pretrained(path, spec.config_class(**SETTINGS, **spec.settings))
             app.compile(compiled, quiet=True)
             app.load(compiled, quiet=True)
             torch.save(generate_tokens(app), Path(work) / f"{family}-compiled-{rank}.pt")
@@ -69,7 +107,8 @@ def _rank(rank: int, world: int, port: int, checkpoints: str, work: str) -> None
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_checkpoint, tmp_path_factory):
     checkpoints = {
-        family: tiny_checkpoint(family, **overrides) for family, (overrides, _) in FAMILIES.items()
+        family: tiny_checkpoint(spec.architecture, **spec.checkpoint)
+        for family, spec in FAMILIES.items()
     }
     work = tmp_path_factory.mktemp("tp2-families")
     paths = json.dumps({family: str(path) for family, path in checkpoints.items()})
@@ -78,14 +117,15 @@ def two_rank_run(tiny_checkpoint, tmp_path_factory):
     for family, path in checkpoints.items():
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         expected[family] = hf_greedy(hf, PROMPTS, MASK, NEW_TOKENS).sequences
-    unwindowed = tiny_checkpoint("mistral", **(FAMILIES["mistral"][0] | {"sliding_window": None}))
+    unwindowed = tiny_checkpoint(
+        "mistral", **(FAMILIES["mistral"].checkpoint | {"sliding_window": None})
+    )
     hf = AutoModelForCausalLM.from_pretrained(unwindowed, dtype=torch.float32)
     expected["mistral without window"] = hf_greedy(hf, PROMPTS, MASK, NEW_TOKENS).sequences
     return work, expected
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("step", ["eager", "compiled"])
+@pytest.mark.parametrize(("family", "step"), RUNS)
 def test_every_rank_generates_hf_greedy_tokens(two_rank_run, family: str, step: str) -> None:
     work, expected = two_rank_run
     tokens = expected[family]
@@ -103,9 +143,20 @@ def test_each_rank_holds_half_of_qwen2s_qkv_bias_and_mistrals_window(two_rank_ru
     for rank in range(2):
         qwen2 = json.loads((work / f"qwen2-facts-{rank}.json").read_text())
         # 4 query heads and 2 K/V heads of width 16: (64 + 32 + 32) rows, half on each rank.
-        assert qwen2 == {"sliding_window": None, "qkv_bias_rows": 64}
+        assert (qwen2["sliding_window"], qwen2["qkv_bias_rows"]) == (None, 64)
         mistral = json.loads((work / f"mistral-facts-{rank}.json").read_text())
-        assert mistral == {"sliding_window": 8}
+        assert mistral["sliding_window"] == 8
+
+
+def test_query_heads_are_padded_to_a_multiple_of_tp_degree(two_rank_run) -> None:
+    work, _ = two_rank_run
+    llama = [json.loads((work / f"llama-3-heads-facts-{r}.json").read_text()) for r in range(2)]
+    # Heads 1, 2 on rank 0; head 3 and the zero padding head on rank 1.
+    assert [facts["query_heads"] for facts in llama] == [2, 2]
+    assert [facts["zero_query_heads"] for facts in llama] == [0, 1]
+    gpt_oss = [json.loads((work / f"gpt_oss-3-heads-facts-{r}.json").read_text()) for r in range(2)]
+    assert [facts["query_heads"] for facts in gpt_oss] == [2, 2]
+    assert gpt_oss[1]["sinks"][1] == 0.0 and all(gpt_oss[0]["sinks"] + gpt_oss[1]["sinks"][:1])
 
 
 def test_the_readmes_torchrun_command_prints_hf_tokens_from_rank_0(tiny_checkpoint, tmp_path):

@@ -18,6 +18,8 @@ from nxdplug.config.dtypes import dtype_name
 from nxdplug.config.moe import routed_mlp_problems
 from nxdplug.config.neuron_config import NeuronConfig
 from nxdplug.config.suggestions import did_you_mean
+from nxdplug.errors import ConfigError
+from nxdplug.modules.gqa import determine_sharding_strategy, shardable_head_counts
 
 if TYPE_CHECKING:
     from nxdplug.config.inference_config import InferenceConfig
@@ -189,12 +191,12 @@ def _tensor_parallel(config: InferenceConfig, nc: NeuronConfig) -> Iterator[str]
     if tp is None or tp < 1:
         return
     heads = _int_or_none(getattr(config, "num_attention_heads", None))
-    if heads is not None and heads % tp:
-        divisors = [d for d in range(1, heads + 1) if heads % d == 0]
-        yield (
-            f"num_attention_heads ({heads}) is not divisible by tp_degree ({tp}); choose a "
-            f"tp_degree among {', '.join(map(str, divisors))}"
-        )
+    kv_heads = _int_or_none(getattr(config, "num_key_value_heads", None)) or heads
+    if heads is not None and kv_heads is not None:
+        try:
+            shardable_head_counts(tp, heads, kv_heads, determine_sharding_strategy(tp, kv_heads))
+        except ConfigError as error:
+            yield from error.problems
     context = _int_or_none(nc.max_context_length)
     if nc.sequence_parallel_enabled and context is not None and context % tp:
         yield (

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdplug.modules.gqa import determine_sharding_strategy, shardable_head_counts
+from nxdplug.modules.gqa import HeadLayout, determine_sharding_strategy
 from nxdplug.modules.kv_cache import CacheSlot
 from nxdplug.modules.norms import RMSNorm
 from nxdplug.modules.parallel_linear import (
@@ -24,13 +24,21 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def attention_head_counts(config: Any) -> tuple[int, int]:
-    """(query heads, K/V heads) after GQA conversion for the configured tp_degree."""
+def head_layout(config: Any) -> HeadLayout:
+    """The model's attention heads laid out for the configured tp_degree (GQA strategy chosen
+    as NxD Inference chooses it, query heads padded to a multiple of tp_degree)."""
     tp_degree = config.neuron_config.tp_degree
-    strategy = determine_sharding_strategy(tp_degree, config.num_key_value_heads)
-    return shardable_head_counts(
-        tp_degree, config.num_attention_heads, config.num_key_value_heads, strategy
+    return HeadLayout(
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        tp_degree=tp_degree,
+        strategy=determine_sharding_strategy(tp_degree, config.num_key_value_heads),
     )
+
+
+def attention_head_counts(config: Any) -> tuple[int, int]:
+    """(query heads, K/V heads) the model builds: padded and replicated for tp_degree."""
+    return head_layout(config).head_counts
 
 
 def repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""GQA replication of K/V projection weights for the configured tensor-parallel degree."""
+"""GQA replication of K/V projection weights and query-head padding for the configured
+tensor-parallel degree."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ NXDPLUG_API_VERSION = 1
 def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
     yield StateDictConverter(
         name="gqa-replication",
-        converter="nxdplug.plugins.gqa.convert:replicate_kv_projections",
+        converter="nxdplug.plugins.gqa.convert:lay_out_attention_heads",
         order=110,
-        description="replicate K/V heads (REPLICATE_TO_TP_DEGREE) or convert to MHA",
+        description=(
+            "replicate K/V heads (REPLICATE_TO_TP_DEGREE) or convert to MHA; pad query heads "
+            "to a multiple of tp_degree"
+        ),
     )

@@ -6,6 +6,8 @@ projections may differ, and the adapters follow the base weights:
 - K/V heads replicated for tensor parallelism (GQA ``REPLICATE_TO_TP_DEGREE`` or
   ``CONVERT_TO_MHA``): ``B`` of k_proj / v_proj has its rows (output features, head by head)
   replicated like the base weight; ``A`` is unchanged.
+- query heads padded to a multiple of tp_degree: ``B`` of q_proj gets zero rows and ``A`` of
+  o_proj zero columns where the base weights have their zero heads.
 - ``fused_qkv``: one ``qkv_proj``. Its ``A`` stacks the three A's along the rank
   ([3 * max_lora_rank, in], q's first) and its ``B`` is block diagonal ([q + 2 * kv,
   3 * max_lora_rank]), so that ``x A^T B^T`` is the three deltas side by side.
@@ -34,8 +36,7 @@ import attrs
 import torch
 
 from nxdplug.errors import CheckpointError
-from nxdplug.modules.attention import attention_head_counts, head_dim_of
-from nxdplug.modules.gqa import replicate_kv_heads
+from nxdplug.modules.attention import attention_head_counts, head_dim_of, head_layout
 from nxdplug.modules.parallel_linear import shard_tensor, tp_rank, tp_world_size
 from nxdplug.plugins.lora.adapters import (
     adapter_matrices,
@@ -140,15 +141,26 @@ def placement(projection: str, config: Any) -> Placement:
 
 def in_model_layout(matrices: Matrices, adapter_id: str, config: Any) -> Matrices:
     """An adapter's matrices (``adapter_matrices``) for the model's projections: K/V heads
-    replicated like the base weights, q/k/v fused when the model fuses them."""
-    _, kv_heads = attention_head_counts(config)
+    replicated and query heads padded like the base weights, q/k/v fused when the model fuses
+    them."""
+    layout = head_layout(config)
     head_dim = head_dim_of(config)
-    source_heads = config.num_key_value_heads
+    source_rows = {
+        "q_proj": layout.num_attention_heads * head_dim,
+        "k_proj": layout.num_key_value_heads * head_dim,
+        "v_proj": layout.num_key_value_heads * head_dim,
+    }
     laid_out = dict(matrices)
     for name, (a, b) in matrices.items():
-        replicate = kv_heads != source_heads and name.endswith(("k_proj", "v_proj"))
-        if replicate and b.shape[0] == source_heads * head_dim:  # else refused by write_slot
-            laid_out[name] = (a, replicate_kv_heads(b, source_heads, kv_heads, head_dim))
+        short = name.rpartition(".")[2]
+        if b.shape[0] != source_rows.get(short, b.shape[0]):
+            continue  # refused by write_slot, naming the adapter and the shapes
+        if short in ("k_proj", "v_proj"):
+            laid_out[name] = (a, layout.kv_heads(b, head_dim))
+        elif short == "q_proj":
+            laid_out[name] = (a, layout.query_heads(b, head_dim))
+        elif short == "o_proj" and a.shape[1] == source_rows["q_proj"]:
+            laid_out[name] = (layout.query_heads(a, head_dim, dim=1), b)
     if config.neuron_config.fused_qkv:
         laid_out = _fuse_qkv(laid_out, adapter_id, config)
     return laid_out
