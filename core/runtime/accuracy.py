@@ -1,7 +1,9 @@
-"""``get_generate_outputs``: NxD Inference's helper that tokenizes prompts, generates, decodes.
+"""NxD Inference's token accuracy helpers: ``get_generate_outputs`` (tokenize prompts, generate,
+decode) and ``check_accuracy`` (the same tokens as HF transformers on the CPU).
 
-Scripts from the NxD Inference feature guide (draft-model and fused speculation) call it; with
-``draft_model`` the draft application is passed to ``generate()`` as ``assistant_model``.
+Scripts from the NxD Inference feature guide (draft-model and fused speculation) call
+``get_generate_outputs``; with ``draft_model`` the draft application is passed to ``generate()``
+as ``assistant_model``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,11 @@ from typing import Any
 
 import torch
 
+from nxdplug.errors import NotSupportedError
 from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
+
+# NxD Inference's default prompt for its accuracy checks.
+TEST_PROMPT = "Hello, I am a language model, and I am here to help,"
 
 
 def get_generate_outputs(
@@ -43,3 +49,73 @@ def get_generate_outputs(
         outputs, skip_special_tokens=True, clean_up_tokenization_spaces=False
     )
     return outputs, texts
+
+
+def check_accuracy(
+    neuron_model: Any,
+    tokenizer: Any,
+    generation_config: Any = None,
+    expected_token_ids: Any = None,
+    num_tokens_to_check: int | None = None,
+    do_sample: bool = False,
+    draft_model: Any = None,
+    prompt: str | None = None,
+    image: Any = None,
+    input_start_offsets: Any = None,
+    execution_mode: str = "config",
+) -> None:
+    """Assert that the application generates the tokens HF transformers does on the CPU (or
+    ``expected_token_ids``), up to the neuron config's ``max_length``.
+
+    ``prompt`` (NxD Inference's test prompt by default) is repeated once per batch row; pad
+    tokens are dropped before comparing, and only the first ``num_tokens_to_check`` tokens of
+    each row (prompt included) are compared when it is given. With speculation the shorter
+    output decides how many tokens are compared. Raises AssertionError on a mismatch.
+    """
+    if image is not None or input_start_offsets is not None:
+        raise NotSupportedError("check_accuracy does not take image or input_start_offsets yet")
+    neuron_config = neuron_model.neuron_config
+    kwargs = {"do_sample": do_sample, "max_length": neuron_config.max_length}
+    prompts = [prompt or TEST_PROMPT] * neuron_config.batch_size
+    if expected_token_ids is None:
+        hf_model = neuron_model.load_hf_model(neuron_model.model_path).eval()
+        with torch.inference_mode():
+            expected_token_ids, _ = get_generate_outputs(
+                hf_model,
+                prompts,
+                tokenizer,
+                is_hf=True,
+                generation_config=generation_config,
+                **kwargs,
+            )
+    expected_token_ids = getattr(expected_token_ids, "sequences", expected_token_ids)
+    actual_token_ids, _ = get_generate_outputs(
+        neuron_model,
+        prompts,
+        tokenizer,
+        draft_model=draft_model,
+        generation_config=generation_config,
+        **kwargs,
+    )
+    pad = tokenizer.pad_token_id
+    expected = _unpadded(torch.as_tensor(expected_token_ids), pad, num_tokens_to_check)
+    actual = _unpadded(actual_token_ids, pad, num_tokens_to_check)
+    if draft_model is not None or neuron_config.enable_fused_speculation:
+        # Speculation may stop a few tokens short of max_length.
+        shorter = min(expected.shape[-1], actual.shape[-1])
+        assert abs(expected.shape[-1] - actual.shape[-1]) <= neuron_config.speculation_length, (
+            "the speculative model generated an unexpected number of tokens: "
+            f"{actual.shape[-1]} against HF's {expected.shape[-1]}"
+        )
+        expected, actual = expected[:, :shorter], actual[:, :shorter]
+    assert torch.equal(actual, expected), f"\nActual (nxdplug): {actual}\nExpected (HF): {expected}"
+
+
+def _unpadded(token_ids: torch.Tensor, pad_token_id: int, limit: int | None) -> torch.Tensor:
+    rows = [row[row != pad_token_id][:limit] for row in token_ids]
+    if len({len(row) for row in rows}) > 1:
+        raise AssertionError(
+            "rows have different numbers of tokens once padding is dropped: "
+            f"{[len(row) for row in rows]}"
+        )
+    return torch.stack(rows)
