@@ -39,7 +39,24 @@ STATIC_EXPORTS = {
         "load_pretrained_config": "nxdplug:load_pretrained_config",
     },
     "nxdplug.nxdi.utils.accuracy": {
+        "TEST_PROMPT": "nxdplug.runtime.accuracy:TEST_PROMPT",
         "get_generate_outputs": "nxdplug.runtime.accuracy:get_generate_outputs",
+        "check_accuracy": "nxdplug.runtime.accuracy:check_accuracy",
+        "generate_expected_logits": "nxdplug.runtime.logit_accuracy:generate_expected_logits",
+        "check_accuracy_logits": "nxdplug.runtime.logit_accuracy:check_accuracy_logits",
+        "check_accuracy_logits_v2": "nxdplug.runtime.logit_accuracy:check_accuracy_logits_v2",
+        "logit_validation": "nxdplug.runtime.logit_validation:logit_validation",
+    },
+    "nxdplug.nxdi.utils.benchmark": {
+        "BENCHMARK_REPORT_PATH": "nxdplug.benchmark.sampling_benchmark:BENCHMARK_REPORT_PATH",
+        "benchmark_sampling": "nxdplug.benchmark.sampling_benchmark:benchmark_sampling",
+        "generate_report": "nxdplug.benchmark.sampling_benchmark:generate_report",
+        "prepare_sampling_params": "nxdplug.runtime.sampling_params:prepare_sampling_params",
+    },
+    "nxdplug.nxdi.utils.exceptions": {
+        "LogitMatchingValidationError": (
+            "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
+        ),
     },
     "nxdplug.nxdi.modules.autobucketing": {
         name: f"nxdplug.config.buckets:{name}"
@@ -56,7 +73,11 @@ STATIC_EXPORTS = {
     },
     "nxdplug.nxdi.modules.lora_serving": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
     "nxdplug.nxdi.modules.lora_serving.config": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
-    "nxdplug.nxdi.modules.generation.sampling": {},
+    "nxdplug.nxdi.modules.generation.sampling": {
+        "Sampler": "nxdplug.runtime.batch_sampler:Sampler",
+        "prepare_sampling_params": "nxdplug.runtime.sampling_params:prepare_sampling_params",
+        "validate_sampling_params": "nxdplug.runtime.sampling_params:validate_sampling_params",
+    },
 }
 FAMILIES = ["llama", "mistral", "mixtral", "dbrx", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
 # The names an NxD Inference script takes from each family's modeling module.
@@ -147,9 +168,9 @@ def test_a_model_module_is_its_plugins_module(family: str) -> None:
 @pytest.mark.parametrize(
     ("module_name", "name"),
     [
-        ("nxdplug.nxdi.utils.accuracy", "check_accuracy_logits"),
+        ("nxdplug.nxdi.utils.accuracy", "check_accuracy_embeddings"),
         ("nxdplug.nxdi.utils.hf_adapter", "to_pretrained_config"),
-        ("nxdplug.nxdi.modules.generation.sampling", "Sampler"),
+        ("nxdplug.nxdi.modules.generation.sampling", "DataParallelSampler"),
         ("nxdplug.nxdi.modules.autobucketing", "generate_buckets_on_chunk_size"),
         ("nxdplug.nxdi.modules.lora_serving", "LoraCheckpoint"),
         ("nxdplug.nxdi.models.config", "ChunkedPrefillConfig"),
