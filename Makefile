@@ -16,21 +16,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The trained pycoder-tiny model, when the shared models folder sits beside this checkout.
-PYCODER ?= ../shared/models/pycoder-tiny
+# A small Llama trained on Python source, shipped with the project (examples/models/README.md).
+DEMO_MODEL := examples/models/pycoder-tiny
+DEMO_DRAFT := examples/models/pycoder-draft
+DEMO_PROMPTS := --prompt "class Stack:" --prompt "def read_lines(path):" --prompt "class Cache(dict):"
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/nxdplug make-tiny-model --architecture llama --output .demo/tiny-llama --seed 0 --force
-	HF_HUB_OFFLINE=1 $(VENV)/bin/nxdplug run --model-path .demo/tiny-llama \
-		--prompt "def fibonacci(n):" --prompt "import os" \
-		--max-new-tokens 32 --torch-dtype float32 --check-accuracy-mode token-matching
-	@if [ -d "$(PYCODER)" ]; then \
-		echo; echo "== pycoder-tiny, a small Llama trained on Python source =="; \
-		HF_HUB_OFFLINE=1 $(VENV)/bin/nxdplug run --model-path $(PYCODER) \
-			--prompt "def __init__(self" --prompt "class Stack:" \
-			--max-new-tokens 48 --seq-len 256 --torch-dtype float32 \
-			--check-accuracy-mode token-matching; \
-	fi
+	@echo "== pycoder-tiny (5.4 M parameters, trained on the Python standard library): greedy code, checked against HF transformers =="
+	HF_HUB_OFFLINE=1 $(VENV)/bin/nxdplug run --model-path $(DEMO_MODEL) $(DEMO_PROMPTS) \
+		--max-new-tokens 48 --seq-len 256 --torch-dtype float32 --check-accuracy-mode token-matching
+	@echo; echo "== the same prompts with draft-model speculation (pycoder-draft, 4 tokens a step): same tokens, fewer target calls =="
+	HF_HUB_OFFLINE=1 $(VENV)/bin/nxdplug run --model-path $(DEMO_MODEL) $(DEMO_PROMPTS) \
+		--draft-model-path $(DEMO_DRAFT) --speculation-length 4 \
+		--max-new-tokens 48 --seq-len 256 --torch-dtype float32 --check-accuracy-mode token-matching
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
