@@ -82,3 +82,37 @@ def test_engine_async_mode_example_times_both_modes(tiny_checkpoint, tmp_path) -
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     assert "async_mode=False" in result.stdout and "async_mode=True" in result.stdout
     assert "gain" in result.stdout
+
+
+def test_nxdi_generation_demo_compiles_reloads_and_prints_hf_greedy_text(tiny_checkpoint, tmp_path):
+    """NxD Inference's generation demo through nxdplug.nxdi: compile, rebuild the application
+    from the compiled folder alone, load, generate with on-device sampling (top_k 1) and the
+    per-row sampling_params it passes (unused by a greedy model, as in NxD Inference: warned)."""
+    path = tiny_checkpoint("llama", seed=5)
+    traced = tmp_path / "traced"
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "nxdi_generation_demo.py"), str(path), str(traced)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    printed = result.stdout.split("Generated outputs:\n", 1)[1]
+    assert "sampling_params are not used" in result.stderr
+    assert (traced / "neuron_config.json").is_file() and (traced / "tokenizer.json").is_file()
+
+    prompts = ["def fibonacci(n):", "import os"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rows = [tokenizer(prompt, return_tensors="pt").input_ids for prompt in prompts]
+    # max_length=seq_len (64) counts the right-padded batch: every row gets 64 - longest prompt.
+    new_tokens = 64 - max(row.shape[1] for row in rows)
+    expected = []
+    with torch.inference_mode():
+        for index, row in enumerate(rows):
+            tokens = hf.generate(row, do_sample=False, max_new_tokens=new_tokens, eos_token_id=None)
+            assert len(set(tokens[0, row.shape[1] :].tolist())) > 5  # not one token over and over
+            text = tokenizer.decode(
+                tokens[0], skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
+            expected.append(f"Output {index}: {text}\n")
+    assert printed == "".join(expected)

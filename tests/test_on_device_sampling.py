@@ -276,7 +276,6 @@ def test_the_guides_dynamic_sampling_samples_each_row_without_do_sample(checkpoi
         (SAMPLING, [[5, 1.0, 0.0]] * 2, SamplingParamsError, "temperature must be a finite"),
         (SAMPLING, [[2.5, 1.0, 1.0]] * 2, SamplingParamsError, "top_k must be a whole number"),
         (SAMPLING, [[5, 1.0, 1.0]], SamplingParamsError, r"shape \[batch, 3\] = \[2, 3\]"),
-        ({}, [[5, 1.0, 1.0]] * 2, SamplingParamsError, "dynamic is False"),
         ({"do_sample": True}, [[5, 1.0, 1.0]] * 2, SamplingParamsError, "dynamic is False"),
         (None, [[5, 1.0, 1.0]] * 2, NotSupportedError, "enabled by on_device_sampling_config"),
     ],
@@ -285,6 +284,21 @@ def test_sampling_params_are_honoured_or_refused(checkpoint, sampling, params, e
     app = make_app(checkpoint, sampling)
     with pytest.raises(error, match=message):
         app(input_ids=PROMPTS, attention_mask=MASK, sampling_params=torch.tensor(params))
+
+
+def test_a_greedy_model_warns_that_sampling_params_are_unused(checkpoint) -> None:
+    """NxD Inference's sampler takes the argmax when neither do_sample nor dynamic is set,
+    whatever sampling_params say (its generation demo passes some): the same tokens here, and
+    a warning instead of silence."""
+    app = make_app(checkpoint, {})
+    greedy = app(input_ids=PROMPTS, attention_mask=MASK).tokens
+    with pytest.warns(RuntimeWarning, match="sampling_params are not used"):
+        given = app(
+            input_ids=PROMPTS,
+            attention_mask=MASK,
+            sampling_params=torch.tensor([[50, 0.5, 0.75], [5, 1.0, 1.0]]),
+        ).tokens
+    assert torch.equal(given, greedy)
 
 
 @pytest.mark.parametrize(

@@ -20,12 +20,14 @@ tokens every time.
 The graph samples when ``do_sample`` or ``dynamic`` is set (NxD Inference's sampler draws
 whenever dynamic ``sampling_params`` ask for it: a row with ``top_k`` 1 is greedy, one with a
 larger ``top_k`` is sampled, with no separate ``do_sample``). With neither, the graph takes the
-argmax and only greedy rows (``top_k`` 1) are accepted as ``sampling_params``.
+argmax: ``sampling_params`` given to such a model are not used, as in NxD Inference (its
+generation demo passes them to a greedy model), and a RuntimeWarning says so.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -36,6 +38,11 @@ from nxdplug.runtime.step import StepInputs
 
 DETERMINISTIC_SEED = 0
 _SMALLEST_NOISE = torch.finfo(torch.float32).tiny  # keeps -log(-log(u)) finite at u = 0
+IGNORED_PARAMS_WARNING = (
+    "sampling_params are not used: on_device_sampling_config decodes greedily (do_sample and "
+    "dynamic are False), as NxD Inference's sampler does; set dynamic=True to sample each row "
+    "with its own top_k, top_p and temperature"
+)
 
 
 def samples(sampling_config: Any) -> bool:
@@ -169,6 +176,9 @@ class SamplingInputs:
         self, batch_size: int, keywords: dict[str, Any], device: torch.device
     ) -> dict[str, torch.Tensor]:
         given = keywords.get("sampling_params")
+        if given is not None and not self.do_sample:
+            warnings.warn(IGNORED_PARAMS_WARNING, RuntimeWarning, stacklevel=2)
+            given = None
         if given is None:
             params = sampling_params_tensor(batch_size, *self.defaults, device=device)
         else:
