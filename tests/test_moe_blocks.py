@@ -294,3 +294,43 @@ def test_moe_block_exports_and_compiles_in_bfloat16(tmp_path) -> None:
     )
     compiled = torch._inductor.aoti_load_package(package)
     torch.testing.assert_close(compiled(x), block(x), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(("is_prefill", "gathered"), [(True, False), (False, True), (None, False)])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_is_prefill_picks_the_path(monkeypatch, is_prefill, gathered, tokens) -> None:
+    """NxD Inference's is_prefill: True runs the sorted pairs (prefill), False indexes each
+    pair's expert weights (token generation), None decides by the pair count (eager: sorted)."""
+    experts = random_experts(experts_config(is_prefill=is_prefill))
+    x, affinities, index = routing(tokens)
+    used = []
+    for name in ("grouped", "gathered"):
+        method = getattr(experts, name)
+        monkeypatch.setattr(experts, name, lambda *a, _m=method, _n=name: used.append(_n) or _m(*a))
+
+    out = experts(x, affinities, index)
+
+    assert used == ["gathered" if gathered else "grouped"]
+    torch.testing.assert_close(out, direct(experts, x, affinities, index), rtol=1e-5, atol=1e-5)
+
+
+def test_is_prefill_false_with_expert_parallelism_is_refused() -> None:
+    with pytest.raises(ConfigError, match="is_prefill=False"):
+        ExpertMLPs(experts_config(is_prefill=False), ep_degree=2)
+
+
+def test_init_methods_initialise_the_expert_weights() -> None:
+    config = experts_config(
+        input_layer_init_method=lambda weight: torch.nn.init.constant_(weight, 0.25),
+        output_layer_init_method=lambda weight: torch.nn.init.constant_(weight, -0.5),
+    )
+    experts = ExpertMLPs(config)
+    assert (experts.gate_up_proj == 0.25).all() and (experts.down_proj == -0.5).all()
+    default = ExpertMLPs(experts_config())
+    bound = 1 / math.sqrt(HIDDEN)
+    assert default.gate_up_proj.abs().max() <= bound and default.gate_up_proj.std() > 0
+
+
+def test_enable_spmd_rank_is_reported_as_without_effect() -> None:
+    with pytest.warns(RuntimeWarning, match="enable_spmd_rank=True has no effect"):
+        ExpertMLPs(experts_config(enable_spmd_rank=True))

@@ -174,6 +174,7 @@ CORE_ATTRIBUTES: dict[str, str] = {
     "RoutedExpertsMLPOpsConfig.bias": "modules/moe/expert_mlps.py: shapes",
     "RoutedExpertsMLPOpsConfig.capacity_factor": "modules/moe/expert_mlps.py",
     "RoutedExpertsMLPOpsConfig.early_expert_affinity_modulation": "modules/moe/expert_mlps.py",
+    "RoutedExpertsMLPOpsConfig.enable_spmd_rank": "modules/moe/expert_mlps.py: warned, no effect",
     "RoutedExpertsMLPOpsConfig.gate_clamp_lower_limit": "modules/moe/expert_mlps.py",
     "RoutedExpertsMLPOpsConfig.gate_clamp_upper_limit": "modules/moe/expert_mlps.py",
     "RoutedExpertsMLPOpsConfig.glu_mlp": "modules/moe/expert_mlps.py",
@@ -182,9 +183,12 @@ CORE_ATTRIBUTES: dict[str, str] = {
     "RoutedExpertsMLPOpsConfig.hidden_act_bias": "modules/moe/expert_mlps.py",
     "RoutedExpertsMLPOpsConfig.hidden_act_scaling_factor": "modules/moe/expert_mlps.py",
     "RoutedExpertsMLPOpsConfig.hidden_size": "modules/moe/expert_mlps.py: shapes",
+    "RoutedExpertsMLPOpsConfig.input_layer_init_method": "modules/moe/expert_mlps.py: gate_up",
+    "RoutedExpertsMLPOpsConfig.is_prefill": "modules/moe/expert_mlps.py: picks the path",
     "RoutedExpertsMLPOpsConfig.intermediate_size": "modules/moe/expert_mlps.py: shapes",
     "RoutedExpertsMLPOpsConfig.normalize_top_k_affinities": "modules/moe/expert_mlps.py",
     "RoutedExpertsMLPOpsConfig.num_experts": "modules/moe/expert_mlps.py: shapes",
+    "RoutedExpertsMLPOpsConfig.output_layer_init_method": "modules/moe/expert_mlps.py: down",
     "RoutedExpertsMLPOpsConfig.top_k": "modules/moe/expert_mlps.py: shapes",
     "RoutedExpertsMLPOpsConfig.up_clamp_lower_limit": "modules/moe/expert_mlps.py",
     "RoutedExpertsMLPOpsConfig.up_clamp_upper_limit": "modules/moe/expert_mlps.py",
@@ -215,10 +219,6 @@ KNOWN_GAPS: dict[str, str] = {
     "MoEFusedTKGConfig.quantized": "#18",
     "MoEFusedTKGConfig.router_topk_kernel_enabled": "#18",
     "MoEFusedTKGConfig.shared_mlp_kernel_enabled": "#18",
-    "RoutedExpertsMLPOpsConfig.enable_spmd_rank": "#18",
-    "RoutedExpertsMLPOpsConfig.input_layer_init_method": "#18",
-    "RoutedExpertsMLPOpsConfig.is_prefill": "#18",
-    "RoutedExpertsMLPOpsConfig.output_layer_init_method": "#18",
 }
 
 

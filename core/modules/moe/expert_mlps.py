@@ -14,11 +14,18 @@ Sharding: ``ep_degree`` ranks each hold ``num_experts / ep_degree`` whole expert
 ``tp_degree`` ranks split each expert's intermediate dim; a rank computes its partial sum of
 every token's output (zero for experts it does not hold) and the partial sums are added over the
 ``group`` of all ``tp_degree * ep_degree`` ranks.
+
+``is_prefill`` picks the path instead: True, the sorted pairs (NxD Inference's prefill path);
+False, the indexed weights (its token-generation path); None, by the pair count as above.
+``input_layer_init_method`` / ``output_layer_init_method`` initialise ``gate_up_proj`` /
+``down_proj`` (NxD's ``init_method(weight)``; default uniform in +-1/sqrt(fan_in)); a checkpoint's
+weights replace them when the model is loaded.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -29,6 +36,12 @@ from nxdplug.errors import ConfigError
 from nxdplug.modules.activations import activation
 from nxdplug.modules.moe.grouped_linear import grouped_linear
 from nxdplug.modules.parallel_linear import TP, all_reduce_sum, shard_tensor, use_collectives
+
+SPMD_RANK_WARNING = (
+    "enable_spmd_rank=True has no effect here: each rank's graph is built with its own expert "
+    "and tensor-parallel rank; reading the rank at run time (one graph for every rank) is a "
+    "Neuron compile concern"
+)
 
 
 def expert_capacity(tokens: int, config: RoutedExpertsMLPOpsConfig) -> int | None:
@@ -91,8 +104,15 @@ class ExpertMLPs(nn.Module):
         ):
             if size % degree:
                 problems.append(f"cannot split {what}: {size} % {degree} != 0")
+        if config.is_prefill is False and ep_degree > 1:
+            problems.append(
+                "is_prefill=False (each pair's expert weights indexed) is implemented for "
+                f"ep_degree 1 only; got ep_degree {ep_degree}: leave is_prefill None"
+            )
         if problems:
             raise ConfigError(problems)
+        if config.enable_spmd_rank:
+            warnings.warn(SPMD_RANK_WARNING, RuntimeWarning, stacklevel=2)
         self.config = config
         self.act = activation(config.hidden_act)
         self.tp_degree, self.tp_rank = tp_degree, tp_rank
@@ -114,8 +134,14 @@ class ExpertMLPs(nn.Module):
         self.down_proj_bias = (
             nn.Parameter(torch.zeros(self.local_experts, hidden)) if config.bias else None
         )
-        for weight, fan_in in ((self.gate_up_proj, hidden), (self.down_proj, inner)):
-            nn.init.uniform_(weight, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+        for weight, fan_in, init_method in (
+            (self.gate_up_proj, hidden, config.input_layer_init_method),
+            (self.down_proj, inner, config.output_layer_init_method),
+        ):
+            if init_method is None:
+                nn.init.uniform_(weight, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
+            else:
+                init_method(weight)
 
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's experts, and its slice of each one's intermediate dim. The down
@@ -173,14 +199,19 @@ class ExpertMLPs(nn.Module):
         if config.normalize_top_k_affinities:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-12)
 
-        pairs = tokens * top_k
-        if torch.compiler.is_compiling() and self.ep_degree == 1 and pairs <= self.local_experts:
+        if self.uses_gathered_weights(tokens * top_k):
             out = self.gathered(hidden, weights, expert_index)
         else:
             out = self.grouped(hidden, weights, expert_index, kept)
         if use_collectives(self.tp_degree * self.ep_degree, self.group):
             out = all_reduce_sum(out, self.group)
         return out
+
+    def uses_gathered_weights(self, pairs: int) -> bool:
+        """Whether ``pairs`` (token, choice) pairs take the indexed-weights path."""
+        if self.config.is_prefill is not None:
+            return not self.config.is_prefill
+        return torch.compiler.is_compiling() and self.ep_degree == 1 and pairs <= self.local_experts
 
     def grouped(
         self,
