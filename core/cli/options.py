@@ -120,6 +120,20 @@ _SAMPLING_OPTIONS: tuple[tuple[str, dict[str, Any], str], ...] = (
     ),
 )
 
+SHARED_OPTIONS = {
+    flag: (keywords, help_text)
+    for flag, keywords, help_text in (*_NEURON_CONFIG_OPTIONS, *_SAMPLING_OPTIONS)
+}
+
+
+def add_shared_option(
+    group: argparse._ActionsContainer, flag: str, **overrides: Any
+) -> argparse.Action:
+    """Add the NeuronConfig or sampling option ``flag`` as the other commands define it, with
+    ``overrides`` replacing its argparse keywords (another default, another help)."""
+    keywords, help_text = SHARED_OPTIONS[flag]
+    return group.add_argument(flag, **({"default": None, "help": help_text} | keywords | overrides))
+
 
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
