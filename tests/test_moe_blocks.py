@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -334,3 +335,24 @@ def test_init_methods_initialise_the_expert_weights() -> None:
 def test_enable_spmd_rank_is_reported_as_without_effect() -> None:
     with pytest.warns(RuntimeWarning, match="enable_spmd_rank=True has no effect"):
         ExpertMLPs(experts_config(enable_spmd_rank=True))
+
+
+def test_fused_tkg_settings_are_reported_as_without_effect() -> None:
+    from nxdplug.config import MoEFusedTKGConfig
+    from nxdplug.modules.moe.moe import fused_tkg_config
+
+    neuron_config = MoENeuronConfig(
+        quantized=True, moe_fused_nki_kernel_enabled=True, expert_mlp_nki_kernel_enabled=True
+    )
+    tkg_config = fused_tkg_config(neuron_config)
+    assert tkg_config == MoEFusedTKGConfig(
+        quantized=True, moe_fused_kernel_enabled=True, expert_mlp_kernel_enabled=True
+    )
+    parts = (RouterTopK(EXPERTS, TOP_K, HIDDEN), random_experts(experts_config()))
+    message = "quantized=True, moe_fused_kernel_enabled=True, expert_mlp_kernel_enabled=True"
+    with pytest.warns(RuntimeWarning, match=message):
+        MoE(*parts, init_tkg_module=True, tkg_config=tkg_config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MoE(*parts, init_tkg_module=True, tkg_config=MoEFusedTKGConfig())
+        MoE(*parts, tkg_config=tkg_config)  # no fused module asked for

@@ -3,16 +3,25 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
-from nxdplug.config import RoutedExpertsMLPOpsConfig
+from nxdplug.config import MoEFusedTKGConfig, RoutedExpertsMLPOpsConfig
 from nxdplug.modules.moe.expert_mlps import ExpertMLPs
 from nxdplug.modules.moe.parallel import moe_degrees
 from nxdplug.modules.moe.routing import RouterTopK
 from nxdplug.modules.moe.shared_experts import SharedExperts
+
+
+def fused_tkg_settings(tkg_config: MoEFusedTKGConfig | None) -> list[str]:
+    """The MoEFusedTKGConfig settings that are on (``name=True``)."""
+    if tkg_config is None:
+        return []
+    return [f"{name}=True" for name, value in attrs.asdict(tkg_config).items() if value]
 
 
 class MoE(nn.Module):
@@ -21,6 +30,10 @@ class MoE(nn.Module):
     With ``rmsnorm``, x is normalized first (the decoder layer then skips its own norm). The
     output is a tuple when ``return_router_logits`` / ``return_expert_index`` ask for those too:
     (output, router logits [tokens, experts], expert index [tokens, top_k]), in that order.
+
+    ``init_tkg_module`` / ``tkg_config`` (a MoEFusedTKGConfig) ask for NxD's fused
+    token-generation module, Neuron kernels that compute this same block: here one block serves
+    both phases, and kernel switches that are on are reported once as without effect.
     """
 
     def __init__(
@@ -32,8 +45,19 @@ class MoE(nn.Module):
         *,
         return_router_logits: bool = False,
         return_expert_index: bool = False,
+        init_tkg_module: bool = False,
+        tkg_config: MoEFusedTKGConfig | None = None,
     ) -> None:
         super().__init__()
+        switched_on = fused_tkg_settings(tkg_config) if init_tkg_module else []
+        if switched_on:
+            warnings.warn(
+                f"MoEFusedTKGConfig {', '.join(switched_on)}: settings of the fused "
+                "token-generation module's Neuron kernels; no effect here, where one MoE block "
+                "(the same result) serves both phases",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.router = router
         self.expert_mlps = expert_mlps
         self.shared_experts = shared_experts
@@ -93,8 +117,9 @@ def initialize_moe_module(
     ``num_experts_per_tok``, ``hidden_size``, ``intermediate_size``, ``hidden_act``, and
     ``n_shared_experts`` when present) and its MoENeuronConfig.
 
-    ``init_tkg_module`` asks for NxD's fused token-generation kernel module, which exists on
-    Neuron only; here the same block serves both phases, so it has no effect.
+    ``init_tkg_module`` asks for NxD's fused token-generation kernel module, with a
+    MoEFusedTKGConfig built from the config as NxD Inference builds it (``quantized`` and the
+    ``*_nki_kernel_enabled`` switches): see :class:`MoE`.
     """
     neuron_config = config.neuron_config
     degrees = moe_degrees(neuron_config)
@@ -136,4 +161,19 @@ def initialize_moe_module(
         rmsnorm,
         return_router_logits=neuron_config.return_router_logits,
         return_expert_index=neuron_config.return_expert_index,
+        init_tkg_module=init_tkg_module,
+        tkg_config=fused_tkg_config(neuron_config) if init_tkg_module else None,
     ).eval()
+
+
+def fused_tkg_config(neuron_config: Any) -> MoEFusedTKGConfig:
+    """NxD Inference's MoEFusedTKGConfig of a MoENeuronConfig: ``quantized`` and its
+    ``moe_fused_nki_kernel_enabled``, ``router_topk_nki_kernel_enabled``,
+    ``expert_mlp_nki_kernel_enabled`` and ``shared_mlp_nki_kernel_enabled`` keywords."""
+    return MoEFusedTKGConfig(
+        quantized=bool(neuron_config.quantized),
+        moe_fused_kernel_enabled=getattr(neuron_config, "moe_fused_nki_kernel_enabled", None),
+        router_topk_kernel_enabled=getattr(neuron_config, "router_topk_nki_kernel_enabled", None),
+        expert_mlp_kernel_enabled=getattr(neuron_config, "expert_mlp_nki_kernel_enabled", None),
+        shared_mlp_kernel_enabled=getattr(neuron_config, "shared_mlp_nki_kernel_enabled", None),
+    )
