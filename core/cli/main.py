@@ -37,6 +37,7 @@ from nxdplug.cli.inference import (
     run_compile,
     run_run,
 )
+from nxdplug.cli.inference_demo import add_inference_demo_arguments, run_inference_demo
 from nxdplug.cli.options import parse_key_value
 from nxdplug.cli.plugins import (
     add_plugins_doctor_arguments,
@@ -154,6 +155,13 @@ COMMANDS: tuple[Command, ...] = (
         "generate from prompts on the CPU and optionally check accuracy against HF",
         run=run_run,
         add_arguments=add_run_arguments,
+    ),
+    Command(
+        "inference_demo",
+        "NxD Inference's inference_demo command line: --model-type M --task-type causal-lm run "
+        "--model-path P --compiled-model-path C --prompt TEXT [its flags]",
+        run=run_inference_demo,
+        add_arguments=add_inference_demo_arguments,
     ),
     Command(
         "benchmark",
