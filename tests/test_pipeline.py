@@ -109,11 +109,11 @@ def test_pipeline_hooks_run_only_for_enabled_plugins(plugin_manager, llama_confi
 
 def test_all_problems_are_reported_at_once(plugin_manager, llama_config) -> None:
     with temporary_plugin(LogitScaleFeature(), "logit-scale-plugin"):
-        _, config = llama_config(logit_scale=-1.0, fused_qkv=True, tp_degree=3, paddng_side="left")
+        _, config = llama_config(logit_scale=-1.0, fused_qkv=True, batch_size=0, paddng_side="left")
         with pytest.raises(ConfigError) as error:
             validate(config)
     problems = error.value.problems
-    assert any("divisible by tp_degree (3)" in p for p in problems)
+    assert any("batch_size is 0" in p for p in problems)
     assert any("logit_scale must be positive" in p for p in problems)
     assert any("'logit-scale' cannot be combined with 'fused-qkv'" in p for p in problems)
     assert any("'paddng_side'" in p and "padding_side" in p for p in problems)
