@@ -4,8 +4,9 @@
 Compile into a folder, save the tokenizer beside it, build the application again from that
 folder alone, load it, and generate with on-device sampling (``top_k=1``: greedy) and per-row
 ``sampling_params``. What differs from NxD Inference's script: the paths come from the command
-line, and ``tp_degree`` is 1 (on the CPU, 32 ranks are 32 processes; see the README's torchrun
-section).
+line. ``tp_degree=32`` stays: in one process it sets the head layout only (a model with fewer
+heads gets zero heads up to 32); launched by ``torchrun --nproc-per-node 32`` the script runs as
+32 ranks.
 
     python examples/nxdi_generation_demo.py MODEL_PATH TRACED_MODEL_PATH
 """
@@ -30,7 +31,7 @@ def run_llama_generate():
     generation_config.update(do_sample=True, top_k=1, pad_token_id=generation_config.eos_token_id)
 
     neuron_config = NeuronConfig(
-        tp_degree=1,
+        tp_degree=32,
         batch_size=2,
         max_context_length=32,
         seq_len=64,

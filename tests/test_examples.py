@@ -87,7 +87,8 @@ def test_engine_async_mode_example_times_both_modes(tiny_checkpoint, tmp_path) -
 def test_nxdi_generation_demo_compiles_reloads_and_prints_hf_greedy_text(tiny_checkpoint, tmp_path):
     """NxD Inference's generation demo through nxdplug.nxdi: compile, rebuild the application
     from the compiled folder alone, load, generate with on-device sampling (top_k 1) and the
-    per-row sampling_params it passes (unused by a greedy model, as in NxD Inference: warned)."""
+    per-row sampling_params it passes (unused by a greedy model, as in NxD Inference: warned),
+    tp_degree=32 in one process (the head layout only)."""
     path = tiny_checkpoint("llama", seed=5)
     traced = tmp_path / "traced"
     result = subprocess.run(
