@@ -155,6 +155,16 @@ def test_check_accuracy_matches_hf_tokens_and_fails_on_a_changed_weight(
         )
 
 
+def test_the_reference_is_float32_for_a_bfloat16_checkpoint() -> None:
+    """NxD Inference's reference is HF in float32 (transformers 4's default); transformers 5
+    keeps a bf16 checkpoint in bf16, whose greedy tokens leave the float32 model's on the shipped
+    (bf16) pycoder-tiny within the 124 checked."""
+    shipped = Path(__file__).resolve().parents[1] / "examples" / "models" / "pycoder-tiny"
+    app = application(shipped, batch_size=1, seq_len=128, max_context_length=64)
+
+    check_accuracy(app, AutoTokenizer.from_pretrained(shipped), prompt="class Stack:")
+
+
 # --- logit validation on made-up logits ------------------------------------------------------
 
 

@@ -19,6 +19,13 @@ from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
 TEST_PROMPT = "Hello, I am a language model, and I am here to help,"
 
 
+def reference_model(neuron_model: Any) -> torch.nn.Module:
+    """HF transformers' model of the application's checkpoint in float32: NxD Inference's
+    reference (transformers 4 loads float32 by default; transformers 5 would keep a bf16
+    checkpoint in bf16)."""
+    return neuron_model.load_hf_model(neuron_model.model_path, dtype=torch.float32).eval()
+
+
 def get_generate_outputs(
     model: Any,
     prompts: list[str],
@@ -78,7 +85,7 @@ def check_accuracy(
     kwargs = {"do_sample": do_sample, "max_length": neuron_config.max_length}
     prompts = [prompt or TEST_PROMPT] * neuron_config.batch_size
     if expected_token_ids is None:
-        hf_model = neuron_model.load_hf_model(neuron_model.model_path).eval()
+        hf_model = reference_model(neuron_model)
         with torch.inference_mode():
             expected_token_ids, _ = get_generate_outputs(
                 hf_model,

@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig
 
 from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
-from nxdplug.runtime.accuracy import TEST_PROMPT
+from nxdplug.runtime.accuracy import TEST_PROMPT, reference_model
 from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
 from nxdplug.runtime.logit_validation import LogitMatchingValidationError, logit_validation
 
@@ -41,7 +41,7 @@ def generate_expected_logits(
     accepted for NxD Inference's signature (it only logs there).
     """
     num_tokens = _tokens_to_check(neuron_model, input_ids.shape[1], num_tokens)
-    hf_model = neuron_model.load_hf_model(neuron_model.model_path).eval()
+    hf_model = reference_model(neuron_model)
     kwargs = {
         "input_ids": input_ids,
         "attention_mask": inputs_attention_mask,
