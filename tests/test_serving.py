@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -417,6 +418,29 @@ def test_a_client_that_hangs_up_frees_its_line(server: str, client) -> None:
         if count == 1:
             break
     stream.close()
+    wait_until_idle(server)
+    assert metric(server, aborted) == before + 1
+
+
+def test_a_client_that_hangs_up_before_a_whole_answer_frees_its_line(server: str) -> None:
+    """Not streamed: the server notices the closed connection while it waits for the answer."""
+    aborted = 'nxdplug:request_success_total{finished_reason="abort"}'
+    text = get(f"{server}/metrics")[1]
+    before = float(m.group(1)) if (m := re.search(re.escape(aborted) + r" (\S+)", text)) else 0.0
+    body = json.dumps(
+        {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": SEQ_LEN - 3, "ignore_eos": True}
+    ).encode()
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        for _ in range(100):  # until the request runs
+            if metric(server, "nxdplug:num_requests_running") == 1:
+                break
+            time.sleep(0.02)
     wait_until_idle(server)
     assert metric(server, aborted) == before + 1
 

@@ -2,14 +2,16 @@
 
 A route checks the request, turns it into prompt ids and sampling settings, hands it to the
 engine thread and returns (or streams, as server-sent events) what comes back. Scheduling,
-batching and cancellation are the engine's; a streamed request whose client goes away is
-aborted when the stream is cancelled, which frees its KV-cache line.
+batching and cancellation are the engine's; a request whose client goes away is aborted, which
+frees its KV-cache line: a streamed one when its stream is cancelled, a non-streamed one when
+the server sees the connection close while it waits for the whole answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from nxdplug.engine import EngineFullError, RequestError
+from nxdplug.engine import EngineFullError, RequestError, RequestOutput
 from nxdplug.serving.engine_thread import EngineStoppedError, EngineThread, OutputStream
 from nxdplug.serving.metrics import ServingMetrics
 from nxdplug.serving.protocol import (
@@ -62,7 +64,7 @@ def build_app(
             )
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(request: Request, body: CompletionRequest) -> Response:
         check_model(body.model)
         body.refuse_unsupported()
         stream = engine_thread.generate(body.prompt_ids(tokenizer), body.settings())
@@ -71,7 +73,10 @@ def build_app(
         if body.stream:
             chunks = _completion_chunks(stream, head, tokenizer, body.include_usage())
             return _event_stream(chunks)
-        output = merged([o async for o in stream])
+        outputs = await _unless_client_leaves(request, _all(stream))
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        output = merged(outputs)
         choice = CompletionChoice(
             text=output.text,
             logprobs=completion_logprobs(output, tokenizer),
@@ -80,7 +85,7 @@ def build_app(
         return _json(Completion(**head, choices=[choice], usage=Usage.of(output)))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         check_model(body.model)
         body.refuse_unsupported()
         prompt_ids = body.prompt_ids(tokenizer)
@@ -90,7 +95,10 @@ def build_app(
         if body.stream:
             chunks = _chat_chunks(stream, head, tokenizer, body.include_usage())
             return _event_stream(chunks)
-        output = merged([o async for o in stream])
+        outputs = await _unless_client_leaves(request, _all(stream))
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        output = merged(outputs)
         choice = ChatChoice(
             message=AssistantMessage(content=output.text),
             logprobs=chat_logprobs(output, tokenizer),
@@ -121,6 +129,36 @@ def build_app(
         return Response(content, media_type=content_type)
 
     return app
+
+
+# The status a request gets when its client left before the answer (nginx's; nobody reads it).
+CLIENT_CLOSED_REQUEST = 499
+
+
+async def _all(stream: OutputStream) -> list[RequestOutput]:
+    return [output async for output in stream]
+
+
+async def _unless_client_leaves(
+    request: Request, outputs: Coroutine[Any, Any, list[RequestOutput]]
+) -> list[RequestOutput] | None:
+    """``outputs`` awaited, or None if the client closes the connection first; then the
+    awaiting task is cancelled, which aborts the request (see ``OutputStream``)."""
+    collect = asyncio.ensure_future(outputs)
+    watch = asyncio.ensure_future(_client_leaves(request))
+    done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if collect in done:
+        watch.cancel()
+        return collect.result()
+    collect.cancel()
+    await asyncio.gather(collect, return_exceptions=True)
+    return None
+
+
+async def _client_leaves(request: Request) -> None:
+    """Returns when the server receives the client's disconnect (the body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _completion_chunks(
