@@ -142,6 +142,7 @@ def test_plugins_list_by_hook(capsys) -> None:
     rows = json.loads(capsys.readouterr().out)
     assert [row["name"] for row in rows] == ["sampling"]
     assert rows[0]["hooks"] == [
+        "nxdplug_cli_extensions",
         "nxdplug_features",
         "nxdplug_request_sampling",
         "nxdplug_samplers",

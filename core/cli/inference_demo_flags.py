@@ -255,6 +255,41 @@ class RefusedFlag(argparse.Action):
         raise argparse.ArgumentError(self, f"not supported by nxdplug: {self.help}")
 
 
+class FeatureDemoFlags:
+    """A feature plugin's inference_demo flags, as the implementation of its ``CliExtension``
+    record (``commands=("inference_demo",)``): one argument group titled ``TITLE``, whose flags
+    :meth:`add_flags` adds and :meth:`settings` turns into NeuronConfig settings. ``DEST`` is a
+    destination only these flags fill: arguments without it are another command's."""
+
+    TITLE = ""
+    DEST = ""
+
+    def add_flags(self, group: argparse._ArgumentGroup) -> None:
+        raise NotImplementedError
+
+    def settings(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {}
+
+    def add_arguments(self, parser: argparse.ArgumentParser, command: str) -> None:
+        self.add_flags(parser.add_argument_group(self.TITLE))
+
+    def neuron_config_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
+        if not hasattr(args, self.DEST):  # another command's arguments
+            return {}
+        return self.settings(args)
+
+    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
+        """The settings are complete once made."""
+
+    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
+        return {}
+
+    def hf_comparison(
+        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
+    ) -> None:
+        return None
+
+
 def add_run_flags(parser: argparse.ArgumentParser) -> None:
     """Add inference_demo's ``run`` flags to ``parser``: :data:`DEMO_FLAGS`, one per
     NeuronConfig attribute, and those of the feature plugins (with ``--compiled-model-path``,

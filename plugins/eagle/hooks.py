@@ -68,3 +68,9 @@ def nxdplug_cli_extensions() -> Iterable[CliExtension]:
         disabled_by=DRAFT,
         description="--draft-model-path is the EAGLE draft, fused into the target's config",
     )
+    yield CliExtension(
+        name="eagle-inference-demo",
+        implementation="nxdplug.plugins.eagle.demo_flags:EagleDemoFlags",
+        commands=("inference_demo",),
+        description="inference_demo's EAGLE flag (--is-eagle3, refused)",
+    )

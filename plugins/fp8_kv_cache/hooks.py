@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
 from nxdplug.plugins.fp8_kv_cache.scales import DEFAULT_GRANULARITY, GRANULARITY, SCALES
-from nxdplug.types import Feature, KVCacheStrategy
+from nxdplug.types import CliExtension, Feature, KVCacheStrategy
 
 NXDPLUG_API_VERSION = 1
 
@@ -38,4 +38,14 @@ def nxdplug_features() -> Iterable[Feature]:
         validate="nxdplug.plugins.fp8_kv_cache.scales:validate",
         transform_model="nxdplug.plugins.fp8_kv_cache.cache:apply_config_scales",
         description="K/V scales of the fp8 KV cache, per tensor or per K/V head",
+    )
+
+
+@hookimpl
+def nxdplug_cli_extensions() -> Iterable[CliExtension]:
+    yield CliExtension(
+        name="fp8-kv-cache-inference-demo",
+        implementation="nxdplug.plugins.fp8_kv_cache.demo_flags:Fp8KvCacheDemoFlags",
+        commands=("inference_demo",),
+        description="inference_demo's KV-cache quantization flags (--kv-quant-dtype, ...)",
     )

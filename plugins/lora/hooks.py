@@ -64,3 +64,9 @@ def nxdplug_cli_extensions() -> Iterable[CliExtension]:
         commands=("run", "benchmark", "compile", "check-config"),
         description="--lora-ckpt-paths ID=PATH, --max-loras, --max-lora-rank, --adapter-ids",
     )
+    yield CliExtension(
+        name="multi-lora-inference-demo",
+        implementation="nxdplug.plugins.lora.demo_flags:LoraDemoFlags",
+        commands=("inference_demo",),
+        description="inference_demo's LoRA flags (--enable-lora, --lora-ckpt-path, ...)",
+    )

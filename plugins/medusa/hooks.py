@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import Feature, SpeculationMode, StateDictConverter
+from nxdplug.types import CliExtension, Feature, SpeculationMode, StateDictConverter
 
 NXDPLUG_API_VERSION = 1
 
@@ -60,4 +60,14 @@ def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
         enabled_by=ENABLED_BY,
         order=90,
         description="add the Medusa heads file beside the checkpoint as medusa_head.{i}.*",
+    )
+
+
+@hookimpl
+def nxdplug_cli_extensions() -> Iterable[CliExtension]:
+    yield CliExtension(
+        name="medusa-inference-demo",
+        implementation="nxdplug.plugins.medusa.demo_flags:MedusaDemoFlags",
+        commands=("inference_demo",),
+        description="inference_demo's Medusa flag (--medusa-tree-json)",
     )

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import Feature, QuantizationMethod, StateDictConverter
+from nxdplug.types import CliExtension, Feature, QuantizationMethod, StateDictConverter
 
 NXDPLUG_API_VERSION = 1
 
@@ -62,4 +62,14 @@ def nxdplug_state_dict_converters() -> Iterable[StateDictConverter]:
         enabled_by=("quantized",),
         order=200,
         description="weight_scale to the layers' layout; 8-bit dtypes and granularity checked",
+    )
+
+
+@hookimpl
+def nxdplug_cli_extensions() -> Iterable[CliExtension]:
+    yield CliExtension(
+        name="quantization-inference-demo",
+        implementation="nxdplug.plugins.quantization.demo_flags:QuantizationDemoFlags",
+        commands=("inference_demo",),
+        description="inference_demo's quantization flags (--quantize-clamp-bound, ...)",
     )

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import Feature, Sampler, StepInput
+from nxdplug.types import CliExtension, Feature, Sampler, StepInput
 
 NXDPLUG_API_VERSION = 1
 
@@ -81,3 +81,13 @@ def nxdplug_request_sampling(context: Any) -> Any:
     from nxdplug.plugins.sampling.request_sampling import RequestSampling
 
     return RequestSampling(context.config)
+
+
+@hookimpl
+def nxdplug_cli_extensions() -> Iterable[CliExtension]:
+    yield CliExtension(
+        name="sampling-inference-demo",
+        implementation="nxdplug.plugins.sampling.demo_flags:SamplingDemoFlags",
+        commands=("inference_demo",),
+        description="inference_demo's on-device sampling flags (--on-device-sampling, ...)",
+    )
