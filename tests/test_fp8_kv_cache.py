@@ -89,7 +89,11 @@ def test_plugins_list_shows_the_strategy_and_its_settings(capsys) -> None:
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     row = rows["fp8_kv_cache"]
     assert row["status"] == "active"
-    assert row["provides"] == {"kv_cache_strategies": ["fp8"], "features": ["fp8-kv-cache"]}
+    assert row["provides"] == {
+        "kv_cache_strategies": ["fp8"],
+        "features": ["fp8-kv-cache"],
+        "cli_extensions": ["fp8-kv-cache-inference-demo"],
+    }
 
 
 def test_check_config_passes_with_kv_cache_quant(capsys, llama_path) -> None:

@@ -1,4 +1,5 @@
-"""Every shipped mode in bfloat16 against HF transformers directly, several buckets per phase:
+"""Every shipped mode in bfloat16 against HF transformers directly, several buckets per phase
+(frozen + autotuned: one per phase, its compile being the longest by far, ~19 s a graph):
 no further from HF float32 than HF's own bfloat16 (``check_low_precision``: max and mean logit
 error within 1.25x of HF's, greedy choices no worse), per seed. Modes: eager, compiled (the
 default inductor mode, weights shared by the graphs), frozen (``freezing=true``) and frozen +
@@ -26,8 +27,9 @@ MODES = {
 
 
 def loaded(checkpoint, dtype: str, mode: str, folder):
+    buckets = {"enable_bucketing": False} if mode == "frozen-autotuned" else BUCKETS
     config = NeuronConfig(
-        batch_size=2, seq_len=64, max_context_length=16, torch_dtype=dtype, **BUCKETS
+        batch_size=2, seq_len=64, max_context_length=16, torch_dtype=dtype, **buckets
     )
     app = from_pretrained(checkpoint, config)
     if mode == "eager":

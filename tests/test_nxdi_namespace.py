@@ -4,7 +4,6 @@ ports by renaming ``neuronx_distributed_inference`` to ``nxdplug.nxdi``."""
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import subprocess
 import sys
@@ -233,63 +232,3 @@ def test_the_generate_example_runs_with_nxdi_imports(tiny_checkpoint, tmp_path) 
         printed.splitlines()
         == "\n".join(f"Output {i}: {t}" for i, t in enumerate(texts)).splitlines()
     )
-
-
-# An NxD Inference script as its documentation writes one (compile, then load the compiled
-# folder in a fresh application made from that folder alone, then generate through the HF
-# adapter).
-NXDI_SCRIPT = """
-import json
-import sys
-
-import torch
-from transformers import AutoTokenizer, GenerationConfig
-
-from neuronx_distributed_inference.models.config import NeuronConfig
-from neuronx_distributed_inference.models.llama.modeling_llama import (
-    LlamaInferenceConfig,
-    NeuronLlamaForCausalLM,
-)
-from neuronx_distributed_inference.utils.hf_adapter import (
-    HuggingFaceGenerationAdapter,
-    load_pretrained_config,
-)
-
-model_path, traced_model_path = sys.argv[1], sys.argv[2]
-prompts = ["def fibonacci(n):", "import os"]
-
-neuron_config = NeuronConfig(
-    tp_degree=1, batch_size=2, max_context_length=16, seq_len=48, torch_dtype=torch.float32
-)
-config = LlamaInferenceConfig(neuron_config, load_config=load_pretrained_config(model_path))
-model = NeuronLlamaForCausalLM(model_path, config)
-model.compile(traced_model_path)
-tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-tokenizer.save_pretrained(traced_model_path)
-
-model = NeuronLlamaForCausalLM(traced_model_path)  # its config from the compiled folder
-model.load(traced_model_path)
-generation_config = GenerationConfig.from_pretrained(model_path)
-inputs = tokenizer(prompts, padding=True, return_tensors="pt")
-outputs = HuggingFaceGenerationAdapter(model).generate(
-    inputs.input_ids,
-    generation_config=generation_config,
-    attention_mask=inputs.attention_mask,
-    max_length=model.config.neuron_config.max_length,
-)
-print(json.dumps(outputs.tolist()))
-"""
-
-
-def test_an_nxdi_script_runs_after_the_package_rename(tiny_checkpoint, tmp_path) -> None:
-    path = tiny_checkpoint("llama", seed=5)
-    script = tmp_path / "nxdi_script.py"
-    script.write_text(NXDI_SCRIPT.replace("neuronx_distributed_inference", "nxdplug.nxdi"))
-    out = run_python(
-        str(script), str(path), str(tmp_path / "traced"), NXDPLUG_CACHE_DIR=str(tmp_path / "c")
-    )
-    tokens = json.loads(out.strip().splitlines()[-1])
-
-    expected = hf_greedy(path, max_length=48)
-    assert tokens == expected.tolist()
-    assert (tmp_path / "traced" / "neuron_config.json").is_file()
