@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -73,10 +73,9 @@ def build_app(
         if body.stream:
             chunks = _completion_chunks(stream, head, tokenizer, body.include_usage())
             return _event_stream(chunks)
-        outputs = await _unless_client_leaves(request, _all(stream))
-        if outputs is None:
+        output = await _whole_answer(request, stream)
+        if output is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        output = merged(outputs)
         choice = CompletionChoice(
             text=output.text,
             logprobs=completion_logprobs(output, tokenizer),
@@ -95,10 +94,9 @@ def build_app(
         if body.stream:
             chunks = _chat_chunks(stream, head, tokenizer, body.include_usage())
             return _event_stream(chunks)
-        outputs = await _unless_client_leaves(request, _all(stream))
-        if outputs is None:
+        output = await _whole_answer(request, stream)
+        if output is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        output = merged(outputs)
         choice = ChatChoice(
             message=AssistantMessage(content=output.text),
             logprobs=chat_logprobs(output, tokenizer),
@@ -139,17 +137,15 @@ async def _all(stream: OutputStream) -> list[RequestOutput]:
     return [output async for output in stream]
 
 
-async def _unless_client_leaves(
-    request: Request, outputs: Coroutine[Any, Any, list[RequestOutput]]
-) -> list[RequestOutput] | None:
-    """``outputs`` awaited, or None if the client closes the connection first; then the
-    awaiting task is cancelled, which aborts the request (see ``OutputStream``)."""
-    collect = asyncio.ensure_future(outputs)
+async def _whole_answer(request: Request, stream: OutputStream) -> RequestOutput | None:
+    """The request's outputs merged into one, or None if the client closes the connection
+    first; then the awaiting task is cancelled, which aborts the request (see ``OutputStream``)."""
+    collect = asyncio.ensure_future(_all(stream))
     watch = asyncio.ensure_future(_client_leaves(request))
     done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
     if collect in done:
         watch.cancel()
-        return collect.result()
+        return merged(collect.result())
     collect.cancel()
     await asyncio.gather(collect, return_exceptions=True)
     return None
