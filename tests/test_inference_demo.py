@@ -286,7 +286,7 @@ def test_the_entry_points_are_the_command() -> None:
     import nxdplug.nxdi.inference_demo as nxdi_module
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["inference_demo"] == "nxdplug.cli.inference_demo:main"
+    assert scripts["inference_demo"] == "nxdplug.cli.inference_demo:console_main"
     assert nxdi_module.main is inference_demo_main
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from nxdplug.cli import extensions
 from nxdplug.cli.inference import inference_config, selection_summary
@@ -70,6 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     from nxdplug.cli.main import main as nxdplug_main
 
     return nxdplug_main([COMMAND, *(sys.argv[1:] if argv is None else argv)])
+
+
+def console_main() -> NoReturn:
+    """The ``inference_demo`` console script, ending as ``nxdplug`` does."""
+    from nxdplug.cli.main import exit_with
+
+    exit_with(main())
 
 
 def run_inference_demo(args: argparse.Namespace) -> int:

@@ -228,6 +228,23 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
 
 
+def console_main() -> NoReturn:
+    """The ``nxdplug`` console script: :func:`main`, then :func:`exit_with` its exit code."""
+    exit_with(main())
+
+
+def exit_with(exit_code: int) -> NoReturn:
+    """Exit the process: a rank of a launched process group through
+    :func:`~nxdplug.runtime.tensor_parallel.end_rank_process` (the interpreter's teardown of a
+    used gloo group may abort the process), any other the usual way."""
+    distributed = sys.modules.get("torch.distributed")  # imported by any command that used it
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        from nxdplug.runtime.tensor_parallel import end_rank_process
+
+        end_rank_process(exit_code)
+    sys.exit(exit_code)
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
@@ -274,4 +291,4 @@ def _report(message: str, *, exit_code: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -15,6 +15,6 @@ reexport(
 )
 
 if __name__ == "__main__":
-    from nxdplug.cli.inference_demo import main
+    from nxdplug.cli.inference_demo import console_main
 
-    raise SystemExit(main())
+    console_main()

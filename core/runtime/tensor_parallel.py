@@ -10,6 +10,8 @@ keep them in lockstep, and every rank ends with the same tokens. Without such a 
 from __future__ import annotations
 
 import os
+import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,24 @@ def join_launched_ranks(tp_degree: int) -> None:
             ]
         )
     dist.init_process_group("gloo")
+
+
+def end_rank_process(exit_code: int = 0) -> NoReturn:
+    """End a rank's process once its work is done: on success wait for every rank, leave the
+    process group, and exit at once with ``exit_code``.
+
+    Exiting through the interpreter's teardown after a gloo group was used aborts about one run
+    in ten with torch 2.13 ("terminate called without an active exception": a thread of the
+    group is still joinable when the process exits), after all the work succeeded; skipping the
+    teardown avoids it.
+    """
+    if dist.is_initialized():
+        if exit_code == 0:
+            dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def is_first_rank() -> bool:

@@ -12,19 +12,18 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import attrs
 import torch
 
 from nxdplug.errors import NxdPlugError
 from nxdplug.manager import NxdPlugPluginManager, create_plugin_manager, use_plugin_manager
+from nxdplug.runtime.tensor_parallel import end_rank_process
 from nxdplug.testing.precision import PrecisionReport, check_low_precision
 from nxdplug.testing.tiny_models import make_tiny_checkpoint
 
@@ -36,6 +35,7 @@ __all__ = [
     "check_low_precision",
     "chi_square_p_value",
     "derived_checkpoint",
+    "end_rank_process",
     "exact_top_k_marginals",
     "fresh_plugin_manager",
     "make_tiny_checkpoint",
@@ -111,25 +111,6 @@ class AccuracyReport:
             f"logit matching: {verdict} (max |error| {self.max_logit_error:.3g} over "
             f"{new_tokens} steps, atol {atol} rtol {rtol}; {divergence})"
         )
-
-
-def end_rank_process() -> NoReturn:
-    """End a spawned rank's process once its work is done: wait for every rank, leave the
-    process group, and exit at once.
-
-    Exiting through the interpreter's teardown after a gloo group was used aborts about one run
-    in ten with torch 2.13 ("terminate called without an active exception": a thread of the
-    group is still joinable when the process exits), after all the work succeeded; skipping the
-    teardown avoids it. Call it last on the success path; failures raise as usual.
-    """
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _first_mismatch(expected: torch.Tensor, actual: torch.Tensor) -> tuple[int, int] | None:
