@@ -25,7 +25,8 @@ from nxdplug.benchmark.measurements import (
     percentile,
     weight_bytes,
 )
-from nxdplug.cli.benchmark import benchmark_options
+from nxdplug.benchmark.roofline import PrefillCeiling, PrefillFlops
+from nxdplug.cli.benchmark import _hf_modes, benchmark_options
 from nxdplug.cli.main import build_parser, main
 
 SMALL_RUN = ["--runs", "1", "--prompt-length", "8", "--max-new-tokens", "4", "--quiet"]
@@ -102,28 +103,55 @@ def test_mean_positions_average_the_token_generation_steps() -> None:
 # the report -----------------------------------------------------------------------------------
 
 
+# torch.compile imports torch.utils.mkldnn, whose import warns (shown under pytest only).
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_json_report_shape_and_ratios(capsys, llama_path) -> None:
+    """--compare-hf alone: HF eager and HF with a static cache and torch.compile, each with
+    its ratios, and every system against both ceilings."""
     code, out, err = run_cli(
         capsys, "benchmark", "--model-path", str(llama_path), "--compare-hf", "--json", *SMALL_RUN
     )
     assert code == 0, err
     assert err == ""  # --quiet
     report = json.loads(out)
-    assert set(report) == {"config", "nxdplug", "hf", "ratios", "bandwidth", "memory"}
+    assert set(report) == {
+        "config",
+        "nxdplug",
+        "hf",
+        "hf_compiled",
+        "ratios",
+        "ratios_hf_compiled",
+        "warmup_s",
+        "bandwidth",
+        "compute",
+        "memory",
+    }
+    systems = ("nxdplug", "hf", "hf_compiled")
     assert report["config"]["backend"] == "eager"
     assert report["config"]["new_tokens"] == 4 and report["config"]["prompt_length"] == 8
     assert set(report["nxdplug"]) == set(report["hf"]) == set(report["ratios"])
-    for key, ratio in report["ratios"].items():
-        assert ratio == report["nxdplug"][key] / report["hf"][key]
+    assert set(report["hf_compiled"]) == set(report["ratios_hf_compiled"]) == set(report["hf"])
+    for baseline, ratios in (("hf", "ratios"), ("hf_compiled", "ratios_hf_compiled")):
+        for key, ratio in report[ratios].items():
+            assert ratio == report["nxdplug"][key] / report[baseline][key]
+    assert set(report["warmup_s"]) == set(systems)  # apart from the timings
     bandwidth = report["bandwidth"]
     assert (
         bandwidth["bytes_per_step"]
         == bandwidth["weight_bytes"] + bandwidth["kv_cache_bytes_per_step"]
     )
-    for name in ("nxdplug", "hf"):
+    for name in systems:
         fraction = bandwidth["fraction_of_ceiling"][name]
         expected = report[name]["decode_tokens_per_s"] / bandwidth["ceiling_tokens_per_s"]
         assert fraction == pytest.approx(expected)
+    compute = report["compute"]
+    flops = compute["prefill_flops"]
+    assert flops["total"] == flops["weights"] + flops["attention"] + flops["lm_head"]
+    floor_ms = flops["total"] / (compute["gemm_gflop_per_s"] * 1e9) * 1e3
+    assert compute["ttft_floor_ms"] == pytest.approx(floor_ms)
+    for name in systems:
+        expected = compute["ttft_floor_ms"] / report[name]["ttft_ms"]
+        assert compute["fraction_of_ceiling"][name] == pytest.approx(expected)
     # every weight once (the tied head not twice), and a process holding them holds more
     memory = report["memory"]
     hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32)
@@ -133,34 +161,75 @@ def test_json_report_shape_and_ratios(capsys, llama_path) -> None:
 
 def test_compare_hf_table_has_both_columns(capsys, llama_path) -> None:
     code, out, _ = run_cli(
-        capsys, "benchmark", "--model-path", str(llama_path), "--compare-hf", *SMALL_RUN
+        capsys, "benchmark", "--model-path", str(llama_path), "--compare-hf", "eager", *SMALL_RUN
     )
     assert code == 0
     header = next(line for line in out.splitlines() if "nxdplug/HF" in line and "HF " in line)
     assert header.split() == ["nxdplug", "HF", "nxdplug/HF"]
-    for label in ("TTFT (ms)", "decode (tok/s)", "per-token p99 (ms)", "end-to-end (ms)"):
+    for label in (
+        "TTFT (ms)",
+        "decode (tok/s)",
+        "per-token p99 (ms)",
+        "end-to-end (ms)",
+        "of ceiling",
+        "prefill of ceiling",
+    ):
         row = next(line for line in out.splitlines() if line.startswith(label))
         assert len(row.removeprefix(label).split()) == 3
     assert "ceiling" in out and "GB/s" in out
+    assert "GFLOP/s" in out and "FLOPs/prefill" in out
+    assert "HF-compiled" not in out
+
+
+def test_compare_hf_without_a_mode_means_both() -> None:
+    def modes(*argv: str) -> tuple[str, ...]:
+        return _hf_modes(build_parser().parse_args(["benchmark", "--model-path", "m", *argv]))
+
+    assert modes() == ()
+    assert modes("--compare-hf") == ("eager", "compiled")
+    assert modes("--compare-hf", "compiled") == ("compiled",)
+    assert modes("--compare-hf", "compiled", "eager") == ("eager", "compiled")
+
+
+def test_a_failing_hf_compile_is_one_error_and_no_table(capsys, llama_path, monkeypatch) -> None:
+    def broken_compile(function, **options):
+        def compiled(*args, **kwargs):
+            raise RuntimeError("inductor could not build this graph\n(and more lines)")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    argv = ["--model-path", str(llama_path), "--compare-hf", *SMALL_RUN]
+    code, out, err = run_cli(capsys, "benchmark", *argv)
+    assert code == 1 and out == ""
+    assert err == (
+        "nxdplug: error: HF transformers (hf_compiled) failed in its warm-up, so no table is "
+        "printed: RuntimeError: inductor could not build this graph\n"
+    )
+
+
+CONFIG = {
+    "model": "m",
+    "dtype": "float32",
+    "batch_size": 1,
+    "prompt_length": 8,
+    "new_tokens": 2,
+    "runs": 1,
+    "backend": "eager",
+    "torch": "x",
+    "threads": 1,
+}
+
+
+def stats_of(ttft: float, step: float) -> GenerationStats:
+    run = RunTimes(start=0.0, tokens=(ttft, ttft + step), end=ttft + step)
+    return GenerationStats.from_runs([run], batch_size=1)
 
 
 def test_table_without_hf_has_one_column() -> None:
-    stats = GenerationStats.from_runs(
-        [RunTimes(start=0.0, tokens=(0.1, 0.2), end=0.2)], batch_size=1
-    )
     report = BenchmarkReport(
-        config={
-            "model": "m",
-            "dtype": "float32",
-            "batch_size": 1,
-            "prompt_length": 8,
-            "new_tokens": 2,
-            "runs": 1,
-            "backend": "eager",
-            "torch": "x",
-            "threads": 1,
-        },
-        nxdplug=stats,
+        config=CONFIG,
+        nxdplug=stats_of(0.1, 0.1),
         hf=None,
         read_gb_per_s=10.0,
         bytes_per_step=DecodeBytes(weights=900, kv_cache=100),
@@ -170,6 +239,40 @@ def test_table_without_hf_has_one_column() -> None:
     assert report.ceiling_tokens_per_s == pytest.approx(10e9 / 1000)
     assert report.to_dict()["hf"] is None
     assert "HF" not in report.format_table()
+
+
+def test_table_with_both_hf_modes_has_a_ratio_column_each() -> None:
+    report = BenchmarkReport(
+        config=CONFIG,
+        nxdplug=stats_of(0.25, 0.125),
+        hf=stats_of(0.5, 0.5),
+        read_gb_per_s=16e-6,  # a ceiling of 16 tok/s
+        bytes_per_step=DecodeBytes(weights=900, kv_cache=100),
+        mean_positions=9.0,
+        hf_compiled=stats_of(1.0, 0.25),
+        warmup_seconds={"nxdplug": 1.0, "hf": 2.0, "hf_compiled": 30.0},
+        prefill=PrefillCeiling(
+            gemm_flops_per_s=1e6,
+            flops=PrefillFlops(weights=80_000, attention=15_000, lm_head=5_000),
+        ),
+    )
+    lines = report.format_table().splitlines()
+    header = next(line for line in lines if line.split()[:1] == ["nxdplug"])
+    assert header.split() == ["nxdplug", "HF", "nxdplug/HF", "HF-compiled", "nxdplug/HF-compiled"]
+    cells = {
+        label: line.removeprefix(label).split()
+        for label in ("TTFT (ms)", "decode (tok/s)", "of ceiling", "prefill of ceiling")
+        for line in lines
+        if line.startswith(label)
+    }
+    assert cells["TTFT (ms)"] == ["250.00", "500.00", "0.50", "1000.00", "0.25"]
+    assert cells["decode (tok/s)"] == ["8.0", "2.0", "4.00", "4.0", "2.00"]
+    # decode tok/s over 16; prefill: a floor of 100_000 FLOPs at 1e6 FLOP/s over each TTFT
+    assert cells["of ceiling"] == ["50.0%", "12.5%", "4.00", "25.0%", "2.00"]
+    assert cells["prefill of ceiling"] == ["40.0%", "20.0%", "2.00", "10.0%", "4.00"]
+    assert any(line.startswith("nxdplug/HF-compiled: decode tok/s x2.00") for line in lines)
+    assert any(line.startswith("warm-up") and "HF-compiled 30.0 s" in line for line in lines)
+    assert report.to_dict()["ratios_hf_compiled"]["ttft_ms"] == 0.25
 
 
 # the ceiling's inputs -------------------------------------------------------------------------

@@ -8,7 +8,8 @@ is derived from those stamps the same way for both.
 
 The ceiling is the memory-bandwidth bound of decoding: each token-generation step reads every
 weight once plus the KV cache held so far, so it cannot produce more than
-``batch * bandwidth / bytes_per_step`` tokens per second.
+``batch * bandwidth / bytes_per_step`` tokens per second. Context encoding has a compute
+ceiling instead, in :mod:`nxdplug.benchmark.roofline`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import attrs
 import torch
 from torch import nn
 
+from nxdplug.benchmark.roofline import GEMM_SIZE, PrefillCeiling
 from nxdplug.errors import NxdPlugError
 from nxdplug.modules.attention import head_dim_of
 
@@ -251,7 +253,7 @@ def measure_hf(
     warmup: int = 1,
     generate_kwargs: Mapping[str, Any] | None = None,
 ) -> tuple[RunTimes, ...]:
-    """HF transformers' eager greedy ``generate()`` of exactly ``new_tokens`` tokens.
+    """HF transformers' greedy ``generate()`` of exactly ``new_tokens`` tokens.
 
     ``min_new_tokens`` equal to ``max_new_tokens`` keeps an end-of-sequence token from ending a
     run early. ``warmup`` untimed runs come first. ``generate_kwargs`` are added to every call
@@ -264,32 +266,69 @@ def measure_hf(
         return tuple(_run_hf(hf_model, input_ids, new_tokens, kwargs) for _ in range(runs))
 
 
+def compile_hf_generation(hf_model: nn.Module) -> nn.Module:
+    """HF transformers' documented recipe for fast generation ("Static kv-cache and
+    torch.compile" in its inference-optimization guide), applied to ``hf_model`` in place: a
+    static KV cache, so that every decode step has the same shapes, and ``forward`` compiled as
+    one graph. The guide's ``mode="reduce-overhead"`` adds CUDA graphs, which a CPU has none of,
+    so torch.compile's default mode is used. Nothing compiles until the first ``generate()``.
+
+    Of a PEFT model the base model is compiled: its ``generate()`` calls that model's forward.
+    """
+    get_base_model = getattr(hf_model, "get_base_model", None)
+    target = get_base_model() if callable(get_base_model) else hf_model
+    target.generation_config.cache_implementation = "static"
+    target.forward = torch.compile(target.forward, fullgraph=True)
+    return hf_model
+
+
 def measure_alternating(
     model: Any,
-    hf_model: nn.Module,
+    hf_systems: Mapping[str, tuple[nn.Module, Mapping[str, Any]]],
     input_ids: torch.Tensor,
     new_tokens: int,
     runs: int,
     step_keywords: Mapping[str, Any] | None = None,
-    hf_kwargs: Mapping[str, Any] | None = None,
-) -> tuple[tuple[RunTimes, ...], tuple[RunTimes, ...]]:
-    """nxdplug and HF runs taken in turn after a warm-up of each, so that load from other
-    processes on a shared machine falls on both alike and their ratios stay meaningful."""
-    nxdplug_runs: list[RunTimes] = []
-    hf_runs: list[RunTimes] = []
+) -> tuple[dict[str, tuple[RunTimes, ...]], dict[str, float]]:
+    """nxdplug's runs and those of each HF system (name: model and ``generate()`` keywords)
+    taken in turn after a warm-up of each, so that load from other processes on a shared
+    machine falls on all alike and their ratios stay meaningful.
+
+    Returns the runs and the seconds of each warm-up by system name (``"nxdplug"`` and the
+    ``hf_systems`` keys); a torch.compile'd HF model compiles in its warm-up, so that time is
+    in neither its runs nor its statistics. An HF system that fails in its warm-up is one
+    :class:`NxdPlugError` naming it.
+    """
 
     def ours(runs: int, warmup: int) -> tuple[RunTimes, ...]:
         return measure_nxdplug(model, input_ids, new_tokens, runs, warmup, step_keywords)
 
-    def theirs(runs: int, warmup: int) -> tuple[RunTimes, ...]:
+    def theirs(name: str, runs: int, warmup: int) -> tuple[RunTimes, ...]:
+        hf_model, hf_kwargs = hf_systems[name]
         return measure_hf(hf_model, input_ids, new_tokens, runs, warmup, hf_kwargs)
 
-    ours(runs=0, warmup=1)
-    theirs(runs=0, warmup=1)
+    warmups = {"nxdplug": _seconds(lambda: ours(runs=0, warmup=1))}
+    for name in hf_systems:
+        try:
+            warmups[name] = _seconds(lambda name=name: theirs(name, runs=0, warmup=1))
+        except Exception as exc:  # torch.compile raises from many places; report any of them
+            first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise NxdPlugError(
+                f"HF transformers ({name}) failed in its warm-up, so no table is printed: "
+                f"{type(exc).__name__}: {first_line}"
+            ) from exc
+    times: dict[str, list[RunTimes]] = {name: [] for name in warmups}
     for _ in range(runs):
-        nxdplug_runs += ours(runs=1, warmup=0)
-        hf_runs += theirs(runs=1, warmup=0)
-    return tuple(nxdplug_runs), tuple(hf_runs)
+        times["nxdplug"] += ours(runs=1, warmup=0)
+        for name in hf_systems:
+            times[name] += theirs(name, runs=1, warmup=0)
+    return {name: tuple(runs) for name, runs in times.items()}, warmups
+
+
+def _seconds(work: Any) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
 
 
 def measure_read_bandwidth(
@@ -389,7 +428,7 @@ def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> Deco
     model runs eagerly or from compiled graphs, and costs no memory.
     """
     config = model.config
-    skeleton = _weights_skeleton(model)
+    skeleton = weights_skeleton(model)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     dtype = config.neuron_config.torch_dtype
     weights = decode_weight_bytes(skeleton, dtype, batch_size, tied)
@@ -427,10 +466,10 @@ def model_weight_bytes(model: Any) -> int:
     """Bytes of every weight the loaded model holds (as the plugins transformed it)."""
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    return weight_bytes(_weights_skeleton(model), config.neuron_config.torch_dtype, tied)
+    return weight_bytes(weights_skeleton(model), config.neuron_config.torch_dtype, tied)
 
 
-def _weights_skeleton(model: Any) -> nn.Module:
+def weights_skeleton(model: Any) -> nn.Module:
     """The application's model class built on the meta device (no memory, no KV cache) and
     transformed by the enabled plugins, for counting its weights."""
     from nxdplug.runtime.meta_init import parameters_on_meta
@@ -440,6 +479,9 @@ def _weights_skeleton(model: Any) -> nn.Module:
         model.context.transform_model(skeleton)
     return skeleton
 
+
+# The systems a report can hold, in column order, and their column labels (one word each).
+SYSTEM_LABELS = {"nxdplug": "nxdplug", "hf": "HF", "hf_compiled": "HF-compiled"}
 
 # (label, key in GenerationStats.to_dict(), format)
 _TABLE_ROWS = (
@@ -455,7 +497,9 @@ _TABLE_ROWS = (
 
 @attrs.frozen
 class BenchmarkReport:
-    """One benchmark: its configuration, both systems' statistics and the bandwidth ceiling."""
+    """One benchmark: its configuration, each system's statistics (nxdplug's; HF's eager
+    ``generate()``, and with a static cache and torch.compile, when measured), the bandwidth
+    ceiling of decoding and the compute ceiling of prefill."""
 
     config: dict[str, Any]
     nxdplug: GenerationStats
@@ -465,28 +509,44 @@ class BenchmarkReport:
     mean_positions: float
     peak_rss: int | None = None  # bytes, the process's peak once the model was loaded
     weight_bytes: int | None = None  # bytes of every weight the model holds
+    hf_compiled: GenerationStats | None = None  # HF with a static cache and torch.compile
+    warmup_seconds: dict[str, float] = attrs.field(factory=dict)  # by system, compile included
+    prefill: PrefillCeiling | None = None
 
     @property
     def ceiling_tokens_per_s(self) -> float:
         """Decode tokens/s if every step only streamed its bytes at the measured bandwidth."""
         return self.nxdplug.batch_size * self.read_gb_per_s * 1e9 / self.bytes_per_step.total
 
-    def ratios(self) -> dict[str, float] | None:
-        """nxdplug / HF for every reported number (above 1 is faster for tokens/s, slower for
-        latencies)."""
-        if self.hf is None:
+    def systems(self) -> dict[str, GenerationStats]:
+        """The measured systems by name, in :data:`SYSTEM_LABELS` order."""
+        every = {"nxdplug": self.nxdplug, "hf": self.hf, "hf_compiled": self.hf_compiled}
+        return {name: stats for name, stats in every.items() if stats is not None}
+
+    def baselines(self) -> list[str]:
+        """The measured HF systems, each a pair of columns in the table."""
+        return [name for name in self.systems() if name != "nxdplug"]
+
+    def ratios(self, baseline: str = "hf") -> dict[str, float] | None:
+        """nxdplug / ``baseline`` (an HF system's name) for every reported number (above 1 is
+        faster for tokens/s, slower for latencies); None when it was not measured."""
+        theirs = self.systems().get(baseline)
+        if theirs is None:
             return None
-        ours, theirs = self.nxdplug.to_dict(), self.hf.to_dict()
+        ours, theirs = self.nxdplug.to_dict(), theirs.to_dict()
         return {key: ours[key] / theirs[key] for key in ours}
 
     def to_dict(self) -> dict[str, Any]:
         ceiling = self.ceiling_tokens_per_s
-        systems = {"nxdplug": self.nxdplug, "hf": self.hf}
+        systems = self.systems()
         return {
             "config": dict(self.config),
             "nxdplug": self.nxdplug.to_dict(),
             "hf": self.hf.to_dict() if self.hf else None,
-            "ratios": self.ratios(),
+            "hf_compiled": self.hf_compiled.to_dict() if self.hf_compiled else None,
+            "ratios": self.ratios("hf"),
+            "ratios_hf_compiled": self.ratios("hf_compiled"),
+            "warmup_s": dict(self.warmup_seconds),
             "bandwidth": {
                 "read_gb_per_s": self.read_gb_per_s,
                 "weight_bytes": self.bytes_per_step.weights,
@@ -495,29 +555,31 @@ class BenchmarkReport:
                 "mean_positions": self.mean_positions,
                 "ceiling_tokens_per_s": ceiling,
                 "fraction_of_ceiling": {
-                    name: stats.decode_tokens_per_s / ceiling
-                    for name, stats in systems.items()
-                    if stats is not None
+                    name: stats.decode_tokens_per_s / ceiling for name, stats in systems.items()
                 },
             },
+            "compute": self.prefill.to_dict({n: s.ttft for n, s in systems.items()})
+            if self.prefill
+            else None,
             "memory": {"peak_rss_bytes": self.peak_rss, "model_weight_bytes": self.weight_bytes},
         }
 
     def format_table(self) -> str:
         report = self.to_dict()
-        header = ["", "nxdplug"] + (["HF", "nxdplug/HF"] if self.hf else [])
+        baselines = self.baselines()
+        ratios = {name: self.ratios(name) for name in baselines}
+        header = ["", "nxdplug"]
+        for name in baselines:
+            header += [SYSTEM_LABELS[name], f"nxdplug/{SYSTEM_LABELS[name]}"]
         rows = [header]
         for label, key, fmt in _TABLE_ROWS:
             row = [label, fmt.format(report["nxdplug"][key])]
-            if self.hf:
-                row += [fmt.format(report["hf"][key]), f"{report['ratios'][key]:.2f}"]
+            for name in baselines:
+                row += [fmt.format(report[name][key]), f"{ratios[name][key]:.2f}"]
             rows.append(row)
-        bandwidth = report["bandwidth"]
-        fractions = bandwidth["fraction_of_ceiling"]
-        row = ["of ceiling", f"{fractions['nxdplug']:.1%}"]
-        if self.hf:
-            row += [f"{fractions['hf']:.1%}", f"{fractions['nxdplug'] / fractions['hf']:.2f}"]
-        rows.append(row)
+        rows.append(self._fractions_row("of ceiling", report["bandwidth"], baselines))
+        if report["compute"]:
+            rows.append(self._fractions_row("prefill of ceiling", report["compute"], baselines))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         table = [
             "  ".join(
@@ -527,8 +589,25 @@ class BenchmarkReport:
             for r in rows
         ]
         return "\n".join(
-            [*self._config_lines(), "", *self._headline(), *table, "", *self._ceiling_lines()]
+            [
+                *self._config_lines(),
+                "",
+                *self._headline(),
+                *table,
+                "",
+                *self._ceiling_lines(),
+                *self._warmup_lines(),
+            ]
         )
+
+    @staticmethod
+    def _fractions_row(label: str, ceiling: dict[str, Any], baselines: list[str]) -> list[str]:
+        """Each system's fraction of a ceiling, and nxdplug's over each baseline's."""
+        fractions = ceiling["fraction_of_ceiling"]
+        row = [label, f"{fractions['nxdplug']:.1%}"]
+        for name in baselines:
+            row += [f"{fractions[name]:.1%}", f"{fractions['nxdplug'] / fractions[name]:.2f}"]
+        return row
 
     def _config_lines(self) -> list[str]:
         c = self.config
@@ -540,14 +619,15 @@ class BenchmarkReport:
         ]
 
     def _headline(self) -> list[str]:
-        ratios = self.ratios()
-        if ratios is None:
-            return []
-        return [
-            f"nxdplug/HF: decode tok/s x{ratios['decode_tokens_per_s']:.2f}, "
-            f"TTFT x{ratios['ttft_ms']:.2f}, end-to-end x{ratios['e2e_ms']:.2f}",
-            "",
-        ]
+        lines = []
+        for name in self.baselines():
+            ratios = self.ratios(name)
+            lines.append(
+                f"nxdplug/{SYSTEM_LABELS[name]}: decode tok/s "
+                f"x{ratios['decode_tokens_per_s']:.2f}, TTFT x{ratios['ttft_ms']:.2f}, "
+                f"end-to-end x{ratios['e2e_ms']:.2f}"
+            )
+        return [*lines, ""] if lines else []
 
     def _ceiling_lines(self) -> list[str]:
         b = self.bytes_per_step
@@ -556,8 +636,29 @@ class BenchmarkReport:
             f"bytes per step  {b.total / 1e6:.2f} MB = {b.weights / 1e6:.2f} MB weights + "
             f"{b.kv_cache / 1e6:.2f} MB KV cache ({self.mean_positions:g} positions on average)",
             f"ceiling         {self.ceiling_tokens_per_s:.1f} decode tok/s",
+            *self._prefill_lines(),
             *self._memory_lines(),
         ]
+
+    def _prefill_lines(self) -> list[str]:
+        if self.prefill is None:
+            return []
+        flops, gflop, n = self.prefill.flops, 1e9, GEMM_SIZE
+        return [
+            f"GEMM peak       {self.prefill.gemm_flops_per_s / gflop:.1f} GFLOP/s (best timed "
+            f"{n}x{n}x{n} torch.mm in {self.config['dtype']})",
+            f"FLOPs/prefill   {flops.total / gflop:.4g} GFLOP = {flops.weights / gflop:.4g} "
+            f"weights + {flops.attention / gflop:.4g} causal attention + "
+            f"{flops.lm_head / gflop:.4g} LM head (last token of each row)",
+            f"prefill floor   {self.prefill.ttft_floor * 1e3:.2f} ms TTFT at the GEMM peak",
+        ]
+
+    def _warmup_lines(self) -> list[str]:
+        if not self.warmup_seconds:
+            return []
+        parts = ", ".join(f"{SYSTEM_LABELS[n]} {s:.1f} s" for n, s in self.warmup_seconds.items())
+        compiled = "; HF-compiled's includes torch.compile" if self.hf_compiled else ""
+        return [f"warm-up         {parts} (1 untimed run each{compiled})"]
 
     def _memory_lines(self) -> list[str]:
         if self.peak_rss is None or not self.weight_bytes:

@@ -2,8 +2,10 @@
 
 Random prompts of a fixed length, exactly ``--max-new-tokens`` new tokens per run (no stop on
 end-of-sequence), timed per phase; optionally HF transformers on the same prompts in the same
-process, and always the memory-bandwidth ceiling of decoding on this machine. The measuring
-itself is in :mod:`nxdplug.benchmark.measurements`.
+process, eager and/or with a static KV cache and torch.compile; and always the
+memory-bandwidth ceiling of decoding and the compute ceiling of prefill on this machine. The
+measuring itself is in :mod:`nxdplug.benchmark.measurements` and
+:mod:`nxdplug.benchmark.roofline`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from nxdplug.cli.speculation import (
 )
 from nxdplug.errors import NxdPlugError
 
+# --compare-hf's modes, in the report's order, and each one's name in the report.
+HF_SYSTEMS = {"eager": "hf", "compiled": "hf_compiled"}
+
 
 def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -43,8 +48,13 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compare-hf",
-        action="store_true",
-        help="also time HF transformers' generate() on the same prompts and print the ratios",
+        nargs="*",
+        choices=tuple(HF_SYSTEMS),
+        default=None,
+        metavar="MODE",
+        help="also time HF transformers' generate() on the same prompts and print the ratios: "
+        "'eager', and 'compiled' (a static KV cache and torch.compile'd forward, compiled in "
+        "its warm-up); both when no mode is given",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument(
@@ -121,6 +131,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     import torch
 
     from nxdplug.benchmark import measurements as benchmark
+    from nxdplug.benchmark import roofline
 
     def progress(message: str) -> None:
         if not args.quiet:
@@ -144,28 +155,27 @@ def run_benchmark(args: argparse.Namespace) -> int:
     new_tokens, runs = args.max_new_tokens, args.runs
     # The enabled plugins' per-step inputs (LoRA's adapter_ids, ...), and their HF equivalent.
     step_keywords = extensions.generate_keywords(args, model)
-    hf_stats = None
-    if args.compare_hf:
-        progress("loading the HF transformers model")
-
-        def load(path: Path) -> Any:
-            return _load_hf_model(path, dtype, quiet=args.quiet)
-
-        hf_model, hf_kwargs = extensions.hf_comparison(args, model, load) or (
-            load(args.model_path),
-            {},
-        )
-        progress(f"timing nxdplug and HF in turn: 1 warm-up + {runs} run(s) each")
-        nxdplug_runs, hf_runs = benchmark.measure_alternating(
-            model, hf_model, input_ids, new_tokens, runs, step_keywords, hf_kwargs
-        )
-        hf_stats = benchmark.GenerationStats.from_runs(hf_runs, batch_size)
+    hf_systems = _hf_systems(args, model, dtype, progress)
+    if hf_systems:
+        labels = ", ".join(f"HF {mode}" for mode in _hf_modes(args))
+        progress(f"timing nxdplug and {labels} in turn: 1 warm-up + {runs} run(s) each")
     else:
         progress(f"timing nxdplug: 1 warm-up + {runs} run(s)")
-        nxdplug_runs = benchmark.measure_nxdplug(
-            model, input_ids, new_tokens, runs, step_keywords=step_keywords
-        )
+    all_runs, warmups = benchmark.measure_alternating(
+        model, hf_systems, input_ids, new_tokens, runs, step_keywords
+    )
+    stats = {
+        name: benchmark.GenerationStats.from_runs(times, batch_size)
+        for name, times in all_runs.items()
+    }
 
+    progress("measuring the GEMM peak")
+    prefill = roofline.PrefillCeiling(
+        gemm_flops_per_s=roofline.measure_gemm_flops(dtype),
+        flops=roofline.prefill_flops(
+            benchmark.weights_skeleton(model), config, batch_size, args.prompt_length
+        ),
+    )
     progress("measuring the memory read bandwidth")
     positions = benchmark.mean_decode_positions(args.prompt_length, new_tokens)
     report = benchmark.BenchmarkReport(
@@ -180,16 +190,50 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
         },
-        nxdplug=benchmark.GenerationStats.from_runs(nxdplug_runs, batch_size),
-        hf=hf_stats,
+        nxdplug=stats["nxdplug"],
+        hf=stats.get("hf"),
         read_gb_per_s=benchmark.measure_read_bandwidth(),
         bytes_per_step=benchmark.decode_bytes_per_step(model, batch_size, positions),
         mean_positions=positions,
         peak_rss=peak_rss,
         weight_bytes=benchmark.model_weight_bytes(model),
+        hf_compiled=stats.get("hf_compiled"),
+        warmup_seconds=warmups,
+        prefill=prefill,
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
     return 0
+
+
+def _hf_modes(args: argparse.Namespace) -> tuple[str, ...]:
+    """--compare-hf's modes, in HF_SYSTEMS order: none without it, every one with it alone."""
+    if args.compare_hf is None:
+        return ()
+    return tuple(mode for mode in HF_SYSTEMS if mode in args.compare_hf or not args.compare_hf)
+
+
+def _hf_systems(
+    args: argparse.Namespace, model: Any, dtype: Any, progress: Any
+) -> dict[str, tuple[Any, dict[str, Any]]]:
+    """HF transformers' model and ``generate()`` keywords for each --compare-hf mode, by report
+    name: an enabled plugin's HF equivalent (LoRA's adapters, ...) or the plain checkpoint. Each
+    mode has its model of its own, since compiling one changes its forward for good."""
+    from nxdplug.benchmark import measurements as benchmark
+
+    def load(path: Path) -> Any:
+        return _load_hf_model(path, dtype, quiet=args.quiet)
+
+    systems = {}
+    for mode in _hf_modes(args):
+        progress(f"loading the HF transformers model ({mode})")
+        hf_model, hf_kwargs = extensions.hf_comparison(args, model, load) or (
+            load(args.model_path),
+            {},
+        )
+        if mode == "compiled":
+            benchmark.compile_hf_generation(hf_model)
+        systems[HF_SYSTEMS[mode]] = (hf_model, hf_kwargs)
+    return systems
 
 
 def _prompts(args: argparse.Namespace, vocab_size: int, batch_size: int) -> Any:
@@ -238,7 +282,7 @@ def _benchmark_speculation(
     )
     progress("loading the same target without speculation")
     plain = plain_application(args, model.config)
-    hf = _hf_speculation(args, model, input_ids.shape[0]) if args.compare_hf else None
+    hf = _hf_speculation(args, model, input_ids.shape[0]) if _hf_modes(args) else None
     progress(f"timing with and without speculation in turn: 1 warm-up + {args.runs} run(s)")
     plain_seconds, speculative_seconds, acceptance, hf_seconds = benchmark.measure_speculation(
         plain, model, input_ids, args.max_new_tokens, args.runs, kwargs, hf
@@ -271,6 +315,11 @@ def _hf_speculation(args: argparse.Namespace, model: Any, batch_size: int) -> tu
     """HF transformers' model and ``generate()`` keywords for the same speculation, from the
     speculation plugin's command-line extension; HF speculates at batch 1 only."""
     mode = model.plugins.speculation_mode.name
+    if args.compare_hf and "eager" not in args.compare_hf:
+        raise NxdPlugError(
+            "--compare-hf compiled: speculation is compared with HF's eager assisted "
+            "generation only; use --compare-hf eager"
+        )
     if batch_size != 1:
         raise NxdPlugError(
             "--compare-hf with speculation needs --batch-size 1: HF transformers' assisted "
