@@ -18,6 +18,7 @@ import torch
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.compile.artefacts import ArtefactError, Manifest
 from nxdplug.errors import NotSupportedError
+from nxdplug.plugins.inductor_backend import prepacked_linear
 from nxdplug.plugins.inductor_backend.backend import InductorBackend, annotated_graph
 
 SETTINGS = {"torch_dtype": "float32", "batch_size": 2, "seq_len": 64, "max_context_length": 16}
@@ -120,6 +121,27 @@ def test_loaded_model_state(compiled) -> None:
     assert any(buffer.abs().sum() > 0 for buffer in cache.buffers())
     app.reset_kv_cache()
     assert all(buffer.abs().sum() == 0 for buffer in cache.buffers())
+
+
+def test_linear_weights_are_prepacked_once_for_every_graph(compiled, monkeypatch) -> None:
+    """The projections are held once, in oneDNN's layout, by the one list every sub-model
+    passes to its graphs; embeddings and norms stay plain. Without oneDNN the same graphs run
+    on the plain weights and give the same tokens."""
+    checkpoint, folder = compiled
+    app = app_for(checkpoint)
+    app.load(folder, quiet=True)
+    held = app.weight_tensors()
+    prepacked = {name for name, tensor in held.items() if tensor.is_mkldnn}
+    projections = {n for n in held if n.endswith(("_proj.weight", "lm_head.weight"))}
+    assert prepacked == projections and len(projections) == 7 * 2 + 1
+    assert app.token_generation_model.model.weights is app.context_encoding_model.model.weights
+    tokens = generate(app)
+
+    monkeypatch.setattr(prepacked_linear, "prepacking_available", lambda: False)
+    plain = app_for(checkpoint)
+    plain.load(folder, quiet=True)
+    assert not any(tensor.is_mkldnn for tensor in plain.weight_tensors().values())
+    assert torch.equal(generate(plain), tokens)
 
 
 def test_second_compile_is_a_cache_hit(compiled, capsys) -> None:

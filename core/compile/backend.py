@@ -4,7 +4,9 @@ A backend plugin's ``implementation`` is a class built with no arguments. Its in
 sub-model bucket, given as a pure function of ``(weights, caches, *inputs)``, into an artefact
 file, and load such a file back as a callable with the same signature. Weights and KV caches are
 graph inputs, so every graph of a model shares one copy of each, and weights can be swapped
-without recompiling.
+without recompiling. A backend whose graphs take some weights in a layout of their own (the
+inductor backend's prepacked linear weights) converts them once, for all its graphs, in an
+optional ``graph_weight`` method.
 """
 
 from __future__ import annotations
@@ -53,6 +55,18 @@ class Backend(Protocol):
 
     def load_graph(self, path: Path, *, weights_in_graph: bool) -> Callable[..., torch.Tensor]:
         """The compiled callable stored at ``path``, taking ``(weights, caches, *inputs)``."""
+
+
+def weight_former(backend: Backend) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """The backend's ``graph_weight(index, weight)``: weight ``index`` of the stored weights in
+    the form the backend's loaded graphs take it (optional: without it, the weight as stored). A
+    tensor other than the one given is the graphs' own form of that weight, which in-place
+    writes into the stored weight cannot reach."""
+    return getattr(backend, "graph_weight", _as_stored)
+
+
+def _as_stored(index: int, weight: torch.Tensor) -> torch.Tensor:
+    return weight
 
 
 def requested_backend(neuron_config: Any) -> str | None:

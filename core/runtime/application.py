@@ -340,7 +340,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors every phase reads as weights, by parameter name: writing into one in
         place changes what every phase computes, eager or compiled, without recompiling. Empty
-        when the weights are frozen into compiled graphs."""
+        when the weights are frozen into compiled graphs; a weight the backend holds in a form
+        of its own (the inductor backend's prepacked linear weights, opaque ``torch._mkldnn``
+        tensors) is swapped with ``load_weights`` instead."""
         return dict(self.loaded_model.named_parameters())
 
     def reset_kv_cache(self) -> None:

@@ -14,11 +14,19 @@ import torch
 from torch import nn
 
 from nxdplug.errors import ConfigError
+from nxdplug.plugins.inductor_backend.prepacked_linear import (
+    PrepackedWeights,
+    prepacking_available,
+    use_prepacked_linears,
+)
 
 C_COMPILERS = ("c++", "g++", "clang++")
 
 # Inductor prints every max_autotune timing table to stderr; keep them unless asked for.
 QUIET_AUTOTUNE = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+# nxdplug's own compiler argument (not an inductor option): prepack_weights=false keeps plain
+# linear weights (see prepacked_linear).
+PREPACK_ARGUMENT = "prepack_weights"
 
 
 def parse_compiler_args(compiler_args: str | None) -> dict[str, Any]:
@@ -63,14 +71,17 @@ class WeightsAsConstants(nn.Module):
 
 
 class InductorBackend:
-    """AOTInductor packages. With the compiler argument ``freezing=true`` the weights are folded
-    into each graph (prepacked for the CPU GEMM kernels ``max_autotune=true`` picks): much faster
-    token generation, at the price of one copy of the weights per graph and no weight swapping
-    without recompiling. Otherwise the weights are graph inputs shared by every graph."""
+    """AOTInductor packages. The weights are graph inputs shared by every graph, linear weights
+    prepacked once for oneDNN (``prepack_weights=false`` keeps them plain). With the compiler
+    argument ``freezing=true`` the weights are folded into each graph instead: one copy of the
+    weights per graph and no weight swapping without recompiling."""
 
     name = "inductor"
     produces_artefacts = True
     artefact_suffix = ".pt2"
+
+    def __init__(self) -> None:
+        self.prepacked = PrepackedWeights()
 
     def embeds_weights(self, compiler_args: str | None) -> bool:
         return bool(parse_compiler_args(compiler_args).get("freezing"))
@@ -85,7 +96,7 @@ class InductorBackend:
     def versions(self) -> dict[str, str]:
         # The application builds weights, caches and inputs on the CPU, so the graphs are CPU
         # graphs; CUDA needs those tensors placed on the GPU first (not done yet).
-        return {"torch": torch.__version__, "device": "cpu"}
+        return {"torch": torch.__version__, "device": "cpu", "linear_weights": "prepacked-1"}
 
     def compile_graph(
         self,
@@ -97,11 +108,14 @@ class InductorBackend:
         compiler_args: str | None,
     ) -> None:
         options = QUIET_AUTOTUNE | parse_compiler_args(compiler_args)
+        prepack = options.pop(PREPACK_ARGUMENT, True)
+        weights, *rest = example_args
         if self.embeds_weights(compiler_args):
-            weights, *rest = example_args
             function, example_args = WeightsAsConstants(function, weights), tuple(rest)
         with torch_internal_warnings_silenced():
             program = torch.export.export(function, example_args, strict=False)
+            if prepack and not self.embeds_weights(compiler_args) and prepacking_available():
+                options["aot_inductor.metadata"] = use_prepacked_linears(program, len(weights))
             if debug:
                 output.with_suffix(".graph.txt").write_text(annotated_graph(program))
             torch._inductor.aoti_compile_and_package(
@@ -112,12 +126,18 @@ class InductorBackend:
         with torch_internal_warnings_silenced():
             compiled = torch._inductor.aoti_load_package(str(path))
         if not weights_in_graph:
+            self.prepacked.add_graph(compiled.get_metadata())
             return compiled
 
         def run(weights: list[torch.Tensor], caches: list[torch.Tensor], *inputs: Any) -> Any:
             return compiled(caches, *inputs)
 
         return run
+
+    def graph_weight(self, index: int, weight: torch.Tensor) -> torch.Tensor:
+        """Weight ``index`` in the form the graphs loaded so far take it: prepacked if it is a
+        linear weight no graph reads otherwise."""
+        return self.prepacked.form(index, weight)
 
 
 def annotated_graph(program: torch.export.ExportedProgram) -> str:

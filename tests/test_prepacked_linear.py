@@ -1,0 +1,107 @@
+"""The inductor backend's prepacked linear weights: the op, the graph rewrite, the loaded form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxdplug.plugins.inductor_backend import prepacked_linear as packing
+from nxdplug.plugins.inductor_backend.backend import InductorBackend
+
+pytestmark = pytest.mark.skipif(
+    not packing.prepacking_available(), reason="this torch has no oneDNN"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_op_multiplies_plain_and_prepacked_weights_as_linear(dtype, rows) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, 96, generator=generator).to(dtype)
+    weight = torch.randn(80, 96, generator=generator).to(dtype)
+    bias = torch.randn(80, generator=generator).to(dtype)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    packed = packing.prepack(weight)
+    assert packed.is_mkldnn and not weight.is_mkldnn
+    for form in (weight, packed):
+        out = packing.prepacked_linear(x, form, bias)
+        assert out.dtype == dtype and out.shape == (2, rows, 80)
+        # float32: both accumulate in float32; bf16: one rounding of the float32 sum
+        tolerance = 1e-4 if dtype == torch.float32 else 2**-7
+        assert torch.allclose(out.double(), expected, rtol=tolerance, atol=tolerance * 10)
+    assert torch.equal(packing.prepacked_linear(x, weight, None), F.linear(x, weight))
+
+
+class TiedAndPlain(nn.Module):
+    """Weights: 0 a projection, 1 an embedding table also used as the output projection, 2 a
+    bias, 3 unused, 4 a projection by a 1-row weight used twice."""
+
+    def forward(self, weights, ids):
+        projection, table, bias, _, gate = weights
+        h = F.embedding(ids, table)
+        h = F.linear(h, projection, bias)
+        h = F.linear(h, gate) * F.linear(h, gate)
+        return F.linear(h.expand(-1, -1, table.shape[1]), table)
+
+
+def tied_and_plain_weights() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(16, 16), (40, 16), (16,), (3, 3), (1, 16)]
+    return [torch.randn(s, generator=generator) for s in shapes]
+
+
+def test_rewrite_prepacks_only_weights_read_by_linears_alone() -> None:
+    weights, ids = tied_and_plain_weights(), torch.tensor([[1, 7, 3]])
+    program = torch.export.export(TiedAndPlain(), (weights, ids), strict=False)
+    metadata = packing.use_prepacked_linears(program, len(weights))
+    assert metadata == {packing.PREPACKED_METADATA: "0,4", packing.OTHER_USE_METADATA: "1,2"}
+    rewritten = [
+        node
+        for node in program.graph.nodes
+        if node.target is torch.ops.nxdplug.prepacked_linear.default
+    ]
+    assert len(rewritten) == 3  # projection, and gate's two uses; the tied table stays aten
+    linears = [n for n in program.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert len(linears) == 1
+    assert torch.equal(program.module()(weights, ids), TiedAndPlain()(weights, ids))
+
+
+def _compiled(tmp_path, compiler_args: str | None):
+    backend = InductorBackend()
+    weights, ids = tied_and_plain_weights(), torch.tensor([[1, 7, 3]])
+    function = TiedAndPlainGraph()
+    backend.compile_graph(
+        function,
+        (weights, [], ids),
+        tmp_path / "graph.pt2",
+        debug=False,
+        compiler_args=compiler_args,
+    )
+    graph = backend.load_graph(tmp_path / "graph.pt2", weights_in_graph=False)
+    return backend, graph, weights, ids
+
+
+class TiedAndPlainGraph(nn.Module):
+    """TiedAndPlain as a graph function: ``forward(weights, caches, *inputs)``."""
+
+    def forward(self, weights, caches, ids):
+        return TiedAndPlain()(weights, ids)
+
+
+def test_loaded_graph_takes_the_prepacked_weights_it_names(tmp_path) -> None:
+    backend, graph, weights, ids = _compiled(tmp_path, None)
+    formed = [backend.graph_weight(i, w) for i, w in enumerate(weights)]
+    assert [w.is_mkldnn for w in formed] == [True, False, False, False, True]
+    assert all(formed[i] is weights[i] for i in (1, 2, 3))
+    expected = TiedAndPlain()(weights, ids)
+    assert torch.allclose(graph(formed, [], ids), expected, rtol=1e-5, atol=1e-5)
+    # the same graph on the plain weights (a machine without oneDNN loads them so)
+    assert torch.allclose(graph(weights, [], ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prepack_weights_false_keeps_plain_weights(tmp_path) -> None:
+    backend, graph, weights, ids = _compiled(tmp_path, "prepack_weights=false")
+    assert all(backend.graph_weight(i, w) is w for i, w in enumerate(weights))
+    assert torch.equal(graph(weights, [], ids), TiedAndPlain()(weights, ids))
