@@ -452,12 +452,22 @@ def reset_peak_rss() -> None:
 
 def peak_rss_bytes() -> int | None:
     """The process's peak resident memory since its start or :func:`reset_peak_rss`."""
+    return _process_status_bytes("VmHWM")
+
+
+def rss_bytes() -> int | None:
+    """The process's resident memory now."""
+    return _process_status_bytes("VmRSS")
+
+
+def _process_status_bytes(field: str) -> int | None:
+    """A memory figure of /proc/self/status (Linux), in bytes; None elsewhere."""
     try:
         status = Path("/proc/self/status").read_text()
     except OSError:
         return None
     for line in status.splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return None
 
@@ -509,6 +519,8 @@ class BenchmarkReport:
     mean_positions: float
     peak_rss: int | None = None  # bytes, the process's peak once the model was loaded
     weight_bytes: int | None = None  # bytes of every weight the model holds
+    rss_before_load: int | None = None  # bytes resident before the weights were loaded
+    rss_loaded: int | None = None  # bytes resident once loaded
     hf_compiled: GenerationStats | None = None  # HF with a static cache and torch.compile
     warmup_seconds: dict[str, float] = attrs.field(factory=dict)  # by system, compile included
     prefill: PrefillCeiling | None = None
@@ -561,7 +573,12 @@ class BenchmarkReport:
             "compute": self.prefill.to_dict({n: s.ttft for n, s in systems.items()})
             if self.prefill
             else None,
-            "memory": {"peak_rss_bytes": self.peak_rss, "model_weight_bytes": self.weight_bytes},
+            "memory": {
+                "peak_rss_bytes": self.peak_rss,
+                "rss_before_load_bytes": self.rss_before_load,
+                "rss_loaded_bytes": self.rss_loaded,
+                "model_weight_bytes": self.weight_bytes,
+            },
         }
 
     def format_table(self) -> str:
@@ -663,11 +680,19 @@ class BenchmarkReport:
     def _memory_lines(self) -> list[str]:
         if self.peak_rss is None or not self.weight_bytes:
             return []
-        return [
+        lines = [
             f"peak RSS        {self.peak_rss / 1e6:.1f} MB once loaded (the process, Python and "
             f"torch included) = {self.peak_rss / self.weight_bytes:.2f}x the model's "
             f"{self.weight_bytes / 1e6:.1f} MB of weights"
         ]
+        if self.rss_before_load is not None and self.rss_loaded is not None:
+            held = self.rss_loaded - self.rss_before_load
+            lines.append(
+                f"model RSS       {held / 1e6:.1f} MB = {held / self.weight_bytes:.2f}x the "
+                f"weights (RSS {self.rss_loaded / 1e6:.1f} MB loaded and warmed up, "
+                f"{self.rss_before_load / 1e6:.1f} MB before loading)"
+            )
+        return lines
 
 
 @attrs.frozen

@@ -146,8 +146,15 @@ def run_benchmark(args: argparse.Namespace) -> int:
     progress(f"loading {args.model_path} ({dtype_name}, batch {batch_size})")
     refuse_unused_draft(args, config)
     extensions.prepare_config(args, config)
-    model = load_model(args, config, before_load=benchmark.reset_peak_rss)
+    rss_before_load = []
+
+    def before_load() -> None:
+        rss_before_load.append(benchmark.rss_bytes())
+        benchmark.reset_peak_rss()
+
+    model = load_model(args, config, before_load=before_load)
     peak_rss = benchmark.peak_rss_bytes()  # before HF transformers' model is loaded
+    rss_loaded = benchmark.rss_bytes()
 
     input_ids = _prompts(args, config.vocab_size, batch_size)
     if model.plugins.speculation_mode is not None:
@@ -196,6 +203,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         bytes_per_step=benchmark.decode_bytes_per_step(model, batch_size, positions),
         mean_positions=positions,
         peak_rss=peak_rss,
+        rss_before_load=rss_before_load[0],
+        rss_loaded=rss_loaded,
         weight_bytes=benchmark.model_weight_bytes(model),
         hf_compiled=stats.get("hf_compiled"),
         warmup_seconds=warmups,
