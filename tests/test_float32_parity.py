@@ -4,7 +4,7 @@ buckets per phase (bfloat16 is in test_low_precision_parity.py)."""
 from __future__ import annotations
 
 import pytest
-from test_low_precision_parity import STEPS, loaded, prompts
+from test_low_precision_parity import STEPS, loaded, prompts, quantized
 
 from nxdplug.testing import check_accuracy
 
@@ -16,4 +16,16 @@ def test_compiled_float32_gives_hf_greedy_tokens(tiny_checkpoint, tmp_path, mode
     app = loaded(checkpoint, "float32", mode, tmp_path / "compiled")
     hf = app.load_hf_model(checkpoint).eval()
     report = check_accuracy(app, hf, *prompts(seed), max_new_tokens=STEPS)
+    assert report.passed, report.summary()
+
+
+@pytest.mark.slow
+def test_compiled_quantized_float32_gives_hf_greedy_tokens_on_its_weights(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """int8 weights in float32: HF transformers on the dequantized weights picks the same
+    tokens."""
+    app, reference = quantized(tiny_checkpoint("llama", seed=6), "float32", tmp_path)
+    hf = app.load_hf_model(reference).eval()
+    report = check_accuracy(app, hf, *prompts(6), max_new_tokens=STEPS)
     assert report.passed, report.summary()

@@ -249,7 +249,7 @@ def test_benchmark_times_adapters_against_peft_mixed_batch(adapters, capsys, mon
         "--torch-dtype",
         "float32",
         *("--runs", "1", "--prompt-length", "8", "--max-new-tokens", "4", "--quiet"),
-        "--compare-hf",
+        *("--compare-hf", "eager"),
         "--json",
         "--lora-ckpt-paths",
         *(f"{name}={path}" for name, path in paths.items()),

@@ -2,16 +2,23 @@
 (frozen + autotuned: one per phase, its compile being the longest by far, ~19 s a graph):
 no further from HF float32 than HF's own bfloat16 (``check_low_precision``: max and mean logit
 error within 1.25x of HF's, greedy choices no worse), per seed. Modes: eager, compiled (the
-default inductor mode, weights shared by the graphs), frozen (``freezing=true``) and frozen +
-autotuned (the README's fastest mode). float32 is in test_float32_parity.py.
+default inductor mode, weights shared by the graphs, linear weights prepacked), frozen
+(``freezing=true``), frozen + autotuned, and compiled with int8 weight-only quantization (HF
+then runs on the dequantized weights: the float model the quantized one stands for). float32 is
+in test_float32_parity.py.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from nxdplug import NeuronConfig, from_pretrained
-from nxdplug.testing import check_low_precision, random_prompts
+from nxdplug.checkpoint.state_dict import load_tensor_file
+from nxdplug.plugins.quantization.methods import dequantize_weight
+from nxdplug.testing import check_low_precision, derived_checkpoint, random_prompts
 
 BUCKETS = {
     "enable_bucketing": True,
@@ -23,15 +30,28 @@ MODES = {
     "compiled": None,
     "frozen": "freezing=true",
     "frozen-autotuned": "freezing=true max_autotune=true",
+    "quantized": None,
 }
 
 
-def loaded(checkpoint, dtype: str, mode: str, folder):
+def quantized_options(path: Path) -> dict:
+    return {
+        "quantized": True,
+        "quantized_checkpoints_path": str(path),
+        "quantization_dtype": "int8",
+        "quantization_type": "per_channel_symmetric",
+    }
+
+
+def neuron_config(dtype: str, mode: str, **options) -> NeuronConfig:
     buckets = {"enable_bucketing": False} if mode == "frozen-autotuned" else BUCKETS
-    config = NeuronConfig(
-        batch_size=2, seq_len=64, max_context_length=16, torch_dtype=dtype, **buckets
+    return NeuronConfig(
+        batch_size=2, seq_len=64, max_context_length=16, torch_dtype=dtype, **buckets, **options
     )
-    app = from_pretrained(checkpoint, config)
+
+
+def loaded(checkpoint, dtype: str, mode: str, folder, **options):
+    app = from_pretrained(checkpoint, neuron_config(dtype, mode, **options))
     if mode == "eager":
         app.to_cpu()
         return app
@@ -63,4 +83,35 @@ def test_compiled_bfloat16_is_as_close_to_float32_as_hf_bfloat16(
     checkpoint = tiny_checkpoint("llama", seed=seed)
     app = loaded(checkpoint, "bfloat16", mode, tmp_path / "compiled")
     report = check_low_precision(app, checkpoint, *prompts(seed), max_new_tokens=STEPS)
+    assert report.passed, report.summary()
+
+
+def quantized(checkpoint: Path, dtype: str, folder: Path):
+    """(the int8 per-channel model of ``checkpoint``, compiled and loaded in ``dtype``; an HF
+    checkpoint of its dequantized weights)."""
+    options = quantized_options(folder / "int8.safetensors")
+    unloaded = from_pretrained(checkpoint, neuron_config(dtype, "quantized", **options))
+    type(unloaded).save_quantized_state_dict(checkpoint, unloaded.config)
+    int8 = load_tensor_file(folder / "int8.safetensors")
+
+    def dequantize(tensors: dict[str, torch.Tensor]) -> None:
+        for name, scale in int8.items():
+            if name.endswith(".weight_scale"):
+                weight = name.removesuffix("_scale")
+                tensors[weight] = dequantize_weight(int8[weight], scale, torch.float32)
+
+    reference = derived_checkpoint(checkpoint, folder / "dequantized", edit=dequantize)
+    return loaded(checkpoint, dtype, "quantized", folder / "compiled", **options), reference
+
+
+@pytest.mark.slow
+def test_quantized_bfloat16_is_as_close_to_its_float32_weights_as_hf_bfloat16(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """int8 weights: decoding multiplies by them in PyTorch's int8 kernel (the scale in bf16),
+    prompts by the dequantized bf16 weight."""
+    app, reference = quantized(tiny_checkpoint("llama", seed=5), "bfloat16", tmp_path)
+    held = app.weight_tensors()
+    assert next(t for n, t in held.items() if n.endswith("q_proj.weight")).dtype == torch.int8
+    report = check_low_precision(app, reference, *prompts(5), max_new_tokens=STEPS)
     assert report.passed, report.summary()
