@@ -2,10 +2,10 @@
 (frozen + autotuned: one per phase, its compile being the longest by far, ~19 s a graph):
 no further from HF float32 than HF's own bfloat16 (``check_low_precision``: max and mean logit
 error within 1.25x of HF's, greedy choices no worse), per seed. Modes: eager, compiled (the
-default inductor mode, weights shared by the graphs, linear weights prepacked), frozen
-(``freezing=true``), frozen + autotuned, and compiled with int8 weight-only quantization (HF
-then runs on the dequantized weights: the float model the quantized one stands for). float32 is
-in test_float32_parity.py.
+default inductor mode, weights shared by the graphs, linear weights prepacked), frozen +
+autotuned (``freezing=true`` alone is checked in float32 only, to keep the suite's time), and
+compiled with int8 weight-only quantization (HF then runs on the dequantized weights: the float
+model the quantized one stands for). float32 is in test_float32_parity.py.
 """
 
 from __future__ import annotations
@@ -74,9 +74,7 @@ def test_eager_bfloat16_is_as_close_to_float32_as_hf_bfloat16(tiny_checkpoint, s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("mode", "seed"), [("compiled", 0), ("frozen", 1), ("frozen-autotuned", 2)]
-)
+@pytest.mark.parametrize(("mode", "seed"), [("compiled", 0), ("frozen-autotuned", 2)])
 def test_compiled_bfloat16_is_as_close_to_float32_as_hf_bfloat16(
     tiny_checkpoint, tmp_path, mode, seed
 ) -> None:
