@@ -663,7 +663,7 @@ class BenchmarkReport:
         flops, gflop, n = self.prefill.flops, 1e9, GEMM_SIZE
         return [
             f"GEMM peak       {self.prefill.gemm_flops_per_s / gflop:.1f} GFLOP/s (best timed "
-            f"{n}x{n}x{n} torch.mm in {self.config['dtype']})",
+            f"{n}x{n}x{n} product in {self.config['dtype']}, torch.mm or oneDNN's prepacked)",
             f"FLOPs/prefill   {flops.total / gflop:.4g} GFLOP = {flops.weights / gflop:.4g} "
             f"weights + {flops.attention / gflop:.4g} causal attention + "
             f"{flops.lm_head / gflop:.4g} LM head (last token of each row)",
