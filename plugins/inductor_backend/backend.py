@@ -109,12 +109,13 @@ class InductorBackend:
     ) -> None:
         options = QUIET_AUTOTUNE | parse_compiler_args(compiler_args)
         prepack = options.pop(PREPACK_ARGUMENT, True)
+        frozen = self.embeds_weights(compiler_args)
         weights, *rest = example_args
-        if self.embeds_weights(compiler_args):
+        if frozen:
             function, example_args = WeightsAsConstants(function, weights), tuple(rest)
         with torch_internal_warnings_silenced():
             program = torch.export.export(function, example_args, strict=False)
-            if prepack and not self.embeds_weights(compiler_args) and prepacking_available():
+            if prepack and not frozen and prepacking_available():
                 options["aot_inductor.metadata"] = use_prepacked_linears(program, len(weights))
             if debug:
                 output.with_suffix(".graph.txt").write_text(annotated_graph(program))
