@@ -119,8 +119,10 @@ def test_json_report_shape_and_ratios(capsys, llama_path) -> None:
         "nxdplug",
         "hf",
         "hf_compiled",
+        "base",
         "ratios",
         "ratios_hf_compiled",
+        "ratios_base",
         "warmup_s",
         "bandwidth",
         "compute",
@@ -128,6 +130,7 @@ def test_json_report_shape_and_ratios(capsys, llama_path) -> None:
     }
     systems = ("nxdplug", "hf", "hf_compiled")
     assert report["config"]["backend"] == "eager"
+    assert report["base"] is None and "base" not in report["config"]  # no feature options
     assert report["config"]["new_tokens"] == 4 and report["config"]["prompt_length"] == 8
     assert set(report["nxdplug"]) == set(report["hf"]) == set(report["ratios"])
     assert set(report["hf_compiled"]) == set(report["ratios_hf_compiled"]) == set(report["hf"])

@@ -226,11 +226,11 @@ def test_benchmark_times_adapters_against_peft_mixed_batch(adapters, capsys, mon
     from nxdplug.benchmark import measurements
 
     checkpoint, paths = adapters
-    seen = {}
+    seen = {"nxdplug": []}
     run_ours, run_theirs = measurements._run_nxdplug, measurements._run_hf
 
     def ours(model, input_ids, new_tokens, step_keywords):
-        seen["nxdplug"] = step_keywords
+        seen["nxdplug"].append((model.neuron_config.lora_config is not None, step_keywords))
         return run_ours(model, input_ids, new_tokens, step_keywords)
 
     def theirs(hf_model, input_ids, new_tokens, generate_kwargs):
@@ -260,9 +260,37 @@ def test_benchmark_times_adapters_against_peft_mixed_batch(adapters, capsys, mon
         stdout_only=True,
     )
     assert code == 0, out
-    assert json.loads(out)["ratios"]["decode_tokens_per_s"] > 0
-    assert seen["nxdplug"] == {"adapter_ids": ["code", "chat", None]}
+    report = json.loads(out)
+    assert report["ratios"]["decode_tokens_per_s"] > 0
+    assert report["config"]["base"] == "lora_config"
+    for key, ratio in report["ratios_base"].items():
+        assert ratio == report["nxdplug"][key] / report["base"][key]
+    # the adapters' model and the base model in turn: warm-up, then the timed run
+    with_adapters = (True, {"adapter_ids": ["code", "chat", None]})
+    assert seen["nxdplug"] == [with_adapters, (False, {})] * 2
     assert seen["hf"] == ("PeftModelForCausalLM", {"adapter_names": ["code", "chat", "__base__"]})
+
+
+def test_benchmark_prints_the_base_model_and_the_ratio_to_it(adapters, capsys) -> None:
+    checkpoint, paths = adapters
+    code, out = run_cli(
+        capsys,
+        "benchmark",
+        *("--model-path", str(checkpoint), "--batch-size", "2", "--torch-dtype", "float32"),
+        *("--runs", "1", "--prompt-length", "8", "--max-new-tokens", "3", "--quiet"),
+        "--lora-ckpt-paths",
+        *(f"{name}={path}" for name, path in paths.items()),
+        *("--adapter-ids", "code", "chat"),
+    )
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "base      the same config without lora_config" in lines
+    header = next(line for line in lines if line.split()[:1] == ["nxdplug"])
+    assert header.split() == ["nxdplug", "base", "nxdplug/base"]
+    decode = next(line for line in lines if line.startswith("decode (tok/s)")).split()[2:]
+    ours, base, ratio = map(float, decode)
+    assert ratio == pytest.approx(ours / base, rel=0.01, abs=0.01)
+    assert any(line.startswith("nxdplug/base: decode tok/s x") for line in lines)
 
 
 def test_lora_memory_transpose_is_reported_as_having_no_effect(adapters) -> None:

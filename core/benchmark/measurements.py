@@ -19,7 +19,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -289,15 +289,17 @@ def measure_alternating(
     new_tokens: int,
     runs: int,
     step_keywords: Mapping[str, Any] | None = None,
+    base: Any | None = None,
 ) -> tuple[dict[str, tuple[RunTimes, ...]], dict[str, float]]:
-    """nxdplug's runs and those of each HF system (name: model and ``generate()`` keywords)
+    """nxdplug's runs, those of ``base`` (another application, timed without
+    ``step_keywords``) and those of each HF system (name: model and ``generate()`` keywords)
     taken in turn after a warm-up of each, so that load from other processes on a shared
     machine falls on all alike and their ratios stay meaningful.
 
-    Returns the runs and the seconds of each warm-up by system name (``"nxdplug"`` and the
-    ``hf_systems`` keys); a torch.compile'd HF model compiles in its warm-up, so that time is
-    in neither its runs nor its statistics. An HF system that fails in its warm-up is one
-    :class:`NxdPlugError` naming it.
+    Returns the runs and the seconds of each warm-up by system name (``"nxdplug"``, ``"base"``
+    and the ``hf_systems`` keys); a torch.compile'd HF model compiles in its warm-up, so that
+    time is in neither its runs nor its statistics. An HF system that fails in its warm-up is
+    one :class:`NxdPlugError` naming it.
     """
 
     def ours(runs: int, warmup: int) -> tuple[RunTimes, ...]:
@@ -307,21 +309,29 @@ def measure_alternating(
         hf_model, hf_kwargs = hf_systems[name]
         return measure_hf(hf_model, input_ids, new_tokens, runs, warmup, hf_kwargs)
 
-    warmups = {"nxdplug": _seconds(lambda: ours(runs=0, warmup=1))}
+    timers: dict[str, Callable[..., tuple[RunTimes, ...]]] = {"nxdplug": ours}
+    if base is not None:
+        timers["base"] = lambda runs, warmup: measure_nxdplug(
+            base, input_ids, new_tokens, runs, warmup
+        )
     for name in hf_systems:
+        timers[name] = lambda runs, warmup, name=name: theirs(name, runs, warmup)
+    warmups = {}
+    for name, timer in timers.items():
         try:
-            warmups[name] = _seconds(lambda name=name: theirs(name, runs=0, warmup=1))
+            warmups[name] = _seconds(lambda timer=timer: timer(runs=0, warmup=1))
         except Exception as exc:  # torch.compile raises from many places; report any of them
+            if name not in hf_systems:
+                raise
             first_line = (str(exc).strip().splitlines() or [""])[0][:300]
             raise NxdPlugError(
                 f"HF transformers ({name}) failed in its warm-up, so no table is printed: "
                 f"{type(exc).__name__}: {first_line}"
             ) from exc
-    times: dict[str, list[RunTimes]] = {name: [] for name in warmups}
+    times: dict[str, list[RunTimes]] = {name: [] for name in timers}
     for _ in range(runs):
-        times["nxdplug"] += ours(runs=1, warmup=0)
-        for name in hf_systems:
-            times[name] += theirs(name, runs=1, warmup=0)
+        for name, timer in timers.items():
+            times[name] += timer(runs=1, warmup=0)
     return {name: tuple(runs) for name, runs in times.items()}, warmups
 
 
@@ -491,7 +501,7 @@ def weights_skeleton(model: Any) -> nn.Module:
 
 
 # The systems a report can hold, in column order, and their column labels (one word each).
-SYSTEM_LABELS = {"nxdplug": "nxdplug", "hf": "HF", "hf_compiled": "HF-compiled"}
+SYSTEM_LABELS = {"nxdplug": "nxdplug", "base": "base", "hf": "HF", "hf_compiled": "HF-compiled"}
 
 # (label, key in GenerationStats.to_dict(), format)
 _TABLE_ROWS = (
@@ -507,9 +517,13 @@ _TABLE_ROWS = (
 
 @attrs.frozen
 class BenchmarkReport:
-    """One benchmark: its configuration, each system's statistics (nxdplug's; HF's eager
-    ``generate()``, and with a static cache and torch.compile, when measured), the bandwidth
-    ceiling of decoding and the compute ceiling of prefill."""
+    """One benchmark: its configuration, each system's statistics (nxdplug's; the base
+    model's, HF's eager ``generate()``, and with a static cache and torch.compile, when
+    measured), the bandwidth ceiling of decoding and the compute ceiling of prefill.
+
+    The base model is the same checkpoint and config without the settings that enable the
+    command line's feature plugins (``config["base"]`` names them); the ceilings are
+    nxdplug's."""
 
     config: dict[str, Any]
     nxdplug: GenerationStats
@@ -524,6 +538,7 @@ class BenchmarkReport:
     hf_compiled: GenerationStats | None = None  # HF with a static cache and torch.compile
     warmup_seconds: dict[str, float] = attrs.field(factory=dict)  # by system, compile included
     prefill: PrefillCeiling | None = None
+    base: GenerationStats | None = None
 
     @property
     def ceiling_tokens_per_s(self) -> float:
@@ -532,15 +547,20 @@ class BenchmarkReport:
 
     def systems(self) -> dict[str, GenerationStats]:
         """The measured systems by name, in :data:`SYSTEM_LABELS` order."""
-        every = {"nxdplug": self.nxdplug, "hf": self.hf, "hf_compiled": self.hf_compiled}
+        every = {
+            "nxdplug": self.nxdplug,
+            "base": self.base,
+            "hf": self.hf,
+            "hf_compiled": self.hf_compiled,
+        }
         return {name: stats for name, stats in every.items() if stats is not None}
 
     def baselines(self) -> list[str]:
-        """The measured HF systems, each a pair of columns in the table."""
+        """The measured systems besides nxdplug, each a pair of columns in the table."""
         return [name for name in self.systems() if name != "nxdplug"]
 
     def ratios(self, baseline: str = "hf") -> dict[str, float] | None:
-        """nxdplug / ``baseline`` (an HF system's name) for every reported number (above 1 is
+        """nxdplug / ``baseline`` (a system's name) for every reported number (above 1 is
         faster for tokens/s, slower for latencies); None when it was not measured."""
         theirs = self.systems().get(baseline)
         if theirs is None:
@@ -554,10 +574,12 @@ class BenchmarkReport:
         return {
             "config": dict(self.config),
             "nxdplug": self.nxdplug.to_dict(),
+            "base": self.base.to_dict() if self.base else None,
             "hf": self.hf.to_dict() if self.hf else None,
             "hf_compiled": self.hf_compiled.to_dict() if self.hf_compiled else None,
             "ratios": self.ratios("hf"),
             "ratios_hf_compiled": self.ratios("hf_compiled"),
+            "ratios_base": self.ratios("base"),
             "warmup_s": dict(self.warmup_seconds),
             "bandwidth": {
                 "read_gb_per_s": self.read_gb_per_s,
@@ -633,6 +655,7 @@ class BenchmarkReport:
             f"dtype     {c['dtype']}, batch {c['batch_size']}, prompt {c['prompt_length']} + "
             f"{c['new_tokens']} new tokens, {c['runs']} timed run(s) after 1 warm-up",
             f"backend   {c['backend']}, torch {c['torch']}, {c['threads']} thread(s)",
+            *([f"base      the same config without {c['base']}"] if "base" in c else []),
         ]
 
     def _headline(self) -> list[str]:

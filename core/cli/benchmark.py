@@ -2,7 +2,9 @@
 
 Random prompts of a fixed length, exactly ``--max-new-tokens`` new tokens per run (no stop on
 end-of-sequence), timed per phase; optionally HF transformers on the same prompts in the same
-process, eager and/or with a static KV cache and torch.compile; and always the
+process, eager and/or with a static KV cache and torch.compile; the base model (the same
+config without the settings that the command line's feature options made) when those options
+enable a feature plugin; and always the
 memory-bandwidth ceiling of decoding and the compute ceiling of prefill on this machine. The
 measuring itself is in :mod:`nxdplug.benchmark.measurements` and
 :mod:`nxdplug.benchmark.roofline`.
@@ -11,13 +13,19 @@ measuring itself is in :mod:`nxdplug.benchmark.measurements` and
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from nxdplug.cli import extensions
-from nxdplug.cli.inference import add_compiled_model_options, inference_config, load_model
+from nxdplug.cli.inference import (
+    add_compiled_model_options,
+    application_beside,
+    inference_config,
+    load_model,
+)
 from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
 from nxdplug.cli.speculation import (
     add_speculation_options,
@@ -28,6 +36,14 @@ from nxdplug.errors import NxdPlugError
 
 # --compare-hf's modes, in the report's order, and each one's name in the report.
 HF_SYSTEMS = {"eager": "hf", "compiled": "hf_compiled"}
+# The base model's compiled folder: --compiled-model-path's name plus this.
+BASE_SUFFIX = "-base"
+BASE_HELP = (
+    "When this command's feature-plugin options enable a feature (adapters, ...), the base "
+    "model is timed in turn too: the same checkpoint and NeuronConfig with the settings those "
+    "options made back at their defaults, eager or, with --compiled-model-path DIR, compiled "
+    f"into DIR{BASE_SUFFIX}; the report gives its figures and nxdplug/base."
+)
 
 
 def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +92,7 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     add_speculation_options(parser)
     add_neuron_config_options(parser)
     extensions.add_extension_arguments(parser, "benchmark")
+    parser.epilog = BASE_HELP
 
 
 def benchmark_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,14 +179,17 @@ def run_benchmark(args: argparse.Namespace) -> int:
     new_tokens, runs = args.max_new_tokens, args.runs
     # The enabled plugins' per-step inputs (LoRA's adapter_ids, ...), and their HF equivalent.
     step_keywords = extensions.generate_keywords(args, model)
+    base_without = extensions.enabling_settings(config, "benchmark")
+    base = _base_application(args, config, base_without, progress) if base_without else None
     hf_systems = _hf_systems(args, model, dtype, progress)
-    if hf_systems:
-        labels = ", ".join(f"HF {mode}" for mode in _hf_modes(args))
+    others = ["the base model"] * (base is not None) + [f"HF {m}" for m in _hf_modes(args)]
+    if others:
+        labels = ", ".join(others)
         progress(f"timing nxdplug and {labels} in turn: 1 warm-up + {runs} run(s) each")
     else:
         progress(f"timing nxdplug: 1 warm-up + {runs} run(s)")
     all_runs, warmups = benchmark.measure_alternating(
-        model, hf_systems, input_ids, new_tokens, runs, step_keywords
+        model, hf_systems, input_ids, new_tokens, runs, step_keywords, base
     )
     stats = {
         name: benchmark.GenerationStats.from_runs(times, batch_size)
@@ -196,8 +216,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
             "backend": model.backend_name,
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
-        },
+        }
+        | ({"base": ", ".join(base_without)} if base is not None else {}),
         nxdplug=stats["nxdplug"],
+        base=stats.get("base"),
         hf=stats.get("hf"),
         read_gb_per_s=benchmark.measure_read_bandwidth(),
         bytes_per_step=benchmark.decode_bytes_per_step(model, batch_size, positions),
@@ -212,6 +234,22 @@ def run_benchmark(args: argparse.Namespace) -> int:
     )
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format_table())
     return 0
+
+
+def _base_application(
+    args: argparse.Namespace, config: Any, settings: tuple[str, ...], progress: Any
+) -> Any:
+    """The same checkpoint and config with ``settings`` back at NeuronConfig's defaults,
+    eager or compiled beside --compiled-model-path."""
+    from nxdplug.config import load_pretrained_config
+
+    progress(f"loading the base model (without {', '.join(settings)})")
+    neuron_config = copy.deepcopy(config.neuron_config)
+    defaults = type(neuron_config)()
+    for name in settings:
+        setattr(neuron_config, name, getattr(defaults, name, None))
+    base_config = type(config)(neuron_config, load_config=load_pretrained_config(args.model_path))
+    return application_beside(args, args.model_path, base_config, BASE_SUFFIX)
 
 
 def _hf_modes(args: argparse.Namespace) -> tuple[str, ...]:

@@ -60,6 +60,16 @@ def enabled_extensions(config: Any) -> Iterator[CommandLineExtension]:
             yield record.load("implementation")()
 
 
+def enabling_settings(config: Any, command: str) -> tuple[str, ...]:
+    """The NeuronConfig attributes (``enabled_by``) of the extensions of ``command`` that
+    ``config`` enables."""
+    names: dict[str, None] = {}
+    for record in get_registry().records("cli_extensions"):
+        if command in record.commands and record.is_enabled_by(config.neuron_config):
+            names |= dict.fromkeys(record.enabled_by)
+    return tuple(names)
+
+
 def prepare_config(args: argparse.Namespace, config: Any) -> None:
     for extension in enabled_extensions(config):
         extension.prepare_config(args, config)

@@ -187,6 +187,22 @@ def load_model(
     return model
 
 
+def application_beside(args: argparse.Namespace, model_path: Path, config: Any, suffix: str) -> Any:
+    """A second application, ``model_path`` with ``config``, run as --compiled-model-path says:
+    eager, or compiled into a folder beside it (its name plus ``suffix``) and loaded."""
+    from nxdplug.runtime.application import from_pretrained
+
+    model = from_pretrained(model_path, config=config)
+    model.compiler_args = args.compiler_args
+    if args.compiled_model_path is None:
+        model.to_cpu()
+    else:
+        folder = args.compiled_model_path.with_name(args.compiled_model_path.name + suffix)
+        model.compile(folder, quiet=args.quiet)
+        model.load(folder, quiet=args.quiet)
+    return model
+
+
 def add_compile_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_path(parser)
     add_compiled_model_options(parser, required=True)

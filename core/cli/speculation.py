@@ -46,23 +46,15 @@ def application_without_speculation(
 ) -> Any:
     """``model_path`` with ``config``'s settings, speculation off: eager, or compiled into a
     folder beside --compiled-model-path (its name plus ``suffix``)."""
+    from nxdplug.cli.inference import application_beside  # which imports this module
     from nxdplug.config import load_pretrained_config
-    from nxdplug.runtime.application import from_pretrained
 
     if not model_path.is_dir():
         raise NxdPlugError(f"{model_path} is not a folder")
     plain_config = type(config)(
         without_speculation(config.neuron_config), load_config=load_pretrained_config(model_path)
     )
-    model = from_pretrained(model_path, config=plain_config)
-    model.compiler_args = args.compiler_args
-    if args.compiled_model_path is None:
-        model.to_cpu()
-    else:
-        folder = args.compiled_model_path.with_name(args.compiled_model_path.name + suffix)
-        model.compile(folder, quiet=args.quiet)
-        model.load(folder, quiet=args.quiet)
-    return model
+    return application_beside(args, model_path, plain_config, suffix)
 
 
 def plain_application(args: argparse.Namespace, config: Any) -> Any:
