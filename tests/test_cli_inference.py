@@ -50,7 +50,7 @@ def test_check_config_reports_every_problem_and_exits_1(capsys, llama_path) -> N
     assert "3 problem(s)" in out
     assert "batch_size is 0" in out
     assert "did you mean 'fused_qkv'" in out
-    assert "flash_decoding_enabled=True is set, but no installed plugin implements it" in out
+    assert "flash_decoding_enabled splits each K/V head's cache over the ranks" in out
 
 
 @pytest.mark.parametrize("mode", ["token-matching", "logit-matching"])

@@ -71,7 +71,6 @@ NXDI_FLAGS = NXDI_FLAG_TEXT.split()
 
 # The features nxdplug lacks: each of these flags is refused.
 REFUSED = {
-    "--flash-decoding-enabled",
     "--bucket-n-active-tokens",
     "--prefix-buckets",
     "--token-tree-json",

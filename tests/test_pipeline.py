@@ -249,7 +249,7 @@ def test_attributes_without_an_installed_plugin_are_problems(
     llama_config, options, attribute
 ) -> None:
     _, config = llama_config(**options)
-    with fresh_plugin_manager(deny=SPECULATION_PLUGINS):
+    with fresh_plugin_manager(deny=SPECULATION_PLUGINS | {"flash_decoding"}):
         problems = config_problems(config)
     assert any(
         p.startswith(f"{attribute}=") and "no installed plugin implements it" in p for p in problems

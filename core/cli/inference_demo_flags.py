@@ -157,7 +157,6 @@ DEMO_FLAGS: tuple[DemoFlag, ...] = (
     _hint("--vocab-parallel"),
     _hint("--layer-boundary-markers"),
     _hint("--weight-gather-seq-len-threshold", action="store", type=int),
-    _refused("--flash-decoding-enabled", "flash decoding is not implemented", takes_value=False),
     # KV cache
     _demo("--kv-cache-batch-size", "KV-cache lines (max_batch_size here)", type=positive_int),
     _demo(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +101,39 @@ def qk_norms(config: Any, head_dim: int, enabled: bool) -> tuple[nn.Module, nn.M
     return RMSNorm(head_dim, eps=eps), RMSNorm(head_dim, eps=eps)
 
 
+class CacheAttention(Protocol):
+    """How a step's keys and values reach the KV cache and its queries attend over the cached
+    ones: ``(attention, q, k, v, mask, cache) -> [batch, heads, queries, head_dim]``.
+
+    By default (:func:`attend_over_local_cache`) each rank caches every position of its K/V
+    heads; a plugin that lays the cache out otherwise (positions split over ranks) sets an
+    attention module's ``cache_attention`` in its ``transform_model``.
+    """
+
+    def __call__(
+        self,
+        attention: NeuronAttentionBase,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor,
+        cache: CacheSlot,
+    ) -> torch.Tensor: ...
+
+
+def attend_over_local_cache(
+    attention: NeuronAttentionBase,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    cache: CacheSlot,
+) -> torch.Tensor:
+    """Store this step's keys and values, then attend over the cache's first positions."""
+    k, v = cache.store_and_fetch(k, v)
+    return attention.attend(q, k, v, mask)
+
+
 class NeuronAttentionBase(nn.Module):
     """Q/K/V projections (fused or not), rotary, cache update, softmax(QK^T/sqrt(d))V, output.
 
@@ -109,7 +142,8 @@ class NeuronAttentionBase(nn.Module):
     ``qk_layernorm`` (the argument, or ``neuron_config.qk_layernorm``) normalizes each query and
     key head with an RMSNorm over ``head_dim`` before rotary, as Qwen3 does; the weights
     (``q_norm.weight``, ``k_norm.weight``) are shared by all heads, so a rank normalizes its own
-    heads and replicated K/V heads need nothing more.
+    heads and replicated K/V heads need nothing more. ``cache_attention`` (see
+    :class:`CacheAttention`) stores the step's keys and values and attends over the cache.
     """
 
     def __init__(
@@ -154,6 +188,7 @@ class NeuronAttentionBase(nn.Module):
         )
         self.sliding_window = sliding_window
         self.attention_dtype = neuron_config.attention_dtype
+        self.cache_attention: CacheAttention = attend_over_local_cache
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.fused_qkv:
@@ -176,8 +211,7 @@ class NeuronAttentionBase(nn.Module):
         v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, k, *rope)
 
-        k, v = cache.store_and_fetch(k, v)
-        out = self.attend(q, k, v, mask).to(x.dtype)
+        out = self.cache_attention(self, q, k, v, mask, cache).to(x.dtype)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def attend(
