@@ -129,8 +129,8 @@ class NeuronBaseModel(nn.Module):
         length = step.attention_mask.shape[-1]
         shards = self.sequence_shards()
         with running(step), split_sequence(shards):
-            if shards:
-                x = shards.scatter(x)
+            if shards:  # a copy: a view of the slice would keep the whole embedding alive
+                x = shards.scatter(x).clone()
             for index, layer in enumerate(self.layers):
                 cache = CacheSlot(self.kv_mgr, index, step.position_ids, step.seq_ids, length)
                 x = layer(x, rope, masks[layer.self_attn.sliding_window], cache)
