@@ -90,7 +90,7 @@ def _storages(leaves: list[Any]) -> Iterator[torch.UntypedStorage]:
 
 @attrs.frozen
 class Measurement:
-    """Settings of one measurement; ``tp_degree`` ranks are launched when it is above 1."""
+    """Settings of one measurement: the checkpoint, the prompt, the ranks to launch, the dtype."""
 
     model_path: str
     prompt_length: int
