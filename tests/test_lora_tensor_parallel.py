@@ -2,9 +2,10 @@
 
 The checkpoint has one K/V head, so with tp_degree=2 the K/V heads are replicated to two and
 the k/v adapters' B matrices must follow. Two ranks (gloo, one process each, as in
-test_tensor_parallel) serve a mixed batch with ``lora_shard_linear_layer`` True and False, then
-load a third adapter into a slot; every rank's tokens must be PEFT's. One process checks the
-same layouts without a launch (tp_degree then only sets the head layout).
+test_tensor_parallel) serve a mixed batch with ``lora_shard_linear_layer`` True (eager) and False
+with fused QKV (compiled and loaded), then load a third adapter into a slot; every rank's tokens
+must be PEFT's. One process checks the same layouts without a launch (tp_degree then only
+sets the head layout).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
 ROWS = ["code", "chat", None]
 LOADED_ROWS = ["math", None, "code"]  # math is loaded at run time
 NEW_TOKENS = 12
-# (name, lora_shard_linear_layer, fused_qkv) of the two-rank runs
-RUNS = [("sharded", True, False), ("whole-fused", False, True)]
+# (name, lora_shard_linear_layer, fused_qkv, compiled) of the two-rank runs
+RUNS = [("sharded", True, False, False), ("whole-fused", False, True, True)]
 
 
-def make_app(checkpoint, paths, tp_degree=2, dynamic=False, **settings):
+def make_app(checkpoint, paths, tp_degree=2, dynamic=False, compiled=None, **settings):
+    """Eager, or compiled into the folder ``compiled`` and loaded from it."""
     lora = LoraServingConfig(
         max_loras=2,
         max_lora_rank=8,
@@ -56,7 +58,11 @@ def make_app(checkpoint, paths, tp_degree=2, dynamic=False, **settings):
         **settings,
     )
     app = from_pretrained(checkpoint, config)
-    app.to_cpu()
+    if compiled is None:
+        app.to_cpu()
+    else:
+        app.compile(compiled, quiet=True)
+        app.load(compiled, quiet=True)
     return app
 
 
@@ -72,8 +78,10 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, paths: dict, out: s
     from nxdplug.plugins.lora.store import load_adapter
 
     two = {name: paths[name] for name in ("code", "chat")}
-    for name, shard, fused in RUNS:
-        app = make_app(checkpoint, two, shard=shard, fused_qkv=fused)
+    for name, shard, fused, compiled in RUNS:
+        folder = Path(out) / f"{name}-compiled" if compiled else None
+        app = make_app(checkpoint, two, shard=shard, fused_qkv=fused, compiled=folder)
+        assert app.backend_name == ("inductor" if compiled else "eager")
         torch.save(generate(app, ROWS), Path(out) / f"{name}-{rank}.pt")
         shapes = {k: tuple(t.shape) for k, t in app.weight_tensors().items() if "lora_" in k}
         torch.save(shapes, Path(out) / f"{name}-shapes-{rank}.pt")
