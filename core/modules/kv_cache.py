@@ -85,19 +85,36 @@ def read_prefix(cache: torch.Tensor, seq_ids: torch.Tensor, length: int) -> torc
     return cache[seq_ids, :, :length]
 
 
+def first_row_of_each_line(seq_ids: torch.Tensor) -> torch.Tensor:
+    """For each row of ``seq_ids`` ([batch]), the first row writing to the same cache line:
+    the row itself, unless it repeats an earlier row's line (a padding row)."""
+    same_line = seq_ids[:, None] == seq_ids[None, :]
+    return same_line.int().argmax(dim=1)  # argmax gives the first of equal maxima
+
+
 @attrs.frozen
 class CacheSlot:
-    """Where one layer's keys and values go in this step."""
+    """Where one layer's keys and values go in this step.
+
+    ``writer_rows`` ([batch], see :func:`first_row_of_each_line`), when given, makes each row
+    write the keys and values of the first row sharing its cache line: padding rows that repeat
+    a running row's line (continuous batching) then write exactly that row's values, not
+    values a batched product may have rounded differently in another row, so the order of the
+    duplicate writes does not matter.
+    """
 
     manager: KVCacheManager
     layer: int
     position_ids: torch.Tensor
     seq_ids: torch.Tensor
     length: int
+    writer_rows: torch.Tensor | None = None
 
     def store_and_fetch(
         self, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.writer_rows is not None:
+            key, value = key[self.writer_rows], value[self.writer_rows]
         return self.manager.update_and_read(
             self.layer, key, value, self.position_ids, self.seq_ids, self.length
         )

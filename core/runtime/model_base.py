@@ -19,6 +19,7 @@ from nxdplug.modules.kv_cache import (
     CacheLayout,
     CacheSlot,
     KVCacheManager,
+    first_row_of_each_line,
     kv_cache_managers,
 )
 from nxdplug.modules.parallel_linear import tp_rank, tp_world_size, use_collectives
@@ -127,12 +128,17 @@ class NeuronBaseModel(nn.Module):
         x = self.embed_tokens(step.input_ids)
         rope = self.rotary_emb(rotary_positions)
         length = step.attention_mask.shape[-1]
+        writer_rows = None
+        if self.neuron_config.is_continuous_batching:  # padding rows repeat a running line
+            writer_rows = first_row_of_each_line(step.seq_ids)
         shards = self.sequence_shards()
         with running(step), split_sequence(shards):
             if shards:  # a copy: a view of the slice would keep the whole embedding alive
                 x = shards.scatter(x).clone()
             for index, layer in enumerate(self.layers):
-                cache = CacheSlot(self.kv_mgr, index, step.position_ids, step.seq_ids, length)
+                cache = CacheSlot(
+                    self.kv_mgr, index, step.position_ids, step.seq_ids, length, writer_rows
+                )
                 x = layer(x, rope, masks[layer.self_attn.sliding_window], cache)
             if shards:
                 x = shards.gather(x)

@@ -237,7 +237,8 @@ class ModelWrapper(nn.Module):
         """``step`` with as many rows as the batch size: padding rows repeat row 0's inputs and
         write to cache rows no real sequence uses (neither the step's nor ``reserved``). With
         continuous batching every other line may hold a running sequence, so padding rows
-        repeat row 0's cache line too: they write what row 0 writes, where it writes it."""
+        repeat row 0's cache line too, and the model has them write row 0's very keys and
+        values (``CacheSlot.writer_rows``)."""
         rows = step.rows
         missing = self.batch_size - rows
         if missing == 0:
