@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from nxdplug.plugins.flash_decoding.attention import (
     merge_partials,
     partial_attention,
 )
+from nxdplug.plugins.flash_decoding.layout import ranks_sharing_a_kv_head
 from nxdplug.testing import end_rank_process, hf_greedy
 
 SETTINGS = {
@@ -84,6 +86,15 @@ def test_each_position_goes_to_one_rank_and_the_others_write_the_spare_slot() ->
     assert held_slots(positions, 2, 3, 99).tolist() == [[99, 99, 0, 99, 99, 1, 99]]
     mask = torch.tensor([[True, True, False, True, True]])
     assert held_mask(mask, 1, 2).tolist() == [[True, True, False]]  # positions 1, 3, (5)
+
+
+@pytest.mark.parametrize(
+    ("world", "kv_heads", "blocks"),
+    [(4, 2, [[0, 1], [2, 3]]), (4, 1, [[0, 1, 2, 3]]), (1, 1, [[0]]), (1, 2, [[0]])],
+)
+def test_the_kv_groups_are_the_ranks_of_one_kv_head(world, kv_heads, blocks) -> None:
+    config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=kv_heads)
+    assert [list(b) for b in ranks_sharing_a_kv_head(world, config)] == blocks
 
 
 @pytest.mark.parametrize(

@@ -29,17 +29,10 @@ class FailingHook:
         raise RuntimeError("boom")
 
 
-# Kinds made for the features to come, with no built-in user yet (tests/test_process_groups.py
-# registers one): MoE expert parallelism and hybrid sharding will be the first.
-KINDS_AWAITING_BUILTINS = {"parallel_groups"}
-
-
 def test_every_kind_has_builtin_records(plugin_manager) -> None:
     registry = get_registry()
-    for kind in set(KINDS) - KINDS_AWAITING_BUILTINS:
+    for kind in KINDS:
         assert registry.records(kind), kind
-    for kind in KINDS_AWAITING_BUILTINS:
-        assert not registry.records(kind), f"{kind} has built-ins now: test them here"
 
 
 def test_name_conflict_names_every_provider(plugin_manager) -> None:
