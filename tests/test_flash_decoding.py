@@ -14,10 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_tensor_parallel import MASK, NEW_TOKENS, PROMPTS, become_launched_rank, free_port
+from test_tensor_parallel import PROMPTS, become_launched_rank, hf_greedy_tokens, spawn_two_ranks
 from test_tensor_parallel import generate as generate_tokens
-from transformers import AutoModelForCausalLM
 
 from nxdplug import NeuronConfig, from_pretrained
 from nxdplug.config import InferenceConfig, load_pretrained_config
@@ -31,7 +29,7 @@ from nxdplug.plugins.flash_decoding.attention import (
     partial_attention,
 )
 from nxdplug.plugins.flash_decoding.layout import ranks_sharing_a_kv_head
-from nxdplug.testing import end_rank_process, hf_greedy
+from nxdplug.testing import end_rank_process
 
 SETTINGS = {
     "torch_dtype": "float32",
@@ -160,9 +158,8 @@ def two_rank_run(tiny_checkpoint, tmp_path_factory):
     """Two ranks sharing the model's one K/V head: eager generation, then compiled."""
     checkpoint = tiny_checkpoint("llama", seed=11, num_key_value_heads=1)
     work = tmp_path_factory.mktemp("flash2")
-    mp.spawn(_rank, args=(2, free_port(), str(checkpoint), str(work)), nprocs=2, join=True)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    return work, hf_greedy(hf, PROMPTS, MASK, NEW_TOKENS).sequences
+    spawn_two_ranks(_rank, str(checkpoint), str(work))
+    return work, hf_greedy_tokens(checkpoint)
 
 
 @pytest.mark.slow

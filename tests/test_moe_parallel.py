@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_tensor_parallel import become_launched_rank, free_port
-from transformers import AutoModelForCausalLM
+from test_tensor_parallel import (
+    MASK,
+    NEW_TOKENS,
+    PROMPTS,
+    become_launched_rank,
+    hf_greedy_tokens,
+    spawn_two_ranks,
+)
 
 from nxdplug import HuggingFaceGenerationAdapter, from_pretrained
 from nxdplug.config import load_pretrained_config
@@ -19,7 +24,7 @@ from nxdplug.contrib_models.mixtral.modeling_mixtral import (
     MixtralNeuronConfig,
 )
 from nxdplug.pipeline import config_problems
-from nxdplug.testing import end_rank_process, hf_greedy
+from nxdplug.testing import end_rank_process
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +57,6 @@ LAYOUTS = {
     },
 }
 COMPILED = "hybrid-cte-tp-tkg-ep"
-PROMPTS = torch.tensor([[0, 0, 5, 17, 42, 9], [8, 250, 31, 99, 7, 3]])
-MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
-NEW_TOKENS = 20
 
 
 def generate(app) -> torch.Tensor:
@@ -95,9 +97,8 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, work: str) -> None:
 def two_rank_run(tiny_checkpoint, tmp_path_factory):
     checkpoint = tiny_checkpoint("mixtral", seed=3, num_local_experts=8, num_experts_per_tok=2)
     work = tmp_path_factory.mktemp("moe-parallel")
-    mp.spawn(_rank, args=(2, free_port(), str(checkpoint), str(work)), nprocs=2, join=True)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    return work, hf_greedy(hf, PROMPTS, MASK, NEW_TOKENS).sequences
+    spawn_two_ranks(_rank, str(checkpoint), str(work))
+    return work, hf_greedy_tokens(checkpoint)
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "compiled"])

@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from test_tensor_parallel import MASK, NEW_TOKENS, PROMPTS, become_launched_rank, free_port
+from test_tensor_parallel import PROMPTS, become_launched_rank, hf_greedy_tokens, spawn_two_ranks
 from test_tensor_parallel import generate as generate_tokens
-from transformers import AutoModelForCausalLM
 
 from nxdplug import NeuronConfig, from_pretrained
 from nxdplug.config import MoENeuronConfig
 from nxdplug.errors import ConfigError
-from nxdplug.testing import end_rank_process, hf_greedy
+from nxdplug.testing import end_rank_process
 
 SETTINGS = {
     "torch_dtype": "float32",
@@ -54,9 +52,8 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, work: str) -> None:
 def two_rank_run(tiny_checkpoint, tmp_path_factory):
     checkpoint = tiny_checkpoint("llama", seed=11)
     work = tmp_path_factory.mktemp("sp2")
-    mp.spawn(_rank, args=(2, free_port(), str(checkpoint), str(work)), nprocs=2, join=True)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    return work, hf_greedy(hf, PROMPTS, MASK, NEW_TOKENS).sequences
+    spawn_two_ranks(_rank, str(checkpoint), str(work))
+    return work, hf_greedy_tokens(checkpoint)
 
 
 @pytest.mark.slow

@@ -82,8 +82,19 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, compiled: str, out:
             dist.destroy_process_group()
 
 
+def spawn_two_ranks(rank_fn, *args: str) -> None:
+    """Run ``rank_fn(rank, 2, port, *args)`` in two processes launched as ranks 0 and 1."""
+    mp.spawn(rank_fn, args=(2, free_port(), *args), nprocs=2, join=True)
+
+
+def hf_greedy_tokens(checkpoint) -> torch.Tensor:
+    """HF transformers' float32 greedy tokens for PROMPTS, the ranks' expected output."""
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    return hf_greedy(hf, PROMPTS, MASK, NEW_TOKENS).sequences
+
+
 def run_ranks(*args: str) -> None:
-    mp.spawn(_rank, args=(2, free_port(), *args), nprocs=2, join=True)
+    spawn_two_ranks(_rank, *args)
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +105,7 @@ def two_rank_run(tiny_checkpoint, tmp_path_factory):
     compiled = work / "compiled"
     run_ranks(str(checkpoint), str(compiled), str(work), "eager-and-compile")
     run_ranks(str(checkpoint), str(compiled), str(work), "fresh-load")
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    expected = hf_greedy(hf, PROMPTS, MASK, NEW_TOKENS).sequences
+    expected = hf_greedy_tokens(checkpoint)
     return checkpoint, compiled, work, expected
 
 
