@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from nxdplug.registry import get_registry
+from nxdplug.types import CliExtension
 
 
 class CommandLineExtension(Protocol):
@@ -53,19 +54,24 @@ def extension_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def enabled_extensions(config: Any) -> Iterator[CommandLineExtension]:
-    """The extensions ``config`` enables, built."""
+def _enabled_records(config: Any) -> Iterator[CliExtension]:
     for record in get_registry().records("cli_extensions"):
         if record.is_enabled_by(config.neuron_config):
-            yield record.load("implementation")()
+            yield record
+
+
+def enabled_extensions(config: Any) -> Iterator[CommandLineExtension]:
+    """The extensions ``config`` enables, built."""
+    for record in _enabled_records(config):
+        yield record.load("implementation")()
 
 
 def enabling_settings(config: Any, command: str) -> tuple[str, ...]:
     """The NeuronConfig attributes (``enabled_by``) of the extensions of ``command`` that
     ``config`` enables."""
     names: dict[str, None] = {}
-    for record in get_registry().records("cli_extensions"):
-        if command in record.commands and record.is_enabled_by(config.neuron_config):
+    for record in _enabled_records(config):
+        if command in record.commands:
             names |= dict.fromkeys(record.enabled_by)
     return tuple(names)
 
