@@ -59,9 +59,11 @@ def peft_oracle(checkpoint, paths):
     return model.eval()
 
 
-def make_app(checkpoint, paths, **lora):
+def make_app(checkpoint, paths, neuron=None, **lora):
     lora_config = LoraServingConfig(max_loras=2, max_lora_rank=8, lora_ckpt_paths=paths, **lora)
-    config = NeuronConfig(torch_dtype="float32", batch_size=3, seq_len=32, lora_config=lora_config)
+    config = NeuronConfig(
+        torch_dtype="float32", batch_size=3, seq_len=32, lora_config=lora_config, **(neuron or {})
+    )
     return from_pretrained(checkpoint, config)
 
 
@@ -293,10 +295,24 @@ def test_benchmark_prints_the_base_model_and_the_ratio_to_it(adapters, capsys) -
     assert any(line.startswith("nxdplug/base: decode tok/s x") for line in lines)
 
 
-def test_lora_memory_transpose_is_reported_as_having_no_effect(adapters) -> None:
+@pytest.mark.parametrize("fused_qkv", [False, True])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_either_memory_layout_gives_peft_tokens(adapters, expected, transpose, fused_qkv) -> None:
+    """``lora_memory_transpose`` stores B rank-major [slots, rank, out] (decode steps then read
+    each row's adapter in place) or as PEFT saves it, [slots, out, rank]: PEFT's tokens both
+    ways, with Q/K/V separate or fused (block-diagonal B)."""
     checkpoint, paths = adapters
-    with pytest.warns(RuntimeWarning, match="lora_memory_transpose=False has no effect"):
-        make_app(checkpoint, paths, lora_memory_transpose=False)
+    app = make_app(checkpoint, paths, {"fused_qkv": fused_qkv}, lora_memory_transpose=transpose)
+    app.to_cpu()
+    assert torch.equal(generate(app), expected)
+    projection = "qkv_proj" if fused_qkv else "q_proj"
+    weights = app.weight_tensors()
+    lora_b = next(t for k, t in weights.items() if k.endswith(f"0.self_attn.{projection}.lora_b"))
+    out_features = next(
+        t for k, t in weights.items() if k.endswith(f"0.self_attn.{projection}.weight")
+    ).shape[0]
+    ranks = 3 * 8 if fused_qkv else 8
+    assert lora_b.shape == ((3, ranks, out_features) if transpose else (3, out_features, ranks))
 
 
 @pytest.mark.parametrize("fused_qkv", [False, True])

@@ -155,10 +155,11 @@ def test_two_ranks_give_peft_tokens(adapters, peft_tokens, tmp_path) -> None:
         loaded = torch.load(tmp_path / f"loaded-{rank}.pt")
         assert torch.equal(loaded, peft_tokens(LOADED_ROWS)), rank
     # 3 slots, rank 8; hidden 64 (o_proj's input split: 32 a rank); q 64 + k 32 + v 32 rows
-    # (one K/V head replicated to two), the fused qkv's rank three times 8.
+    # (one K/V head replicated to two), the fused qkv's rank three times 8; B rank-major
+    # (lora_memory_transpose, the default).
     sharded = torch.load(tmp_path / "sharded-shapes-0.pt")
     assert sharded["layers.0.self_attn.o_proj.lora_a"] == (3, 8, 32)
-    assert sharded["layers.0.self_attn.k_proj.lora_b"] == (3, 16, 8)
+    assert sharded["layers.0.self_attn.k_proj.lora_b"] == (3, 8, 16)
     whole = torch.load(tmp_path / "whole-fused-shapes-0.pt")
     assert whole["layers.0.self_attn.o_proj.lora_a"] == (3, 8, 64)
-    assert whole["layers.0.self_attn.qkv_proj.lora_b"] == (3, 128, 24)
+    assert whole["layers.0.self_attn.qkv_proj.lora_b"] == (3, 24, 128)

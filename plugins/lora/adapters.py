@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,14 +157,6 @@ def validate(context: Any) -> list[str]:
     ]
     if lora_config.base_model_quantized != bool(neuron_config.quantized):
         problems.append(_quantized_contradiction(neuron_config.quantized))
-    if not lora_config.lora_memory_transpose:
-        warnings.warn(
-            f"lora_memory_transpose=False has no effect with the "
-            f"{context.selection.compile_backend.name!r} backend: the adapters' A [rank, in] and "
-            "B [out, rank] are kept as PEFT saves them whatever it is set to",
-            RuntimeWarning,
-            stacklevel=2,
-        )
     try:
         paths = adapter_paths(lora_config)
         host_paths = adapter_paths(lora_config, on_host=True)

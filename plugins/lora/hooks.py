@@ -3,9 +3,11 @@
 The adapters named by ``lora_ckpt_paths`` (or ``lora_ckpt_json``) are read at build time into
 fixed slots: slot 0 is "no adapter", slot i the i-th adapter. Every target projection (q/k/v/o,
 gate/up/down) gets stacked low-rank weights ``lora_a`` [slots, rank, in] and ``lora_b``
-[slots, out, rank] beside its own weight, written by a state-dict converter, so they are graph
-weights like any other. Each row's slot is a step input (``adapter_ids``), and the projection
-adds ``x A[slot]^T B[slot]^T * scale[slot]`` for the whole batch in two batched matmuls.
+[slots, rank, out] (or [slots, out, rank] with ``lora_memory_transpose=False``) beside its own
+weight, written by a state-dict converter, so they are graph weights like any other. Each row's
+slot is a step input (``adapter_ids``), and the projection adds ``x A[slot]^T B[slot]^T *
+scale[slot]`` for the whole batch, in two batched matmuls or, for one token per row, two sums
+over each row's slot.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ With tensor parallelism every rank computes the delta of its shard of the projec
 ``lora_shard_linear_layer=True`` stores only that part on each rank (cut when the weights are
 loaded, and when an adapter is written into a slot); ``False`` keeps ``A`` and ``B`` whole on
 every rank and cuts them in the graph at each step: more memory, the same result.
+
+``lora_memory_transpose=True`` (the default) stores each slot's ``B`` transposed, rank-major
+([r, out]), so that a decode step reads a row's ``B`` along its output features, as the
+one-token delta of :mod:`nxdplug.plugins.lora.layers` wants; ``False`` keeps PEFT's [out, r].
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ class Placement:
     """How one rank holds and uses a target projection's LoRA matrices.
 
     ``partitions``: the whole output sizes of the projections fused into this one (Q, K, V),
-    each split over the ranks on its own, as the base layer splits them.
+    each split over the ranks on its own, as the base layer splits them. ``rank_major_b``:
+    ``B`` is stored [..., r, out] (``lora_memory_transpose``), else [..., out, r].
     """
 
     row_parallel: bool
@@ -66,16 +71,35 @@ class Placement:
     rank: int = 0
     sharded: bool = True
     partitions: tuple[int, ...] = ()
+    rank_major_b: bool = False
+
+    @property
+    def b_out_dim(self) -> int:
+        """The dim of the stored ``B`` that runs over the output features."""
+        return -1 if self.rank_major_b else -2
+
+    @property
+    def local_partitions(self) -> tuple[int, ...]:
+        """The output sizes of the fused projections in this rank's slice."""
+        return tuple(size // self.tp_degree for size in self.partitions)
+
+    def laid_out_b(self, b: torch.Tensor) -> torch.Tensor:
+        """``B`` [..., out, r], as PEFT saves it, in the stored layout."""
+        return b.transpose(-1, -2) if self.rank_major_b else b
+
+    def stacked_b_shape(self, slots: int, out_features: int, rank: int) -> tuple[int, ...]:
+        return (slots, rank, out_features) if self.rank_major_b else (slots, out_features, rank)
 
     def cut(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of whole ``A`` [..., r, in] and ``B`` [..., out, r]."""
+        """This rank's part of whole ``A`` [..., r, in] and ``B`` (stored layout)."""
         if self.tp_degree == 1:
             return a, b
         if self.row_parallel:
             return shard_tensor(a, a.dim() - 1, self.tp_degree, self.rank), b
-        parts = b.split(list(self.partitions), dim=-2) if self.partitions else (b,)
-        rows = [shard_tensor(p, p.dim() - 2, self.tp_degree, self.rank) for p in parts]
-        return a, torch.cat(rows, dim=-2)
+        out_dim = b.dim() + self.b_out_dim
+        parts = b.split(list(self.partitions), dim=out_dim) if self.partitions else (b,)
+        rows = [shard_tensor(p, out_dim, self.tp_degree, self.rank) for p in parts]
+        return a, torch.cat(rows, dim=out_dim)
 
     def stored(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What this rank keeps of whole ``A`` and ``B``."""
@@ -85,17 +109,14 @@ class Placement:
         """What this rank multiplies by, from what it keeps."""
         return (a, b) if self.sharded else self.cut(a, b)
 
-    def whole_sizes(self, out_features: int, in_features: int) -> tuple[int, int]:
-        """(out, in) of the whole projection whose kept ``B`` has ``out_features`` rows and
-        kept ``A`` ``in_features`` columns."""
+    def whole_sizes(self, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[int, int]:
+        """(out, in) of the whole projection whose kept stacked weights are these."""
+        out_features, in_features = lora_b.shape[self.b_out_dim], lora_a.shape[-1]
         if not self.sharded:
             return out_features, in_features
         if self.row_parallel:
             return out_features, in_features * self.tp_degree
         return out_features * self.tp_degree, in_features
-
-
-WHOLE = Placement(row_parallel=False)
 
 
 def model_targets(config: Any) -> tuple[str, ...]:
@@ -130,13 +151,20 @@ def _qkv_sizes(config: Any) -> tuple[int, int, int]:
 def placement(projection: str, config: Any) -> Placement:
     """How this rank holds the projection ``projection`` (a module name or its last part)."""
     short = projection.rpartition(".")[2]
+    lora_config = config.neuron_config.lora_config
     return Placement(
         row_parallel=short in ROW_PARALLEL,
         tp_degree=tp_world_size(),
         rank=tp_rank(),
-        sharded=config.neuron_config.lora_config.lora_shard_linear_layer,
+        sharded=lora_config.lora_shard_linear_layer,
         partitions=_qkv_sizes(config) if short == FUSED_QKV else (),
+        rank_major_b=lora_config.lora_memory_transpose,
     )
+
+
+def whole(projection: str, config: Any) -> Placement:
+    """How the whole (unsplit) stacked weights of ``projection`` are laid out."""
+    return attrs.evolve(placement(projection, config), tp_degree=1, rank=0)
 
 
 def in_model_layout(matrices: Matrices, adapter_id: str, config: Any) -> Matrices:
@@ -205,14 +233,15 @@ def add_adapter_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dic
         projection = key.removesuffix(".weight")
         if key.endswith(".weight") and is_model_target(projection, names):
             rank = stacked_rank(projection, config)
+            b_shape = whole(projection, config).stacked_b_shape(count, weight.shape[0], rank)
             stacked[f"{projection}.lora_a"] = torch.zeros(count, rank, weight.shape[1])
-            stacked[f"{projection}.lora_b"] = torch.zeros(count, weight.shape[0], rank)
+            stacked[f"{projection}.lora_b"] = torch.zeros(b_shape)
             stacked[f"{projection}.lora_scale"] = torch.zeros(count)
     by_id = {adapter.adapter_id: adapter for adapter in adapters(config)}
     for adapter_id, slot in slots(config).items():
         adapter = by_id[adapter_id]
         matrices = in_model_layout(adapter_matrices(adapter), adapter_id, config)
-        write_slot(stacked, slot, adapter_id, matrices, adapter.scale)
+        write_slot(stacked, slot, adapter_id, matrices, adapter.scale, lambda p: whole(p, config))
     return state_dict | stacked
 
 
@@ -222,7 +251,7 @@ def write_slot(
     adapter_id: str,
     matrices: Matrices,
     scale: float,
-    placement_of: Callable[[str], Placement] = lambda projection: WHOLE,
+    placement_of: Callable[[str], Placement],
 ) -> None:
     """Put one adapter's matrices (in the model's layout) into ``slot`` of the stacked LoRA
     weights (``P.lora_a``, ``P.lora_b``, ``P.lora_scale`` by projection), zeros where it trains
@@ -238,7 +267,7 @@ def write_slot(
         projection = key.removesuffix(".lora_a")
         lora_a, lora_b = weights[key], weights[f"{projection}.lora_b"]
         where = placement_of(projection)
-        out_features, in_features = where.whole_sizes(lora_b.shape[1], lora_a.shape[2])
+        out_features, in_features = where.whole_sizes(lora_a, lora_b)
         a, b = matrices.get(projection, (lora_a.new_zeros(0, in_features), None))
         if b is None:
             b = lora_b.new_zeros(out_features, 0)
@@ -248,10 +277,13 @@ def write_slot(
                 f"the adapter but [{out_features} x {in_features}] in the model; it was "
                 "trained for another model"
             )
-        a, b = where.stored(a, b)
+        a, b = where.stored(a, where.laid_out_b(b))
         with torch.no_grad():
             lora_a[slot].zero_()
             lora_b[slot].zero_()
             lora_a[slot, : a.shape[0]] = a
-            lora_b[slot, :, : b.shape[1]] = b
+            if where.rank_major_b:
+                lora_b[slot, : b.shape[0]] = b
+            else:
+                lora_b[slot, :, : b.shape[1]] = b
             weights[f"{projection}.lora_scale"][slot] = scale if projection in matrices else 0.0
