@@ -97,8 +97,22 @@ def test_loaded_graph_takes_the_prepacked_weights_it_names(tmp_path) -> None:
     assert all(formed[i] is weights[i] for i in (1, 2, 3))
     expected = TiedAndPlain()(weights, ids)
     assert torch.allclose(graph(formed, [], ids), expected, rtol=1e-5, atol=1e-5)
-    # the same graph on the plain weights (a machine without oneDNN loads them so)
+    # the same graph on the plain weights (a weight some other graph reads otherwise stays so)
     assert torch.allclose(graph(weights, [], ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_graph_calls_onednn_without_calling_python_back(tmp_path) -> None:
+    """The op is lowered to oneDNN's linear: the Python function runs in eager runs only."""
+    backend, graph, weights, ids = _compiled(tmp_path, None)
+    formed = [backend.graph_weight(i, w) for i, w in enumerate(weights)]
+    with torch.profiler.profile() as profile:
+        out = graph(formed, [], ids)
+    called = {event.name for event in profile.events()}
+    assert "nxdplug::prepacked_linear" not in called
+    with torch.profiler.profile() as profile:
+        packing.prepacked_linear(ids.float() @ torch.ones(3, 5), torch.ones(2, 5), None)
+    assert "nxdplug::prepacked_linear" in {event.name for event in profile.events()}
+    assert torch.allclose(out, TiedAndPlain()(weights, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_prepack_weights_false_keeps_plain_weights(tmp_path) -> None:

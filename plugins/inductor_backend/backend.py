@@ -96,7 +96,7 @@ class InductorBackend:
     def versions(self) -> dict[str, str]:
         # The application builds weights, caches and inputs on the CPU, so the graphs are CPU
         # graphs; CUDA needs those tensors placed on the GPU first (not done yet).
-        return {"torch": torch.__version__, "device": "cpu", "linear_weights": "prepacked-1"}
+        return {"torch": torch.__version__, "device": "cpu", "linear_weights": "onednn-linear-2"}
 
     def compile_graph(
         self,

@@ -9,12 +9,17 @@ weights stay graph inputs: each ``aten.linear`` whose weight is a weight input b
 holds one prepacked tensor per such weight in place of the plain one.
 
 The packages say which weight inputs they multiply that way (AOTInductor metadata), so a model
-prepacks exactly the weights no graph reads in another way, and a machine without oneDNN runs the
-same graphs on the plain weights.
+prepacks exactly the weights no graph reads in another way.
+
+In eager runs the op is a Python function. A compiled graph must not call back into Python for
+every projection (about 10 us a call, measured: as much as a 512 x 512 GEMV itself), so inductor
+lowers the op to oneDNN's linear (``mkldnn::_linear_pointwise``, through its AOTInductor C shim),
+the call inductor makes for frozen weights; that call takes a plain weight as well.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -84,10 +89,31 @@ def _is_linear_weight_use(user: torch.fx.Node, weight: torch.fx.Node) -> bool:
     )
 
 
+@functools.cache
+def lower_to_onednn_linear() -> None:
+    """Make inductor compile ``nxdplug::prepacked_linear`` into a direct oneDNN linear call.
+
+    Inductor's own lowering of ``mkldnn::_linear_pointwise`` accepts only constant (frozen)
+    weights, so the op gets a lowering of its own that builds the same IR node for a weight
+    input. These are inductor internals (``mkldnn_ir``): pinned by the torch version the
+    project tests with, and by ``tests/test_prepacked_linear.py``.
+    """
+    from torch._inductor import ir, mkldnn_ir
+    from torch._inductor.lowering import register_lowering, view
+
+    @register_lowering(torch.ops.nxdplug.prepacked_linear.default)
+    def _onednn_linear(x: ir.TensorBox, weight: ir.TensorBox, bias: ir.TensorBox | None):
+        *rows, features = x.get_size()
+        flat = view(x, [-1, features])
+        out = ir.TensorBox.create(mkldnn_ir.LinearUnary.create(flat, weight, bias, "none", [], ""))
+        return view(out, [*rows, weight.get_size()[0]])
+
+
 def use_prepacked_linears(program: ExportedProgram, weight_count: int) -> dict[str, str]:
     """Rewrite ``program`` so that every linear by a 2-D bf16/float32 weight input that nothing
     else reads takes it prepacked; the AOTInductor metadata saying which weights it does so
     for, and which it reads in another way (those stay plain in every graph of the model)."""
+    lower_to_onednn_linear()
     prepacked, read_otherwise = [], []
     for index, weight in enumerate(_weight_inputs(program, weight_count)):
         users = list(weight.users)
