@@ -256,9 +256,8 @@ class ExpertMLPs(nn.Module):
         when there are no more pairs than experts. Dropped pairs have weight 0."""
         tokens, top_k = expert_index.shape
         experts = expert_index.flatten()
-        x = (
-            computed_once(hidden).repeat_interleave(top_k, dim=0).unsqueeze(-1)
-        )  # [pairs, hidden, 1]
+        hidden = computed_once(hidden)
+        x = hidden.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [pairs, hidden, 1]
         pair_weights = weights.flatten().to(hidden.dtype).unsqueeze(-1)
         if self.config.early_expert_affinity_modulation:
             x = x * pair_weights.unsqueeze(-1)
