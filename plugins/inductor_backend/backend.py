@@ -145,16 +145,16 @@ class FlatCallGraph:
     once."""
 
     def __init__(self, compiled: Any, *, takes_weights: bool) -> None:
-        self.compiled = compiled
+        self.loader = compiled.loader
         self.takes_weights = takes_weights
-        self.out_spec = pytree.treespec_loads(compiled.loader.get_call_spec()[1])
+        self.out_spec = pytree.treespec_loads(self.loader.get_call_spec()[1])
 
     def __call__(
         self, weights: list[torch.Tensor], caches: list[torch.Tensor], *inputs: Any
     ) -> Any:
         flat = [*weights, *caches] if self.takes_weights else list(caches)
         flat.extend(t for t in inputs if isinstance(t, torch.Tensor))
-        return pytree.tree_unflatten(self.compiled.loader.boxed_run(flat), self.out_spec)
+        return pytree.tree_unflatten(self.loader.boxed_run(flat), self.out_spec)
 
 
 def annotated_graph(program: torch.export.ExportedProgram) -> str:

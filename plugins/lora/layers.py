@@ -66,12 +66,10 @@ class LoraProjection:
         where = self.lora_placement
         a, b = where.used(self.lora_a[chosen], self.lora_b[chosen])
         scale = self.lora_scale[chosen]
-        if not where.rank_major_b:
-            delta = torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2))
-            return delta * scale[:, None, None]
-        if x.shape[1] > 1:
-            return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b) * scale[:, None, None]
-        return one_token_delta(x, a, b, scale, where.local_partitions)
+        if where.rank_major_b and x.shape[1] == 1:
+            return one_token_delta(x, a, b, scale, where.local_partitions)
+        b_rank_major = b if where.rank_major_b else b.transpose(1, 2)
+        return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b_rank_major) * scale[:, None, None]
 
     def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The base layer's shard, and the part of the whole LoRA weights this rank keeps."""
