@@ -277,6 +277,7 @@ class PipelineContext:
     selection: PluginSelection
     model_cls: type[nn.Module] | None = None
     _builders: dict[str, Any] | None = attrs.field(default=None, init=False)
+    _running_on: torch.device | None = attrs.field(default=None, init=False)
 
     @property
     def neuron_config(self) -> Any:
@@ -284,8 +285,16 @@ class PipelineContext:
 
     @property
     def device(self) -> torch.device:
-        """Where the model runs: the selected backend's device."""
+        """Where the model runs: the device of the backend that loaded it (``run_on``), else
+        the selected backend's."""
+        if self._running_on is not None:
+            return self._running_on
         return torch.device(self.selection.compile_backend.device)
+
+    def run_on(self, backend: CompileBackend) -> None:
+        """The model is about to be loaded by ``backend`` (``to_cpu()`` uses the eager one
+        whatever the config selects; a compiled folder names its own)."""
+        self._running_on = torch.device(backend.device)
 
     def hook(self, name: str) -> Any:
         """The pipeline hook ``name``, restricted to the selected plugins."""

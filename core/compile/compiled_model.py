@@ -338,6 +338,7 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
     if reason is not None:
         raise NotSupportedError(f"{path} was compiled for {manifest.backend!r}: {reason}")
     _check_fingerprint(app, path, manifest, backend)
+    app.context.run_on(record)
 
     skeleton = build_skeleton(app)
     weights = []

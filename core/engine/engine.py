@@ -87,6 +87,7 @@ class Engine:
         self.application = application
         self.tokenizer = tokenizer
         self.runner = runner or application
+        self.device = application.device
         self.max_waiting = max_waiting
         self.lines = CacheLines(neuron_config.max_batch_size)
         self.ctx_rows = neuron_config.ctx_batch_size
@@ -123,7 +124,7 @@ class Engine:
         request = Request(request_id or "", list(prompt_ids), settings)
         self.check(request)
         if not settings.greedy and self.choice.samples_on_host:
-            request.generator = torch.Generator()
+            request.generator = torch.Generator(self.device)
             if settings.seed is None:
                 request.generator.seed()
             else:
@@ -253,11 +254,11 @@ class Engine:
     def _prefill(self, batch: list[Request]) -> StepOutputs:
         """Encode the prompts of ``batch`` (left-padded) into their lines."""
         longest = max(len(r.prompt_ids) for r in batch)
-        input_ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        attention_mask = torch.zeros(len(batch), longest, dtype=torch.long)
-        for row, request in enumerate(batch):
-            input_ids[row, longest - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
-            attention_mask[row, longest - len(request.prompt_ids) :] = 1
+        padding = [longest - len(r.prompt_ids) for r in batch]
+        ids = [[0] * pad + r.prompt_ids for r, pad in zip(batch, padding, strict=True)]
+        mask = [[0] * pad + [1] * (longest - pad) for pad in padding]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        attention_mask = torch.tensor(mask, dtype=torch.long, device=self.device)
         outputs = self.runner(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -287,8 +288,10 @@ class Engine:
                 last = list(first_tokens[start : start + len(rows)])
                 positions = [r.length for r in rows]
             inputs = {
-                "input_ids": torch.tensor(last, dtype=torch.long)[:, None],
-                "position_ids": torch.tensor(positions, dtype=torch.long)[:, None],
+                "input_ids": torch.tensor(last, dtype=torch.long, device=self.device)[:, None],
+                "position_ids": torch.tensor(positions, dtype=torch.long, device=self.device)[
+                    :, None
+                ],
                 "seq_ids": self._seq_ids(rows),
             }
             calls.append((rows, inputs | self.choice.step_keywords(rows)))
@@ -325,7 +328,7 @@ class Engine:
         self._pending = (batch, self._worker.submit(run))
 
     def _seq_ids(self, batch: Sequence[Request]) -> torch.Tensor:
-        return torch.tensor([r.line for r in batch], dtype=torch.long)
+        return torch.tensor([r.line for r in batch], dtype=torch.long, device=self.device)
 
     def _choose(self, batch: Sequence[Request], outputs: Any) -> StepOutputs:
         tokens = outputs.tokens

@@ -188,8 +188,9 @@ class NeuronApplicationBase(nn.Module):
 
     def to_cpu(self) -> None:
         """Run every sub-model eagerly on the CPU, in place of compile() and load()."""
-        backend = get_registry().get("compile_backends", DEFAULT_BACKEND).load("implementation")
-        model = backend().prepare(self.build_model())
+        record = get_registry().get("compile_backends", DEFAULT_BACKEND)
+        self.context.run_on(record)
+        model = record.load("implementation")().prepare(self.build_model())
         for wrapper in self.models:
             wrapper.model = wrapper.phase_module(model)
         self.backend_name = DEFAULT_BACKEND
@@ -374,7 +375,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """Route to context encoding (a new prompt) or token generation (one more token).
 
         ``attention_mask`` follows the HF convention: [batch, tokens so far], 1 for real tokens,
-        padding on either side. Returns each row's last-token logits, [batch, 1, vocab]; when
+        padding on either side. The inputs may be on any device (NxD Inference passes CPU
+        tensors): they are moved to :attr:`device`, where the outputs are. Returns each row's
+        last-token logits, [batch, 1, vocab]; when
         a plugin makes the model choose tokens (on-device sampling), the ``tokens`` [batch, 1]
         instead, and the logits only if it returns them too.
 
@@ -400,12 +403,16 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         keywords = {k: v for k, v in (keywords | step_keywords).items() if v is not None}
         refuse_untaken_keywords(self.context, keywords)
         batch = input_ids.shape[0]
+        input_ids = input_ids.to(self.device)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if seq_ids is None:
-            seq_ids = torch.arange(batch, dtype=torch.long, device=input_ids.device)
+            seq_ids = torch.arange(batch, dtype=torch.long, device=self.device)
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask)[:, -input_ids.shape[1] :]
+        attention_mask, position_ids, seq_ids = (
+            t.to(self.device) for t in (attention_mask, position_ids, seq_ids)
+        )
         if self._is_prefill(position_ids, attention_mask, input_ids):
             tokens, mask, positions = compact_left(input_ids, attention_mask, position_ids)
             wrapper = self.context_encoding_model

@@ -74,9 +74,9 @@ class Sampler(nn.Module):
         if return_values:
             return candidates.reshape(shape), probabilities.reshape(shape)
         if self.deterministic:
-            uniform = torch.full((len(rows), 1), 0.5)
+            uniform = torch.full((len(rows), 1), 0.5, device=rows.device)
         else:
-            uniform = torch.rand(len(rows), 1)
+            uniform = torch.rand(len(rows), 1, device=rows.device)
         cumulative = probabilities.cumsum(dim=-1)
         cumulative = cumulative / cumulative[:, -1:]
         choice = (cumulative < uniform).sum(dim=-1, keepdim=True).clamp(max=k - 1)
@@ -86,7 +86,9 @@ class Sampler(nn.Module):
         """The probability of each of a row's candidates (best first)."""
         top_k, top_p, temperature = row.tolist()
         if top_k == 1 or temperature == 0:
-            return torch.nn.functional.one_hot(torch.tensor(0), len(values)).float()
+            return torch.nn.functional.one_hot(
+                torch.tensor(0, device=values.device), len(values)
+            ).float()
         if top_k <= 0:
             return torch.full_like(values, 1 / len(values))
         params = SamplingParams(top_k=int(top_k), top_p=top_p, temperature=temperature)

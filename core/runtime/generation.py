@@ -232,8 +232,10 @@ class HuggingFaceGenerationAdapter:
         assistant_model = _application_of(kwargs.pop("assistant_model", None))
         step_keywords = self._step_keywords(sampling_params, kwargs)
         config = self.resolve_generation_config(generation_config, **kwargs)
+        input_ids = input_ids.to(self.neuron_model.device)
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(input_ids.device)
         input_ids, attention_mask = expand_for_return_sequences(config, input_ids, attention_mask)
         parts = generation_parts(
             config,
@@ -267,7 +269,7 @@ class HuggingFaceGenerationAdapter:
         model = self.neuron_model
         model.reset()
         sequences, mask = input_ids, attention_mask
-        unfinished = torch.ones(input_ids.shape[0], dtype=torch.long)
+        unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
         all_logits: list[torch.Tensor | None] = []
         all_scores: list[torch.Tensor | None] = []
         if streamer is not None:
@@ -375,7 +377,9 @@ class HuggingFaceGenerationAdapter:
             attention_mask=attention_mask,
             max_new_tokens=new_tokens,
             choice=TokenChoice(sampler, params, bool(config.do_sample)),
-            eos_token_ids=torch.tensor(_token_ids(config.eos_token_id), dtype=torch.long),
+            eos_token_ids=torch.tensor(
+                _token_ids(config.eos_token_id), dtype=torch.long, device=input_ids.device
+            ),
             pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
             assistant_model=assistant_model,
             prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,

@@ -200,7 +200,7 @@ def _shift(expected: torch.Tensor, actual: torch.Tensor) -> float:
 
 def _top_indices(expected: torch.Tensor, top_k: str | int) -> torch.Tensor:
     if str(top_k) == "all":
-        return torch.arange(expected.numel())
+        return torch.arange(expected.numel(), device=expected.device)
     return torch.topk(expected, min(int(top_k), expected.numel())).indices
 
 

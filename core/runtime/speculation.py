@@ -168,11 +168,11 @@ def rejection_acceptance(
         q = draft_probabilities.float()
     p_draft = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
     q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
-    uniform = torch.rand(batch, k, generator=generator)
+    uniform = torch.rand(batch, k, generator=generator, device=p.device)
     keep = uniform * q_draft < p_draft  # u < p/q without dividing by a zero q
     accepted = keep.long().cumprod(dim=-1).sum(dim=-1)
 
-    rows = torch.arange(batch)
+    rows = torch.arange(batch, device=p.device)
     residual = torch.cat([(p[:, :k] - q).clamp(min=0), p[:, k:]], dim=1)[rows, accepted]
     # A residual of zero everywhere (p == q) cannot be reached by a rejection; guard anyway.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
@@ -206,12 +206,15 @@ class GeneratedRows:
     HF transformers' ``generate()`` does.
     """
 
-    def __init__(self, batch: int, budget: int, eos: torch.Tensor, pad: int) -> None:
+    def __init__(
+        self, batch: int, budget: int, eos: torch.Tensor, pad: int, device: torch.device
+    ) -> None:
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.finished = [False] * batch
         self.budget = budget
         self.eos = set(eos.tolist())
         self.pad = pad
+        self.device = device
 
     @property
     def done(self) -> bool:
@@ -220,12 +223,12 @@ class GeneratedRows:
     @property
     def active(self) -> torch.Tensor:
         """[batch] bool: rows still generating."""
-        return torch.tensor([not f for f in self.finished])
+        return torch.tensor([not f for f in self.finished], device=self.device)
 
     def commit(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Append the first ``counts[b]`` of ``tokens[b]`` to each active row; returns how
         many each row actually took ([batch], 0 for finished rows)."""
-        taken = torch.zeros(len(self.tokens), dtype=torch.long)
+        taken = [0] * len(self.tokens)
         rows = zip(tokens.tolist(), counts.tolist(), strict=True)
         for row, (row_tokens, count) in enumerate(rows):
             if self.finished[row]:
@@ -236,16 +239,16 @@ class GeneratedRows:
                 if token in self.eos or len(self.tokens[row]) >= self.budget:
                     self.finished[row] = True
                     break
-        return taken
+        return torch.tensor(taken, device=self.device)
 
     def last_tokens(self) -> torch.Tensor:
         """[batch] each row's newest token (the pad for a row with none)."""
-        return torch.tensor([row[-1] if row else self.pad for row in self.tokens])
+        last = [row[-1] if row else self.pad for row in self.tokens]
+        return torch.tensor(last, device=self.device)
 
     def sequences(self, prompt: torch.Tensor) -> torch.Tensor:
         """``prompt`` [batch, length] followed by each row's tokens, padded to the longest."""
         width = max(len(row) for row in self.tokens)
-        new = torch.full((len(self.tokens), width), self.pad, dtype=prompt.dtype)
-        for row, row_tokens in enumerate(self.tokens):
-            new[row, : len(row_tokens)] = torch.tensor(row_tokens, dtype=prompt.dtype)
+        padded = [row + [self.pad] * (width - len(row)) for row in self.tokens]
+        new = torch.tensor(padded, dtype=prompt.dtype, device=prompt.device)
         return torch.cat([prompt, new], dim=1)

@@ -78,9 +78,9 @@ class DraftModelProposer:
         self, history: list[list[int]], positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if bool((self.valid < positions).any()):
-            before_last = torch.tensor([row[-2] for row in history])
+            before_last = torch.tensor([row[-2] for row in history], device=positions.device)
             self._step(before_last, positions - 1)
-        token = torch.tensor([row[-1] for row in history])
+        token = torch.tensor([row[-1] for row in history], device=positions.device)
         drafts, logits = [], []
         for step in range(self.k):
             step_logits = self._step(token, positions + step)
@@ -134,7 +134,7 @@ class PromptLookupProposer:
         for tokens in history:
             found = self.lookup(tokens) or [tokens[-1]]
             rows.append(found + [found[-1]] * (self.k - len(found)))
-        return torch.tensor(rows), None
+        return torch.tensor(rows, device=positions.device), None
 
     def committed(self, positions: torch.Tensor, accepted: torch.Tensor) -> None:
         """Nothing to keep: the next lookup reads the longer history."""

@@ -57,13 +57,14 @@ class ChainSpeculator:
         target = self.application
         stats = target.speculation_stats = AcceptanceStats()
         batch = request.input_ids.shape[0]
+        device = request.input_ids.device
         rows = GeneratedRows(
-            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id
+            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id, device
         )
         target.reset()
         prompt = target(input_ids=request.input_ids, attention_mask=request.attention_mask)
         first = request.choice.choose(prompt.logits[:, -1])
-        rows.commit(first[:, None], torch.ones(batch, dtype=torch.long))
+        rows.commit(first[:, None], torch.ones(batch, dtype=torch.long, device=device))
         history = [
             [*ids[mask.bool()].tolist(), token]
             for ids, mask, token in zip(
@@ -72,7 +73,7 @@ class ChainSpeculator:
         ]
         positions = request.attention_mask.sum(dim=-1)  # where each row's last token goes
         proposer.start(request)
-        steps = torch.arange(self.k + 1)
+        steps = torch.arange(self.k + 1, device=device)
         while not rows.done:
             active = rows.active
             drafts, draft_logits = proposer.propose(history, positions)

@@ -155,19 +155,19 @@ class EagleSpeculationWrapper(ModelWrapper):
     def input_generator(self) -> list[StepInputs]:
         batch, k = self.batch_size, self.speculation_length
         hidden, vocab = self.config.hidden_size, self.config.vocab_size
-        dtype = self.neuron_config.torch_dtype
+        dtype, device = self.neuron_config.torch_dtype, self.device
         extra = {
-            "pending_features": torch.zeros(batch, k + 1, hidden, dtype=dtype),
-            "pending_count": torch.ones(batch, dtype=torch.long),
-            "draft_noise": torch.zeros(batch, k, vocab),
-            "inv_temperature": torch.ones(batch, 1),
+            "pending_features": torch.zeros(batch, k + 1, hidden, dtype=dtype, device=device),
+            "pending_count": torch.ones(batch, dtype=torch.long, device=device),
+            "draft_noise": torch.zeros(batch, k, vocab, device=device),
+            "inv_temperature": torch.ones(batch, 1, device=device),
         }
         return [
             StepInputs(
-                torch.zeros(batch, k + 1, dtype=torch.long),
-                torch.ones(batch, bucket, dtype=torch.long),
-                torch.arange(k + 1).expand(batch, k + 1).contiguous(),
-                torch.arange(batch, dtype=torch.long),
+                torch.zeros(batch, k + 1, dtype=torch.long, device=device),
+                torch.ones(batch, bucket, dtype=torch.long, device=device),
+                torch.arange(k + 1, device=device).expand(batch, k + 1).contiguous(),
+                torch.arange(batch, dtype=torch.long, device=device),
                 extra,
             )
             for bucket in self.buckets
@@ -182,7 +182,7 @@ class EagleSpeculationWrapper(ModelWrapper):
         positions, count = step.position_ids, step["pending_count"]
         base = positions.gather(1, (count - 1)[:, None])
         needed = int(torch.maximum(positions[:, -1:] + 1, base + k_plus_two).max())
-        mask = torch.ones(rows, self.bucket_for(needed), dtype=torch.long)
+        mask = torch.ones(rows, self.bucket_for(needed), dtype=torch.long, device=positions.device)
         return self.run_padded(rows, step.replace(attention_mask=mask))
 
 

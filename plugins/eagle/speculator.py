@@ -41,9 +41,9 @@ from nxdplug.runtime.speculation import (
 from nxdplug.runtime.step import StepInputs
 
 
-def gumbel_noise(shape: tuple[int, ...]) -> torch.Tensor:
+def gumbel_noise(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """-log(-log(U)): ``argmax(log q + noise)`` is an exact draw from q."""
-    uniform = torch.rand(shape).clamp(min=torch.finfo(torch.float32).tiny)
+    uniform = torch.rand(shape, device=device).clamp(min=torch.finfo(torch.float32).tiny)
     return -torch.log(-torch.log(uniform))
 
 
@@ -71,29 +71,34 @@ class EagleSpeculator:
         lengths = mask.sum(dim=-1)
         self._check_length(int(lengths.max()), request.max_new_tokens)
         batch = tokens.shape[0]
-        seq_ids = torch.arange(batch)
+        device = tokens.device
+        seq_ids = torch.arange(batch, device=device)
         rows = GeneratedRows(
-            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id
+            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id, device
         )
         if request.max_new_tokens <= 0:
             return rows.sequences(request.input_ids)
 
         logits, feature = self.context(StepInputs(tokens, mask, positions, seq_ids))
         first = request.choice.choose(logits[:, -1])
-        rows.commit(first[:, None], torch.ones(batch, dtype=torch.long))
+        rows.commit(first[:, None], torch.ones(batch, dtype=torch.long, device=device))
 
-        offsets = torch.arange(k + 1)
-        pending_tokens = torch.full((batch, k + 1), request.pad_token_id, dtype=torch.long)
+        offsets = torch.arange(k + 1, device=device)
+        pending_tokens = torch.full(
+            (batch, k + 1), request.pad_token_id, dtype=torch.long, device=device
+        )
         pending_tokens[:, 0] = first
         pending_features = feature.new_zeros(batch, k + 1, feature.shape[-1])
         pending_features[:, :1] = feature
         pending_positions = (lengths - 1)[:, None] + offsets
-        pending_count = torch.ones(batch, dtype=torch.long)
-        inv_temperature = self._inv_temperature(request.choice, batch)
+        pending_count = torch.ones(batch, dtype=torch.long, device=device)
+        inv_temperature = self._inv_temperature(request.choice, batch, device)
         while not rows.done:
             noise_shape = (batch, k, app.config.vocab_size)
             noise = (
-                gumbel_noise(noise_shape) if request.choice.do_sample else torch.zeros(noise_shape)
+                gumbel_noise(noise_shape, device)
+                if request.choice.do_sample
+                else torch.zeros(noise_shape, device=device)
             )
             step = StepInputs(
                 pending_tokens,
@@ -137,9 +142,9 @@ class EagleSpeculator:
             )
 
     @staticmethod
-    def _inv_temperature(choice: TokenChoice, batch: int) -> torch.Tensor:
+    def _inv_temperature(choice: TokenChoice, batch: int, device: torch.device) -> torch.Tensor:
         temperature = choice.params.temperature if choice.do_sample else 1.0
-        return torch.full((batch, 1), 1.0 / temperature)
+        return torch.full((batch, 1), 1.0 / temperature, device=device)
 
     @staticmethod
     def _accept(

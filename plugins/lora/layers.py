@@ -203,15 +203,15 @@ class AdapterSlots:
         given = keywords.get("adapter_ids")
         if given is None:
             return self.example(batch_size, device)
-        chosen = self._slots_of(given)
+        chosen = self._slots_of(given, device)
         if chosen.shape != (batch_size,):
             raise NxdPlugError(
                 f"adapter_ids has {len(chosen)} entries for {batch_size} rows; give one per row "
                 "(None for the base model)"
             )
-        return {"adapter_ids": chosen.to(device)}
+        return {"adapter_ids": chosen}
 
-    def _slots_of(self, given: Any) -> torch.Tensor:
+    def _slots_of(self, given: Any, device: torch.device) -> torch.Tensor:
         if isinstance(given, torch.Tensor):
             chosen = given.long().flatten()
             last = self.store.max_slots
@@ -221,10 +221,10 @@ class AdapterSlots:
                     f"adapter_ids slots {bad} do not exist: 0 is the base model, 1...{last} "
                     "the adapter slots"
                 )
-            return chosen
+            return chosen.to(device)
         if isinstance(given, str) or not isinstance(given, Sequence):
             raise NxdPlugError("adapter_ids must be a list with an adapter id (or None) per row")
-        return self.store.slots_for(given)
+        return torch.tensor(self.store.slots_for(given), dtype=torch.long, device=device)
 
     def reset(self) -> None:
         """Nothing carries over between generations (the slots stay as they are)."""

@@ -62,7 +62,7 @@ class AdapterStore:
         self.slot_of = dict(self.initial_slots)
         self.recent = OrderedDict.fromkeys(self.slot_of)
 
-    def slots_for(self, adapter_ids: Iterable[str | None]) -> torch.Tensor:
+    def slots_for(self, adapter_ids: Iterable[str | None]) -> list[int]:
         """Each row's slot (0 for None), bringing adapters into slots as needed."""
         wanted = [i for i in dict.fromkeys(adapter_ids) if i is not None]
         unknown = sorted(i for i in wanted if i not in self.paths)
@@ -80,7 +80,7 @@ class AdapterStore:
             if adapter_id not in self.slot_of:
                 self._bring_in(adapter_id, pinned=set(wanted))
             self.recent.move_to_end(adapter_id)
-        return torch.tensor([self.slot_of.get(i, 0) for i in adapter_ids], dtype=torch.long)
+        return [self.slot_of.get(i, 0) for i in adapter_ids]
 
     def register(self, adapter_id: str, path: Path) -> None:
         """``load_adapter``: check the adapter and hold it on the host, ready for a slot."""

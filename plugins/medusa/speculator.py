@@ -40,7 +40,7 @@ class MedusaSpeculator:
         self.application = application
         self.context = application.submodel(MEDUSA_CONTEXT_TAG)
         self.verifier = application.submodel(MEDUSA_SPECULATION_TAG)
-        self.tree = self.verifier.tree
+        self.tree = self.verifier.tree.on(application.device)
 
     def _check(self, request: SpeculativeRequest, prompt_length: int) -> None:
         # The feature guide passes the Medusa model itself as assistant_model.
@@ -70,35 +70,36 @@ class MedusaSpeculator:
         stats = app.speculation_stats = AcceptanceStats()
         app.reset()
         batch = tokens.shape[0]
-        seq_ids = torch.arange(batch)
+        device = tokens.device
+        seq_ids = torch.arange(batch, device=device)
         base_logits, top = self.context(StepInputs(tokens, mask, positions, seq_ids))
         choose = request.choice.choose
         roots, top = choose(base_logits[:, -1]), top[:, -1]
         rows = GeneratedRows(
-            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id
+            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id, device
         )
         kv_mgr = app.loaded_model.kv_mgr
-        steps = torch.arange(tree.max_depth + 1)
+        steps = torch.arange(tree.max_depth + 1, device=device)
         while not rows.done:
             active = rows.active.nonzero().squeeze(-1)
             prefix = lengths[active]
             candidates = tree.candidates(roots[active], top[active])
             tree_mask = tree.attention_mask(prefix, int(prefix.max()) + tree.size)
-            slots = prefix[:, None] + torch.arange(tree.size)
+            slots = prefix[:, None] + torch.arange(tree.size, device=device)
             logits, node_top = self.verifier(
                 StepInputs(candidates, tree_mask, slots, seq_ids[active])
             )
             targets = choose(logits.flatten(0, 1)).view(logits.shape[:2])
             best, accepted = tree.accept(candidates, targets)
             path = tree.paths[best]
-            emitted = torch.zeros(batch, tree.max_depth + 1, dtype=tokens.dtype)
-            counts = torch.zeros(batch, dtype=torch.long)
+            emitted = torch.zeros(batch, tree.max_depth + 1, dtype=tokens.dtype, device=device)
+            counts = torch.zeros(batch, dtype=torch.long, device=device)
             emitted[active] = candidates.gather(1, path).to(tokens.dtype)
             counts[active] = accepted + 1
             taken = rows.commit(emitted, counts)[active]
             stats.record(tree.num_nodes, torch.minimum(accepted, taken - 1).clamp(min=0), taken)
             kv_mgr.move_positions(seq_ids[active], prefix[:, None] + path, prefix[:, None] + steps)
-            picked = torch.arange(len(active))
+            picked = torch.arange(len(active), device=device)
             lengths[active] = prefix + accepted + 1
             roots[active] = targets[picked, best]
             top[active] = node_top[picked, best]

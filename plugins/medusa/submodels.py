@@ -106,16 +106,17 @@ class MedusaTreeWrapper(ModelWrapper):
         return MedusaPhase(model, self.tree.top_k, last_token_only=False)
 
     def input_generator(self) -> list[StepInputs]:
-        batch, n = self.batch_size, self.tree.size
+        batch, n, device = self.batch_size, self.tree.size, self.device
+        tree = self.tree.on(device)
         inputs = []
         for bucket in self.buckets:
-            prefix = torch.full((batch,), bucket - n)
+            prefix = torch.full((batch,), bucket - n, device=device)
             inputs.append(
                 StepInputs(
-                    torch.zeros(batch, n, dtype=torch.long),
-                    self.tree.attention_mask(prefix, bucket),
-                    (prefix[:, None] + torch.arange(n)).contiguous(),
-                    torch.arange(batch, dtype=torch.long),
+                    torch.zeros(batch, n, dtype=torch.long, device=device),
+                    tree.attention_mask(prefix, bucket),
+                    (prefix[:, None] + torch.arange(n, device=device)).contiguous(),
+                    torch.arange(batch, dtype=torch.long, device=device),
                 )
             )
         return inputs

@@ -9,6 +9,7 @@ parent comes before its children (a node at depth d comes from head d-1).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -75,12 +76,14 @@ def tree_problems(
 
 
 class MedusaTree:
-    """A validated tree as index tables (all on the CPU, long or bool):
+    """A validated tree as index tables on the CPU (long or bool; :meth:`on` another device):
 
     ``parent`` [n], ``depth`` [n], ``head`` / ``rank`` [n-1] (which head's which top-k token
     each non-root node is), ``ancestors`` [n, n] (node j sees node a: a is j or an ancestor),
     ``paths`` [n, max_depth+1] (the nodes from the root to j, padded by repeating j).
     """
+
+    TABLES = ("parent", "depth", "head", "rank", "ancestors", "paths")
 
     def __init__(self, paths: Iterable[Sequence[int]]) -> None:
         ordered = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
@@ -89,16 +92,24 @@ class MedusaTree:
         self.size = len(nodes)
         self.max_depth = max(len(p) for p in ordered)
         self.top_k = max(max(p) for p in ordered) + 1
-        self.parent = torch.tensor([index[p[:-1]] if p else 0 for p in nodes])
-        self.depth = torch.tensor([len(p) for p in nodes])
-        self.head = torch.tensor([len(p) - 1 for p in ordered])
-        self.rank = torch.tensor([p[-1] for p in ordered])
-        self.ancestors = torch.zeros(self.size, self.size, dtype=torch.bool)
-        self.paths = torch.zeros(self.size, self.max_depth + 1, dtype=torch.long)
-        for j, path in enumerate(nodes):
-            chain = [index[path[:i]] for i in range(len(path) + 1)]
-            self.ancestors[j, chain] = True
-            self.paths[j] = torch.tensor(chain + [j] * (self.max_depth + 1 - len(chain)))
+        chains = [[index[path[:i]] for i in range(len(path) + 1)] for path in nodes]
+        ancestors = [[a in chain for a in range(self.size)] for chain in chains]
+        paths_to = [
+            chain + [j] * (self.max_depth + 1 - len(chain)) for j, chain in enumerate(chains)
+        ]
+        self.parent = torch.tensor([index[p[:-1]] if p else 0 for p in nodes], device="cpu")
+        self.depth = torch.tensor([len(p) for p in nodes], device="cpu")
+        self.head = torch.tensor([len(p) - 1 for p in ordered], device="cpu")
+        self.rank = torch.tensor([p[-1] for p in ordered], device="cpu")
+        self.ancestors = torch.tensor(ancestors, dtype=torch.bool, device="cpu")
+        self.paths = torch.tensor(paths_to, dtype=torch.long, device="cpu")
+
+    def on(self, device: torch.device) -> MedusaTree:
+        """This tree with its tables on ``device``."""
+        moved = copy.copy(self)
+        for name in self.TABLES:
+            setattr(moved, name, getattr(self, name).to(device))
+        return moved
 
     @property
     def num_nodes(self) -> int:
@@ -113,7 +124,7 @@ class MedusaTree:
     def attention_mask(self, prefix: torch.Tensor, width: int) -> torch.Tensor:
         """[rows, n, width] (long): node j of row r, written at cache slot ``prefix[r] + j``,
         sees the row's committed positions ``0..prefix[r]-1`` and its own ancestors and self."""
-        keys = torch.arange(width)
+        keys = torch.arange(width, device=prefix.device)
         committed = keys[None, None, :] < prefix[:, None, None]
         offset = keys[None, :] - prefix[:, None]  # [rows, width]: the node a key slot holds
         in_tree = (offset >= 0) & (offset < self.size)
@@ -137,7 +148,7 @@ class MedusaTree:
         match[:, 0] = True
         rejected_on_path = (~match)[:, None, :] & self.ancestors[None]
         accepted_node = ~rejected_on_path.any(dim=-1)
-        order = torch.arange(self.size)
+        order = torch.arange(self.size, device=tokens.device)
         score = torch.where(accepted_node, self.depth * self.size + self.size - order, -1)
         best = score.argmax(dim=-1)
         return best, self.depth[best]

@@ -82,7 +82,11 @@ def device_token_source(
         return DeviceSampling(step_keywords | {"sampling_params": rows}, rows, greedy)
     _refuse_other_settings(sampling_config, generate_kwargs)
     rows = sampling_params_tensor(
-        batch_size, sampling_config.top_k, sampling_config.top_p, sampling_config.temperature
+        batch_size,
+        sampling_config.top_k,
+        sampling_config.top_p,
+        sampling_config.temperature,
+        context.device,
     )
     return DeviceSampling(step_keywords, rows, greedy)
 
@@ -90,7 +94,7 @@ def device_token_source(
 def _sampling_rows(context: Any, config: GenerationConfig, batch: int) -> torch.Tensor:
     """The GenerationConfig's settings as ``sampling_params``, one row per request."""
     if not config.do_sample:
-        return sampling_params_tensor(batch, 1, 1.0, 1.0)
+        return sampling_params_tensor(batch, 1, 1.0, 1.0, context.device)
     sampling_config = context.neuron_config.on_device_sampling_config  # dynamic: it samples
     top_k = config.top_k
     if not top_k:  # HF: top_k 0 keeps every token
@@ -103,7 +107,7 @@ def _sampling_rows(context: Any, config: GenerationConfig, batch: int) -> torch.
                 f"global_topk to the vocab_size ({vocab_size})"
             )
         top_k = vocab_size
-    return sampling_params_tensor(batch, top_k, config.top_p, config.temperature)
+    return sampling_params_tensor(batch, top_k, config.top_p, config.temperature, context.device)
 
 
 def _refuse_other_settings(sampling_config: Any, kwargs: dict[str, Any]) -> None:

@@ -80,7 +80,7 @@ def nxdplug_token_source(
 def nxdplug_request_sampling(context: Any) -> Any:
     from nxdplug.plugins.sampling.request_sampling import RequestSampling
 
-    return RequestSampling(context.config)
+    return RequestSampling(context.config, context.device)
 
 
 @hookimpl

@@ -184,17 +184,21 @@ class SamplingInputs:
         else:
             params = self._checked(given, batch_size).to(device)
         shape = (batch_size, self.global_topk)
-        if self.do_sample:
-            noise = torch.rand(shape, generator=self.generator)
+        if self.do_sample:  # drawn on the CPU: a seed gives the same tokens on every device
+            noise = torch.rand(shape, generator=self.generator, device="cpu").to(device)
         else:
-            noise = torch.zeros(shape)
-        return {"sampling_params": params, "sampling_noise": noise.to(device)}
+            noise = torch.zeros(shape, device=device)
+        return {"sampling_params": params, "sampling_noise": noise}
 
     def reset(self) -> None:
         """Seed the generator: a fixed seed when deterministic, else one from torch's RNG."""
         if not self.do_sample:
             return  # greedy draws nothing: leave torch's global RNG alone
-        seed = DETERMINISTIC_SEED if self.deterministic else int(torch.randint(0, 2**62, (1,)))
+        seed = (
+            DETERMINISTIC_SEED
+            if self.deterministic
+            else int(torch.randint(0, 2**62, (1,), device="cpu"))
+        )
         self.generator.manual_seed(seed)
 
     def _checked(self, sampling_params: torch.Tensor, batch_size: int) -> torch.Tensor:

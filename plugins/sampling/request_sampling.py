@@ -13,8 +13,9 @@ import torch
 class RequestSampling:
     """The ``nxdplug_request_sampling`` answer of on-device sampling."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, device: torch.device) -> None:
         neuron_config = config.neuron_config
+        self.device = device
         self.config = neuron_config.on_device_sampling_config
         self.returns_logits = bool(neuron_config.output_logits)
 
@@ -50,7 +51,7 @@ class RequestSampling:
         if not self.config.dynamic:
             return {}
         rows = [(1.0, 1.0, 1.0) if s.greedy else self.row(s) for s in settings]
-        return {"sampling_params": torch.tensor(rows, dtype=torch.float32)}
+        return {"sampling_params": torch.tensor(rows, dtype=torch.float32, device=self.device)}
 
     def row(self, settings: Any) -> tuple[float, float, float]:
         """``(top_k, top_p, temperature)`` for the graph; top_k 0 (off) becomes the candidates
