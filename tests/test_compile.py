@@ -125,15 +125,20 @@ def test_loaded_model_state(compiled) -> None:
 
 def test_linear_weights_are_prepacked_once_for_every_graph(compiled, monkeypatch) -> None:
     """The projections are held once, in oneDNN's layout, by the one list every sub-model
-    passes to its graphs; embeddings and norms stay plain. Without oneDNN the same graphs run
-    on the plain weights and give the same tokens."""
+    passes to its graphs, those of one input stacked (Q/K/V in q_proj's place, gate/up in
+    gate_proj's); embeddings and norms stay plain. Without oneDNN the same graphs run on the
+    plain (stacked) weights and give the same tokens."""
     checkpoint, folder = compiled
     app = app_for(checkpoint)
     app.load(folder, quiet=True)
     held = app.weight_tensors()
     prepacked = {name for name, tensor in held.items() if tensor.is_mkldnn}
     projections = {n for n in held if n.endswith(("_proj.weight", "lm_head.weight"))}
-    assert prepacked == projections and len(projections) == 7 * 2 + 1
+    stacked_away = {n for n in projections if n.endswith(("k_proj.weight", "v_proj.weight"))}
+    stacked_away |= {n for n in projections if n.endswith("up_proj.weight")}
+    assert {n for n in projections if held[n].numel() == 0} == stacked_away
+    assert prepacked == projections - stacked_away and len(prepacked) == 4 * 2 + 1
+    assert held["layers.0.self_attn.q_proj.weight"].shape == (64 + 2 * 32, 64)  # Q, K, V
     assert app.token_generation_model.model.weights is app.context_encoding_model.model.weights
     tokens = generate(app)
 

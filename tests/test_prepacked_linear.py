@@ -56,7 +56,11 @@ def test_rewrite_prepacks_only_weights_read_by_linears_alone() -> None:
     weights, ids = tied_and_plain_weights(), torch.tensor([[1, 7, 3]])
     program = torch.export.export(TiedAndPlain(), (weights, ids), strict=False)
     metadata = packing.use_prepacked_linears(program, len(weights))
-    assert metadata == {packing.PREPACKED_METADATA: "0,4", packing.OTHER_USE_METADATA: "1,2"}
+    assert metadata == {
+        packing.PREPACKED_METADATA: "0,4",
+        packing.OTHER_USE_METADATA: "1,2",
+        packing.FUSED_METADATA: "",  # no two linears of one input
+    }
     rewritten = [
         node
         for node in program.graph.nodes
@@ -83,6 +87,13 @@ def _compiled(tmp_path, compiler_args: str | None):
     return backend, graph, weights, ids
 
 
+def formed(backend: InductorBackend, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``weights`` in the form the backend's loaded graphs take them (a new list)."""
+    weights = list(weights)
+    backend.form_graph_weights(weights)
+    return weights
+
+
 class TiedAndPlainGraph(nn.Module):
     """TiedAndPlain as a graph function: ``forward(weights, caches, *inputs)``."""
 
@@ -92,11 +103,11 @@ class TiedAndPlainGraph(nn.Module):
 
 def test_loaded_graph_takes_the_prepacked_weights_it_names(tmp_path) -> None:
     backend, graph, weights, ids = _compiled(tmp_path, None)
-    formed = [backend.graph_weight(i, w) for i, w in enumerate(weights)]
-    assert [w.is_mkldnn for w in formed] == [True, False, False, False, True]
-    assert all(formed[i] is weights[i] for i in (1, 2, 3))
+    loaded = formed(backend, weights)
+    assert [w.is_mkldnn for w in loaded] == [True, False, False, False, True]
+    assert all(loaded[i] is weights[i] for i in (1, 2, 3))
     expected = TiedAndPlain()(weights, ids)
-    assert torch.allclose(graph(formed, [], ids), expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(graph(loaded, [], ids), expected, rtol=1e-5, atol=1e-5)
     # the same graph on the plain weights (a weight some other graph reads otherwise stays so)
     assert torch.allclose(graph(weights, [], ids), expected, rtol=1e-5, atol=1e-5)
 
@@ -104,9 +115,9 @@ def test_loaded_graph_takes_the_prepacked_weights_it_names(tmp_path) -> None:
 def test_compiled_graph_calls_onednn_without_calling_python_back(tmp_path) -> None:
     """The op is lowered to oneDNN's linear: the Python function runs in eager runs only."""
     backend, graph, weights, ids = _compiled(tmp_path, None)
-    formed = [backend.graph_weight(i, w) for i, w in enumerate(weights)]
+    loaded = formed(backend, weights)
     with torch.profiler.profile() as profile:
-        out = graph(formed, [], ids)
+        out = graph(loaded, [], ids)
     called = {event.name for event in profile.events()}
     assert "nxdplug::prepacked_linear" not in called
     with torch.profiler.profile() as profile:
@@ -117,5 +128,64 @@ def test_compiled_graph_calls_onednn_without_calling_python_back(tmp_path) -> No
 
 def test_prepack_weights_false_keeps_plain_weights(tmp_path) -> None:
     backend, graph, weights, ids = _compiled(tmp_path, "prepack_weights=false")
-    assert all(backend.graph_weight(i, w) is w for i, w in enumerate(weights))
+    assert all(a is b for a, b in zip(formed(backend, weights), weights, strict=True))
     assert torch.equal(graph(weights, [], ids), TiedAndPlain()(weights, ids))
+
+
+class SharedInputs(nn.Module):
+    """Weights: 0-2 Q/K/V-like projections of one input with biases 3-5; 6, 7 gate and up of
+    two other inputs (no bias; as a loop unrolled in the graph); 8 a projection of one of those
+    also read otherwise (its norm)."""
+
+    def forward(self, weights, caches, x):
+        q, k, v, bq, bk, bv, gate, up, shared = weights
+        h = F.linear(x, q, bq) + F.linear(x, k, bk).sum(-1, keepdim=True) * F.linear(x, v, bv)
+        out = 0
+        for step in range(2):
+            h = h * (step + 1)
+            out = out + F.silu(F.linear(h, gate)) * F.linear(h, up)
+        return out + F.linear(h, shared).sum(-1, keepdim=True) * shared.norm()
+
+
+def shared_input_weights(dtype: torch.dtype) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(16, 16), (4, 16), (16, 16), (16,), (4,), (16,), (24, 16), (24, 16), (8, 16)]
+    return [(torch.randn(s, generator=generator) / 4).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linears_of_one_input_are_one_gemm_by_stacked_weights(tmp_path, dtype) -> None:
+    weights = shared_input_weights(dtype)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+    program = torch.export.export(SharedInputs(), (weights, [], x), strict=False)
+    metadata = packing.use_prepacked_linears(program, len(weights))
+    assert metadata[packing.FUSED_METADATA] == "0+1+2+3+4+5;6+7"
+    assert metadata[packing.OTHER_USE_METADATA] == "8"
+    calls = [
+        n for n in program.graph.nodes if n.target is torch.ops.nxdplug.prepacked_linear.default
+    ]
+    assert [tuple(c.args[1].meta["val"].shape) for c in calls] == [(36, 16), (48, 16), (48, 16)]
+
+    backend = InductorBackend()
+    backend.compile_graph(
+        SharedInputs(), (weights, [], x), tmp_path / "g.pt2", debug=False, compiler_args=None
+    )
+    graph = backend.load_graph(tmp_path / "g.pt2", weights_in_graph=False)
+    loaded = formed(backend, weights)
+    assert loaded[0].is_mkldnn and loaded[6].is_mkldnn
+    assert torch.equal(loaded[3], torch.cat(weights[3:6]))
+    assert [loaded[i].numel() for i in (1, 2, 4, 5, 7)] == [0] * 5  # read by no graph
+    assert loaded[8] is weights[8]
+    exact = SharedInputs()([w.double() for w in weights], [], x.double())
+    error = (graph(loaded, [], x).double() - exact).abs().max()
+    if dtype == torch.float32:
+        assert error < 1e-4
+    else:  # a few roundings of bf16 (8 bits) at the output's scale; a misplaced slice is O(1)
+        assert error <= 2**-6 * exact.abs().max()
+
+
+def test_graphs_that_disagree_on_stacking_are_refused() -> None:
+    weights = packing.PrepackedWeights()
+    weights.add_graph({packing.FUSED_METADATA: "0+1", packing.PREPACKED_METADATA: "2"}, "a.pt2")
+    with pytest.raises(packing.ArtefactError, match=r"b\.pt2 multiplies weights together"):
+        weights.add_graph({packing.PREPACKED_METADATA: "1"}, "b.pt2")

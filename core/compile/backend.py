@@ -6,7 +6,7 @@ file, and load such a file back as a callable with the same signature. Weights a
 graph inputs, so every graph of a model shares one copy of each, and weights can be swapped
 without recompiling. A backend whose graphs take some weights in a layout of their own (the
 inductor backend's prepacked linear weights) converts them once, for all its graphs, in an
-optional ``graph_weight`` method.
+optional ``form_graph_weights`` method.
 """
 
 from __future__ import annotations
@@ -57,16 +57,16 @@ class Backend(Protocol):
         """The compiled callable stored at ``path``, taking ``(weights, caches, *inputs)``."""
 
 
-def weight_former(backend: Backend) -> Callable[[int, torch.Tensor], torch.Tensor]:
-    """The backend's ``graph_weight(index, weight)``: weight ``index`` of the stored weights in
-    the form the backend's loaded graphs take it (optional: without it, the weight as stored). A
-    tensor other than the one given is the graphs' own form of that weight, which in-place
-    writes into the stored weight cannot reach."""
-    return getattr(backend, "graph_weight", _as_stored)
+def weights_former(backend: Backend) -> Callable[[list[torch.Tensor]], set[int]]:
+    """The backend's ``form_graph_weights(weights)``: puts the stored weights, in place, in the
+    form the backend's loaded graphs take them, and returns the indices it replaced (optional:
+    without it, the weights as stored). A replaced weight is the graphs' own form (prepacked,
+    stacked with others), which in-place writes into the stored weight cannot reach."""
+    return getattr(backend, "form_graph_weights", _as_stored)
 
 
-def _as_stored(index: int, weight: torch.Tensor) -> torch.Tensor:
-    return weight
+def _as_stored(weights: list[torch.Tensor]) -> set[int]:
+    return set()
 
 
 def requested_backend(neuron_config: Any) -> str | None:

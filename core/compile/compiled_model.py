@@ -49,7 +49,7 @@ from nxdplug.compile.artefacts import (
     store_folder,
     verify_files,
 )
-from nxdplug.compile.backend import Backend, choose_backend, instantiate, weight_former
+from nxdplug.compile.backend import Backend, choose_backend, instantiate, weights_former
 from nxdplug.compile.graph_function import GraphFunction
 from nxdplug.errors import NotSupportedError
 from nxdplug.manager import get_plugin_manager
@@ -82,17 +82,17 @@ class CompiledSubModel:
         model: nn.Module,
         extra_input_names: tuple[str, ...],
         weight_names: list[str],
-        form_weight: Callable[[int, torch.Tensor], torch.Tensor],
+        form_weights: Callable[[list[torch.Tensor]], set[int]],
     ) -> None:
         """``model``: the skeleton, whose KV-cache buffers are ``caches``;
         ``extra_input_names``: the plugins' step inputs, in the order the graphs take them;
         ``weight_names``: the parameter name of each of ``weights`` (none when the weights are
-        frozen into the graphs); ``form_weight``: the backend's conversion of a stored weight
-        into the graphs' form (see :func:`weight_former`), for weights swapped in later."""
+        frozen into the graphs); ``form_weights``: the backend's conversion of stored weights
+        into the graphs' form (see :func:`weights_former`), for weights swapped in later."""
         self.graphs = graphs
         self.weights = weights
         self.weight_names = weight_names
-        self.form_weight = form_weight
+        self.form_weights = form_weights
         self.caches = caches
         self.kv_mgr = model.kv_mgr
         self.kv_managers = kv_cache_managers(model)
@@ -351,9 +351,8 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
     for entry in tqdm(mine, desc="loading", unit="graph", disable=quiet or not is_first_rank()):
         graph = backend.load_graph(path / entry.file, weights_in_graph=manifest.weights_in_graphs)
         loaded.setdefault(entry.tag, {})[entry.bucket] = graph
-    form_weight = weight_former(backend)
-    for index in range(len(weights)):  # one at a time: a stored weight is freed once converted
-        weights[index] = form_weight(index, weights[index])
+    form_weights = weights_former(backend)
+    form_weights(weights)
     for wrapper in app.models:
         if wrapper.tag not in loaded:
             raise ArtefactError(f"{path} has no graphs for {wrapper.tag}; compile again")
@@ -364,7 +363,7 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
             skeleton.model,
             wrapper.extra_input_names,
             skeleton.function.weight_names if weights else [],
-            form_weight,
+            form_weights,
         )
     if not app.neuron_config.skip_warmup:
         warm_up(app)
@@ -434,13 +433,13 @@ def load_weights(app: Any, path: Path) -> None:
     stored = _stored_weights(app, path, manifest, skeleton)
     # Every sub-model holds this one list: a weight in the graphs' own form is replaced, the
     # others are written into, so that references to them stay valid.
-    for index, name in enumerate(skeleton.function.weight_names):
-        new = stored.pop(name)
-        formed = compiled.form_weight(index, new)
-        if formed is new:
-            compiled.weights[index].copy_(new)
+    new = [stored.pop(name) for name in skeleton.function.weight_names]
+    replaced = compiled.form_weights(new)
+    for index, weight in enumerate(new):
+        if index in replaced:
+            compiled.weights[index] = weight
         else:
-            compiled.weights[index] = formed
+            compiled.weights[index].copy_(weight)
 
 
 def shard_weights(app: Any, path: Path) -> None:

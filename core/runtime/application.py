@@ -343,7 +343,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         place changes what every phase computes, eager or compiled, without recompiling. Empty
         when the weights are frozen into compiled graphs; a weight the backend holds in a form
         of its own (the inductor backend's prepacked linear weights, opaque ``torch._mkldnn``
-        tensors) is swapped with ``load_weights`` instead."""
+        tensors; projections of one input stacked in the first one's place, the others empty)
+        is swapped with ``load_weights`` instead."""
         return dict(self.loaded_model.named_parameters())
 
     def reset_kv_cache(self) -> None:

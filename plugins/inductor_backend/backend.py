@@ -97,7 +97,7 @@ class InductorBackend:
     def versions(self) -> dict[str, str]:
         # The application builds weights, caches and inputs on the CPU, so the graphs are CPU
         # graphs; CUDA needs those tensors placed on the GPU first (not done yet).
-        return {"torch": torch.__version__, "device": "cpu", "linear_weights": "onednn-linear-2"}
+        return {"torch": torch.__version__, "device": "cpu", "linear_weights": "onednn-linear-3"}
 
     def compile_graph(
         self,
@@ -128,13 +128,13 @@ class InductorBackend:
         with torch_internal_warnings_silenced():
             compiled = torch._inductor.aoti_load_package(str(path))
         if not weights_in_graph:
-            self.prepacked.add_graph(compiled.get_metadata())
+            self.prepacked.add_graph(compiled.get_metadata(), str(path))
         return FlatCallGraph(compiled, takes_weights=not weights_in_graph)
 
-    def graph_weight(self, index: int, weight: torch.Tensor) -> torch.Tensor:
-        """Weight ``index`` in the form the graphs loaded so far take it: prepacked if it is a
-        linear weight no graph reads otherwise."""
-        return self.prepacked.form(index, weight)
+    def form_graph_weights(self, weights: list[torch.Tensor]) -> set[int]:
+        """The weights in the form the graphs loaded so far take them, in place: linear
+        weights no graph reads otherwise prepacked, those multiplied together stacked."""
+        return self.prepacked.form_all(weights)
 
 
 class FlatCallGraph:

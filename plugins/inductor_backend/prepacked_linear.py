@@ -27,6 +27,14 @@ import torch.nn.functional as F
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from nxdplug.compile.artefacts import ArtefactError
+from nxdplug.plugins.inductor_backend.fused_linears import (
+    FUSED_METADATA,
+    fuse_linears_sharing_input,
+    groups_text,
+    parse_groups,
+)
+
 PREPACKED_METADATA = "nxdplug.prepacked_weights"
 OTHER_USE_METADATA = "nxdplug.weights_read_otherwise"
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)
@@ -111,11 +119,13 @@ def lower_to_onednn_linear() -> None:
 
 def use_prepacked_linears(program: ExportedProgram, weight_count: int) -> dict[str, str]:
     """Rewrite ``program`` so that every linear by a 2-D bf16/float32 weight input that nothing
-    else reads takes it prepacked; the AOTInductor metadata saying which weights it does so
-    for, and which it reads in another way (those stay plain in every graph of the model)."""
+    else reads takes it prepacked, and linears of one input by such weights are one (see
+    :mod:`fused_linears`); the AOTInductor metadata saying which weights it takes prepacked,
+    which stacked, and which it reads in another way (those stay plain in every graph)."""
     lower_to_onednn_linear()
+    weights = _weight_inputs(program, weight_count)
     prepacked, read_otherwise = [], []
-    for index, weight in enumerate(_weight_inputs(program, weight_count)):
+    for index, weight in enumerate(weights):
         users = list(weight.users)
         if not users:
             continue
@@ -134,11 +144,14 @@ def use_prepacked_linears(program: ExportedProgram, weight_count: int) -> dict[s
             user.target = torch.ops.nxdplug.prepacked_linear.default
             user.args = (x, weight, rest[0] if rest else None)
         prepacked.append(index)
+    groups = fuse_linears_sharing_input(program, weights)
+    stacked = {index for group in groups for index in group}
     program.graph.lint()
     program.graph_module.recompile()
     return {
-        PREPACKED_METADATA: _indices_text(prepacked),
-        OTHER_USE_METADATA: _indices_text(read_otherwise),
+        PREPACKED_METADATA: _indices_text(i for i in prepacked if i not in stacked),
+        OTHER_USE_METADATA: _indices_text(i for i in read_otherwise if i not in stacked),
+        FUSED_METADATA: groups_text(groups),
     }
 
 
@@ -151,17 +164,26 @@ def _indices(text: str | None) -> set[int]:
 
 
 class PrepackedWeights:
-    """Which weights of a model the loaded graphs take prepacked: those some graph multiplies
-    as a linear weight and none reads otherwise."""
+    """Which weights of a model the loaded graphs take prepacked (those some graph multiplies
+    as a linear weight and none reads otherwise) and which stacked (every graph reading them
+    multiplies them together)."""
 
     def __init__(self) -> None:
         self.linear: set[int] = set()
         self.other: set[int] = set()
+        self.groups: set[tuple[int, ...]] = set()
 
-    def add_graph(self, metadata: dict[str, str]) -> None:
-        """Take in one loaded package's metadata."""
+    def add_graph(self, metadata: dict[str, str], source: str) -> None:
+        """Take in the metadata of one loaded package, ``source``."""
         self.linear |= _indices(metadata.get(PREPACKED_METADATA))
         self.other |= _indices(metadata.get(OTHER_USE_METADATA))
+        self.groups |= set(parse_groups(metadata.get(FUSED_METADATA)))
+        stacked = [i for group in self.groups for i in group]
+        if len(stacked) != len(set(stacked)) or set(stacked) & (self.linear | self.other):
+            raise ArtefactError(
+                f"{source} multiplies weights together that other graphs of the model read "
+                "apart; compile the model again (or with --compiler-args prepack_weights=false)"
+            )
 
     def form(self, index: int, weight: torch.Tensor) -> torch.Tensor:
         """Weight ``index``, prepacked if the graphs take it so and this torch can."""
@@ -174,3 +196,25 @@ class PrepackedWeights:
         ):
             return prepack(weight)
         return weight
+
+    def form_all(self, weights: list[torch.Tensor]) -> set[int]:
+        """Put ``weights`` in the form the graphs take them, in place, one at a time (a
+        plain weight is freed as its replacement is made); returns the indices replaced."""
+        replaced = set()
+        for group in sorted(self.groups):
+            matrices = [i for i in group if weights[i].dim() == 2]
+            biases = [i for i in group if weights[i].dim() == 1]
+            stacked = torch.cat([weights[i] for i in matrices])
+            bias = torch.cat([weights[i] for i in biases]) if biases else None
+            for i in group:
+                weights[i] = weights[i].new_empty(0)  # no graph reads it
+            weights[matrices[0]] = prepack(stacked) if prepacking_available() else stacked
+            if bias is not None:
+                weights[biases[0]] = bias
+            replaced |= set(group)
+        for index, weight in enumerate(weights):
+            if index not in replaced:
+                weights[index] = self.form(index, weight)
+                if weights[index] is not weight:
+                    replaced.add(index)
+        return replaced
