@@ -257,11 +257,9 @@ class Engine:
         padding = [longest - len(r.prompt_ids) for r in batch]
         ids = [[0] * pad + r.prompt_ids for r, pad in zip(batch, padding, strict=True)]
         mask = [[0] * pad + [1] * (longest - pad) for pad in padding]
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        attention_mask = torch.tensor(mask, dtype=torch.long, device=self.device)
         outputs = self.runner(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=self._long(ids),
+            attention_mask=self._long(mask),
             seq_ids=self._seq_ids(batch),
             **self.choice.step_keywords(batch),
         )
@@ -288,10 +286,8 @@ class Engine:
                 last = list(first_tokens[start : start + len(rows)])
                 positions = [r.length for r in rows]
             inputs = {
-                "input_ids": torch.tensor(last, dtype=torch.long, device=self.device)[:, None],
-                "position_ids": torch.tensor(positions, dtype=torch.long, device=self.device)[
-                    :, None
-                ],
+                "input_ids": self._long(last)[:, None],
+                "position_ids": self._long(positions)[:, None],
                 "seq_ids": self._seq_ids(rows),
             }
             calls.append((rows, inputs | self.choice.step_keywords(rows)))
@@ -328,7 +324,11 @@ class Engine:
         self._pending = (batch, self._worker.submit(run))
 
     def _seq_ids(self, batch: Sequence[Request]) -> torch.Tensor:
-        return torch.tensor([r.line for r in batch], dtype=torch.long, device=self.device)
+        return self._long([r.line for r in batch])
+
+    def _long(self, values: Sequence[Any]) -> torch.Tensor:
+        """Token ids, positions or cache lines as a long tensor on the model's device."""
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _choose(self, batch: Sequence[Request], outputs: Any) -> StepOutputs:
         tokens = outputs.tokens

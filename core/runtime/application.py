@@ -378,9 +378,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         ``attention_mask`` follows the HF convention: [batch, tokens so far], 1 for real tokens,
         padding on either side. The inputs may be on any device (NxD Inference passes CPU
         tensors): they are moved to :attr:`device`, where the outputs are. Returns each row's
-        last-token logits, [batch, 1, vocab]; when
-        a plugin makes the model choose tokens (on-device sampling), the ``tokens`` [batch, 1]
-        instead, and the logits only if it returns them too.
+        last-token logits, [batch, 1, vocab]; when a plugin makes the model choose tokens
+        (on-device sampling), the ``tokens`` [batch, 1] instead, and the logits only if it
+        returns them too.
 
         ``sampling_params``, ``adapter_ids`` and any further keyword are per-row inputs of
         step-input plugins (``sampling_params`` [batch, 3] of on-device sampling, ...): each is
