@@ -15,7 +15,7 @@ Measured on a graph of 12 Llama-120m layers' seven projections at batch 1 (bf16,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import torch
 from torch.export import ExportedProgram
@@ -75,7 +75,9 @@ def _linears_of(weight: torch.fx.Node) -> list[torch.fx.Node] | None:
     return linears if len(set(inputs)) == len(inputs) else None
 
 
-def _bias_of(linears: list[torch.fx.Node], weights: set[torch.fx.Node]) -> torch.fx.Node | None:
+def _bias_of(
+    linears: list[torch.fx.Node], weights: Container[torch.fx.Node]
+) -> torch.fx.Node | None:
     """The one bias all of a weight's ``linears`` add (a weight input they alone read), or
     None; raises LookupError when they add different biases or one read elsewhere."""
     biases = {linear.args[2] for linear in linears}
@@ -97,27 +99,27 @@ def fuse_linears_sharing_input(
     unrolled in the graph multiplies its weights once per iteration), all with a bias or none,
     and have one dtype. They stack in index order, so every graph of a model that stacks them
     stacks them alike."""
-    weight_set = set(weights)
-    candidates: dict[tuple, list[int]] = {}
+    index_of = {node: i for i, node in enumerate(weights)}
+    candidates: dict[tuple, list[tuple[int, torch.fx.Node | None]]] = {}
     for index, weight in enumerate(weights):
         linears = _linears_of(weight)
         if linears is None:
             continue
         try:
-            bias = _bias_of(linears, weight_set)
+            bias = _bias_of(linears, index_of)
         except LookupError:
             continue
         inputs = frozenset(_input_key(linear.args[0]) for linear in linears)
         signature = (inputs, bias is None, weight.meta["val"].dtype)
-        candidates.setdefault(signature, []).append(index)
+        candidates.setdefault(signature, []).append((index, bias))
 
     position = {node: i for i, node in enumerate(program.graph.nodes)}
     groups = []
     for members in candidates.values():
         if len(members) < 2:
             continue
-        parts = [weights[i] for i in members]
-        biases = [_bias_of(list(part.users), weight_set) for part in parts]
+        parts = [weights[i] for i, _ in members]
+        biases = [bias for _, bias in members]
         sizes = [part.meta["val"].shape[0] for part in parts]
         by_input: dict[tuple, list[torch.fx.Node]] = {}
         for part in parts:
@@ -126,10 +128,11 @@ def fuse_linears_sharing_input(
         for linears in by_input.values():
             _stack(linears, sizes, position)
         _widen(parts[0], sum(sizes))
+        group = [i for i, _ in members]
         if biases[0] is not None:
             _widen(biases[0], sum(sizes))
-            members = members + [weights.index(bias) for bias in biases]
-        groups.append(members)
+            group += [index_of[bias] for bias in biases]
+        groups.append(group)
     return groups
 
 

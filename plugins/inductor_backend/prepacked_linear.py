@@ -163,6 +163,13 @@ def _indices(text: str | None) -> set[int]:
     return {int(i) for i in (text or "").split(",") if i}
 
 
+def _prepacked_if_possible(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` prepacked when it is a bf16/float32 matrix and this torch has oneDNN."""
+    if weight.dtype in PACKABLE_DTYPES and weight.dim() == 2 and prepacking_available():
+        return prepack(weight)
+    return weight
+
+
 class PrepackedWeights:
     """Which weights of a model the loaded graphs take prepacked (those some graph multiplies
     as a linear weight and none reads otherwise) and which stacked (every graph reading them
@@ -187,14 +194,8 @@ class PrepackedWeights:
 
     def form(self, index: int, weight: torch.Tensor) -> torch.Tensor:
         """Weight ``index``, prepacked if the graphs take it so and this torch can."""
-        if (
-            index in self.linear
-            and index not in self.other
-            and weight.dtype in PACKABLE_DTYPES
-            and weight.dim() == 2
-            and prepacking_available()
-        ):
-            return prepack(weight)
+        if index in self.linear and index not in self.other:
+            return _prepacked_if_possible(weight)
         return weight
 
     def form_all(self, weights: list[torch.Tensor]) -> set[int]:
@@ -208,7 +209,7 @@ class PrepackedWeights:
             bias = torch.cat([weights[i] for i in biases]) if biases else None
             for i in group:
                 weights[i] = weights[i].new_empty(0)  # no graph reads it
-            weights[matrices[0]] = prepack(stacked) if prepacking_available() else stacked
+            weights[matrices[0]] = _prepacked_if_possible(stacked)
             if bias is not None:
                 weights[biases[0]] = bias
             replaced |= set(group)
