@@ -173,9 +173,10 @@ def test_missing_quantized_checkpoint_is_reported_when_weights_are_read(
     with pytest.raises(CheckpointError, match="save_quantized_state_dict") as error:
         app.to_cpu()
     assert "quantized_checkpoints_path" in str(error.value) and str(path) in str(error.value)
-    if missing == "no-such-folder":  # compile() reads it to write the weights, after the graphs
+    if missing == "no-such-folder":  # compile() looks for it before compiling the graphs
         with pytest.raises(CheckpointError, match="save_quantized_state_dict"):
             app.compile(tmp_path / "compiled", quiet=True)
+        assert not (tmp_path / "compiled").exists()
 
 
 def test_quantization_in_the_guides_order(checkpoint, tmp_path) -> None:

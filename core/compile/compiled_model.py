@@ -247,6 +247,8 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
         app.is_compiled = True
         return
 
+    if save_weights and app.neuron_config.quantized:  # before the graphs, not after
+        app.quantized_checkpoint(app.config)
     skeleton = build_skeleton(app)
     shapes = skeleton.weight_shapes(_weight_dtype(app))
     if frozen:  # the graphs hold the weights: trace on the real ones

@@ -51,6 +51,11 @@ from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
 from nxdplug.types import ModelArchitecture, QuantizationMethod
 
+_WRITE_QUANTIZED_FIRST = (
+    "write it first with save_quantized_state_dict(model_path, config), before to_cpu(), "
+    "compile() or load() read the weights"
+)
+
 
 @dataclass
 class CausalLMOutputWithTokens(CausalLMOutputWithPast):
@@ -205,9 +210,7 @@ class NeuronApplicationBase(nn.Module):
         neuron_config = config.neuron_config
         dtype = neuron_config.torch_dtype if neuron_config.cast_type == "config" else None
         if neuron_config.quantized:
-            state_dict = cls._read_checkpoint_at(
-                Path(neuron_config.quantized_checkpoints_path), dtype
-            )
+            state_dict = cls._read_checkpoint_at(cls.quantized_checkpoint(config), dtype)
         else:
             state_dict = load_state_dict(model_path, dtype=dtype)
         state_dict = replace_prefix(
@@ -216,22 +219,28 @@ class NeuronApplicationBase(nn.Module):
         return cls.convert_hf_to_neuron_state_dict(state_dict, config)
 
     @staticmethod
-    def _read_checkpoint_at(source: Path, dtype: torch.dtype | None) -> dict[str, Any]:
-        """The checkpoint at ``quantized_checkpoints_path``. It is looked for only now, when the
-        weights are loaded: the guide builds the application first and writes the checkpoint
-        with ``save_quantized_state_dict`` after."""
-        fix = (
-            "write it first with save_quantized_state_dict(model_path, config), before "
-            "to_cpu(), compile() or load() read the weights"
-        )
+    def quantized_checkpoint(config: InferenceConfig) -> Path:
+        """Where the quantized checkpoint of a ``quantized`` config is; an error when it is not
+        there. It is looked for only when the weights are read (compile() looks first, before
+        the graphs): the guide builds the application first and writes the checkpoint with
+        ``save_quantized_state_dict`` after."""
+        source = Path(config.neuron_config.quantized_checkpoints_path)
         if not source.exists():
-            raise CheckpointError(f"quantized_checkpoints_path {source} does not exist; {fix}")
+            raise CheckpointError(
+                f"quantized_checkpoints_path {source} does not exist; {_WRITE_QUANTIZED_FIRST}"
+            )
+        return source
+
+    @staticmethod
+    def _read_checkpoint_at(source: Path, dtype: torch.dtype | None) -> dict[str, Any]:
         if not source.is_dir():
             return load_tensor_file(source)
         try:
             return load_state_dict(source, dtype=dtype)
         except CheckpointError as exc:
-            raise CheckpointError(f"quantized_checkpoints_path: {exc} Or {fix}") from exc
+            raise CheckpointError(
+                f"quantized_checkpoints_path: {exc} Or {_WRITE_QUANTIZED_FIRST}"
+            ) from exc
 
     @classmethod
     def convert_hf_to_neuron_state_dict(
