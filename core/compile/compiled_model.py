@@ -247,7 +247,9 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
         app.is_compiled = True
         return
 
-    if save_weights and app.neuron_config.quantized:  # before the graphs, not after
+    # A missing quantized checkpoint is reported before the graphs are compiled, not after
+    # (skip_sharding may copy the weights of the folder instead: it is read only then).
+    if save_weights and app.neuron_config.quantized and not app.neuron_config.skip_sharding:
         app.quantized_checkpoint(app.config)
     skeleton = build_skeleton(app)
     shapes = skeleton.weight_shapes(_weight_dtype(app))
