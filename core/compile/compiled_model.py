@@ -247,10 +247,10 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
         app.is_compiled = True
         return
 
-    # A missing quantized checkpoint is reported before the graphs are compiled, not after
+    # A missing checkpoint is reported before the graphs are compiled, not after them
     # (skip_sharding may copy the weights of the folder instead: it is read only then).
-    if save_weights and app.neuron_config.quantized and not app.neuron_config.skip_sharding:
-        app.quantized_checkpoint(app.config)
+    if save_weights and not app.neuron_config.skip_sharding:
+        app.weights_source(app.model_path, app.config)
     skeleton = build_skeleton(app)
     shapes = skeleton.weight_shapes(_weight_dtype(app))
     if frozen:  # the graphs hold the weights: trace on the real ones

@@ -51,7 +51,7 @@ from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
 from nxdplug.types import ModelArchitecture, QuantizationMethod
 
-_WRITE_QUANTIZED_FIRST = (
+_SAVE_IT_FIRST = (
     "write it first with save_quantized_state_dict(model_path, config), before to_cpu(), "
     "compile() or load() read the weights"
 )
@@ -210,7 +210,7 @@ class NeuronApplicationBase(nn.Module):
         neuron_config = config.neuron_config
         dtype = neuron_config.torch_dtype if neuron_config.cast_type == "config" else None
         if neuron_config.quantized:
-            state_dict = cls._read_checkpoint_at(cls.quantized_checkpoint(config), dtype)
+            state_dict = cls._read_checkpoint_at(cls.weights_source(model_path, config), dtype)
         else:
             state_dict = load_state_dict(model_path, dtype=dtype)
         state_dict = replace_prefix(
@@ -219,15 +219,18 @@ class NeuronApplicationBase(nn.Module):
         return cls.convert_hf_to_neuron_state_dict(state_dict, config)
 
     @staticmethod
-    def quantized_checkpoint(config: InferenceConfig) -> Path:
-        """Where the quantized checkpoint of a ``quantized`` config is; an error when it is not
-        there. It is looked for only when the weights are read (compile() looks first, before
-        the graphs): the guide builds the application first and writes the checkpoint with
+    def weights_source(model_path: str | Path, config: InferenceConfig) -> Path:
+        """Where the weights are read from: ``model_path``, or with ``quantized`` the checkpoint
+        at ``quantized_checkpoints_path``, an error when that is not there. It is looked for
+        only when the weights are read (compile() looks first, before the graphs): the guide
+        builds the application first and writes the checkpoint with
         ``save_quantized_state_dict`` after."""
+        if not config.neuron_config.quantized:
+            return Path(model_path)
         source = Path(config.neuron_config.quantized_checkpoints_path)
         if not source.exists():
             raise CheckpointError(
-                f"quantized_checkpoints_path {source} does not exist; {_WRITE_QUANTIZED_FIRST}"
+                f"quantized_checkpoints_path {source} does not exist; {_SAVE_IT_FIRST}"
             )
         return source
 
@@ -238,9 +241,7 @@ class NeuronApplicationBase(nn.Module):
         try:
             return load_state_dict(source, dtype=dtype)
         except CheckpointError as exc:
-            raise CheckpointError(
-                f"quantized_checkpoints_path: {exc} Or {_WRITE_QUANTIZED_FIRST}"
-            ) from exc
+            raise CheckpointError(f"quantized_checkpoints_path: {exc} Or {_SAVE_IT_FIRST}") from exc
 
     @classmethod
     def convert_hf_to_neuron_state_dict(
