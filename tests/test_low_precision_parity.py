@@ -106,8 +106,8 @@ def quantized(checkpoint: Path, dtype: str, folder: Path):
 def test_quantized_bfloat16_is_as_close_to_its_float32_weights_as_hf_bfloat16(
     tiny_checkpoint, tmp_path
 ) -> None:
-    """int8 weights: decoding multiplies by them in PyTorch's int8 kernel (the scale in bf16),
-    prompts by the dequantized bf16 weight."""
+    """int8 weights: up to 32 rows (decoding, these prompts) multiply by them in the plugin's
+    int8 matmul (integer products, float32 scales), longer prompts by the dequantized weight."""
     app, reference = quantized(tiny_checkpoint("llama", seed=5), "bfloat16", tmp_path)
     held = app.weight_tensors()
     assert next(t for n, t in held.items() if n.endswith("q_proj.weight")).dtype == torch.int8

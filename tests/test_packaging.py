@@ -52,6 +52,24 @@ def test_every_plugin_folder_is_an_entry_point() -> None:
     assert plugin_packages == modules
 
 
+def test_every_non_python_source_file_ships_as_package_data() -> None:
+    """A file beside the modules that is not Python (the int8 matmul's C++ source) is only in
+    an installed wheel when package-data names it."""
+    listed = pyproject()["tool"]["setuptools"]["package-data"]
+    shipped = {(package, name) for package, names in listed.items() for name in names}
+    found = set()
+    for package, folder in PACKAGE_DIRS.items():
+        for path in (ROOT / folder).rglob("*"):
+            if (
+                path.is_file()
+                and path.suffix not in (".py", ".pyc")
+                and "__pycache__" not in path.parts
+            ):
+                relative = path.parent.relative_to(ROOT / folder)
+                found.add((".".join([package, *relative.parts]), path.name))
+    assert found == shipped
+
+
 def python_files() -> list[Path]:
     folders = ["core", "plugins", "contrib_models", "tests", "examples"]
     return [f for folder in folders for f in (ROOT / folder).rglob("*.py")]

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -364,18 +366,32 @@ def test_fused_per_tensor_scales_become_one_per_row() -> None:
 # -- the compiled path ------------------------------------------------------------------------
 
 
+LOAD_IN_FRESH_PROCESS = """
+import sys, torch
+from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
+app = from_pretrained(sys.argv[1], NeuronConfig(**{settings}))
+app.load(sys.argv[2], quiet=True)
+out = HuggingFaceGenerationAdapter(app).generate(
+    torch.tensor({prompt}), max_new_tokens=16, do_sample=False, eos_token_id=None)
+print(out[:, {length}:].tolist())
+"""
+
+
 def test_compiled_quantized_model_generates_the_eager_tokens(tiny_checkpoint, tmp_path) -> None:
     """One compile (a 1-layer tiny model with tied embeddings: the head is quantized from the
-    embedding table, which stays float32)."""
+    embedding table, which stays float32). The graphs call the plugin's int8 matmul by name:
+    a fresh process that only loads them gets it registered by building the int8 layers."""
     checkpoint = tiny_checkpoint("llama", seed=3, num_hidden_layers=1, tie_word_embeddings=True)
-    neuron_config = NeuronConfig(
-        batch_size=1,
-        seq_len=32,
-        max_context_length=8,
-        torch_dtype="float32",
+    settings = {
+        "batch_size": 1,
+        "seq_len": 32,
+        "max_context_length": 8,
+        "torch_dtype": "float32",
         **quantized_options(tmp_path / "q.pt"),
+    }
+    config = LlamaInferenceConfig(
+        NeuronConfig(**settings), load_config=load_pretrained_config(checkpoint)
     )
-    config = LlamaInferenceConfig(neuron_config, load_config=load_pretrained_config(checkpoint))
     NeuronLlamaForCausalLM.save_quantized_state_dict(checkpoint, config)
     prompt = torch.tensor([[5, 17, 42, 9, 3]])
 
@@ -386,8 +402,21 @@ def test_compiled_quantized_model_generates_the_eager_tokens(tiny_checkpoint, tm
 
     compiled = NeuronLlamaForCausalLM(checkpoint, config)
     compiled.compile(tmp_path / "compiled", quiet=True)
+    for graph in (tmp_path / "compiled" / "graphs").glob("*.pt2"):
+        assert b"nxdplug_quantization::int8_matmul" in graph.read_bytes(), graph.name
     compiled.load(tmp_path / "compiled", quiet=True)
     assert torch.equal(greedy(compiled, prompt, 16), expected)
+
+    script = LOAD_IN_FRESH_PROCESS.format(
+        settings=settings, prompt=prompt.tolist(), length=prompt.shape[1]
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(checkpoint), str(tmp_path / "compiled")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected.tolist()
 
 
 # -- config problems --------------------------------------------------------------------------

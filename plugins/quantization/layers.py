@@ -19,6 +19,7 @@ from nxdplug.modules.parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
 )
+from nxdplug.plugins.quantization.kernel import int8_matmul_op
 from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight
 from nxdplug.plugins.quantization.targets import (
     has_row_scales,
@@ -26,9 +27,10 @@ from nxdplug.plugins.quantization.targets import (
     names_module,
 )
 
-# Up to this many rows the int8 kernel beats dequantizing for a bf16 GEMM (measured on this
-# CPU, 2048x768: 80 us against 79 us at 8 rows, 2.5x faster at 1; 3x slower at 128).
-INT8_KERNEL_MAX_ROWS = 8
+# Up to this many rows the int8 matmul beats dequantizing for a bf16 GEMM (measured on this
+# CPU, eager, 2048x768 weights: 28 against 295 us at 1 row, 110 against 320 at 8, 436 against
+# 671 at 32; its cost grows by about a GEMV a row, the GEMM's barely).
+INT8_KERNEL_MAX_ROWS = 32
 
 
 class QuantizedWeight:
@@ -44,6 +46,10 @@ class QuantizedWeight:
             torch.empty(shape, dtype=dtype, device=device), requires_grad=False
         )
         rows = shape[0] if row_scales else 1
+        if dtype == torch.int8:
+            # Registers the int8 matmul now: a compiled graph that calls it by name can only
+            # be loaded once it is there.
+            int8_matmul_op()
         self.weight_scale = nn.Parameter(
             torch.ones(rows, dtype=torch.float32, device=device), requires_grad=False
         )
@@ -53,21 +59,23 @@ class QuantizedWeight:
         return dequantize_weight(self.weight, self.weight_scale, dtype)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """A few rows (decoding) times an int8 weight on the CPU go to PyTorch's weight-only int8
-        kernel, which reads the 8-bit weight and scales each output by its row's scale after an
-        exact int8 x float product (float32 accumulation): the step reads half the bytes of a
-        bf16 weight and makes no full-precision copy. Its cost grows with the rows (about a GEMV
-        each), so prompts, fp8 weights and other devices dequantize the weight for a GEMM."""
+        """A few rows (decoding) times an int8 weight on the CPU go to the plugin's int8 matmul
+        (:mod:`.kernel`), which reads the 8-bit weight as it is, computes the products exactly
+        in integers and scales each output by its row's float32 scale: the step reads half the
+        bytes of a bf16 weight and makes no full-precision copy. Its cost grows with the rows
+        (about a GEMV each), so prompts, fp8 weights and other devices dequantize the weight
+        for a GEMM."""
         rows = x.numel() // x.shape[-1]
-        if not (
-            self.weight.dtype == torch.int8
+        int8_matmul = (
+            int8_matmul_op()
+            if self.weight.dtype == torch.int8
             and x.device.type == "cpu"
             and rows <= INT8_KERNEL_MAX_ROWS
-        ):
+            else None
+        )
+        if int8_matmul is None:
             return super().project(x, bias)
-        scale = self.weight_scale.to(x.dtype).expand(self.weight.shape[0]).contiguous()
-        flat = x.reshape(rows, x.shape[-1]).contiguous()
-        out = torch._weight_int8pack_mm(flat, self.weight, scale)
+        out = int8_matmul(x.reshape(rows, x.shape[-1]), self.weight, self.weight_scale)
         out = out.reshape(*x.shape[:-1], -1)
         return out if bias is None else out + bias
 

@@ -1,0 +1,275 @@
+// out[m, n] = scale[n] * sum_k x[m, k] * weight[n, k] for a few rows of x (decoding) and an int8
+// weight [N, K]: the weight is read once, in its 8 bits, and never widened to a float copy.
+//
+// Why not PyTorch's _weight_int8pack_mm: it converts every weight byte to float32 for an FMA
+// (three vector instructions per 16 weights), which keeps it well under memory bandwidth on an
+// AVX-512 CPU (~16 GB/s of weights a core on a Zen 4); and it reads out of bounds (a crash) for
+// bfloat16 inputs of 4 or more rows when K is not a multiple of 32 (torch 2.13).
+//
+// Here the activations become integers instead: each row of x is scaled by a power of two so
+// that its largest magnitude is below 2^B, rounded to an integer v, and v is written as D signed
+// base-256 digits, v = sum_p 256^p d_p (each in [-128, 127]); B = 8 D - 2. Then
+//   sum_k v_k w_k = sum_p 256^p sum_k d_pk w_k
+// and each inner sum is integer arithmetic that AVX512-VNNI's vpdpbusd does 64 bytes at a time
+// (unsigned x signed bytes, so the weight goes in as w + 128 and 128 * sum_k d_pk comes off).
+// The integer sums are exact; the only roundings are v's, at 2^-B of the row's largest value,
+// and one float64 product with the two scales at the end. bfloat16 rows take D = 3 (B = 22:
+// every element within 2^-14 of the largest is taken exactly), float32 rows D = 4 (B = 30).
+// D vpdpbusd per 64 weights and row, against twelve instructions in the float32 way.
+//
+// x86 CPUs without AVX512-VNNI take a plain loop (float32 accumulation); other CPUs do not build
+// this file, and the layers dequantize instead.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLane = 64;         // weight bytes per vpdpbusd
+constexpr int64_t kMaxK = 65536;      // |sum of K products of 255 x 128| stays in int32
+constexpr int64_t kRowsPerTile = 4;   // weight rows that share each digit load
+// How far ahead a tile asks for the weight rows it will read (measured on a Zen 4: 2 tiles ahead
+// reads 100 MB of int8 weights at 40 GB/s on 2 cores against 31 without prefetching).
+constexpr int64_t kPrefetchTiles = 2;
+constexpr int64_t kBytesPerTask = 65536;  // weight bytes below which a thread is not worth it
+
+// Digits per activation: enough for a bfloat16 row's 8 significant bits well below its largest
+// value; float32 rows get one more.
+template <typename T>
+constexpr int kDigits = std::is_same_v<T, float> ? 4 : 3;
+
+// Activation rows as integer digits, zero-padded to a multiple of kLane. Reused by the calls of
+// one thread, so that decoding allocates nothing here.
+struct Digits {
+  int count = 0;
+  int64_t padded_k = 0;
+  std::vector<int8_t> planes;     // [M][count][padded_k]
+  std::vector<int64_t> sums;      // [M][count]: sum_k d_pk
+  std::vector<double> row_scale;  // [M]: x = v * row_scale
+
+  const int8_t* plane(int64_t m, int p) const {
+    return planes.data() + (m * count + p) * padded_k;
+  }
+  int8_t* plane(int64_t m, int p) { return planes.data() + (m * count + p) * padded_k; }
+  int64_t& sum(int64_t m, int p) { return sums[m * count + p]; }
+  int64_t sum(int64_t m, int p) const { return sums[m * count + p]; }
+};
+
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) __m512 load_floats(const T* data, __mmask16 mask) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(mask, data);
+  } else {
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, data);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+
+// v = round(x * 2^(B - e)) with |x| < 2^e, as D signed base-256 digits per element.
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void fill_digits(const T* x, int64_t rows,
+                                                                      int64_t K, Digits& digits) {
+  constexpr int D = kDigits<T>;
+  constexpr int B = 8 * D - 2;
+  digits.count = D;
+  digits.padded_k = (K + kLane - 1) / kLane * kLane;
+  digits.planes.assign(rows * D * digits.padded_k, 0);
+  digits.sums.assign(rows * D, 0);
+  digits.row_scale.assign(rows, 1.0);
+  const __m512i bias = _mm512_set1_epi32(128), low_byte = _mm512_set1_epi32(255);
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* row = x + m * K;
+    __m512 largest = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1;
+      largest = _mm512_max_ps(largest, _mm512_abs_ps(load_floats(row + k, mask)));
+    }
+    int exponent = 0;
+    const float peak = _mm512_reduce_max_ps(largest);
+    if (peak > 0.f) std::frexp(peak, &exponent);
+    const __m512 to_integer = _mm512_set1_ps(std::ldexp(1.0f, B - exponent));
+    digits.row_scale[m] = std::ldexp(1.0, exponent - B);
+    __m512i sums[D];
+    for (int p = 0; p < D; ++p) sums[p] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1;
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(row + k, mask), to_integer));
+      for (int p = 0; p < D; ++p) {
+        const __m512i digit =
+            _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, bias), low_byte), bias);
+        _mm512_mask_cvtepi32_storeu_epi8(digits.plane(m, p) + k, mask, digit);
+        sums[p] = _mm512_add_epi32(sums[p], digit);
+        v = _mm512_srai_epi32(_mm512_sub_epi32(v, digit), 8);
+      }
+    }
+    for (int p = 0; p < D; ++p) digits.sum(m, p) = _mm512_reduce_add_epi32(sums[p]);
+  }
+}
+
+// sums[p][r] += the 64 products of digit plane p (row m, from k) with weight lane w[r].
+template <int D, int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline void accumulate(
+    __m512i (&sums)[D][R], const __m512i (&w)[R], const Digits& digits, int64_t m, int64_t k) {
+  for (int p = 0; p < D; ++p) {
+    const __m512i d = _mm512_loadu_si512(digits.plane(m, p) + k);
+    for (int r = 0; r < R; ++r) sums[p][r] = _mm512_dpbusd_epi32(sums[p][r], w[r], d);
+  }
+}
+
+// Rows [n, n + R) of the output for activation row m.
+template <int D, int R, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_tile(
+    const Digits& digits, int64_t m, const int8_t* weight, int64_t K, int64_t n,
+    const float* scale, int64_t scale_stride, T* out, int64_t N) {
+  const __m512i to_unsigned = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i sums[D][R];
+  for (int p = 0; p < D; ++p)
+    for (int r = 0; r < R; ++r) sums[p][r] = _mm512_setzero_si512();
+  __m512i w[R];
+  int64_t k = 0;
+  for (; k + kLane <= K; k += kLane) {
+    for (int r = 0; r < R; ++r) {
+      const int8_t* ahead = weight + std::min(n + r + kPrefetchTiles * R, N - 1) * K + k;
+      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+      w[r] = _mm512_xor_si512(_mm512_loadu_si512(weight + (n + r) * K + k), to_unsigned);
+    }
+    accumulate<D, R>(sums, w, digits, m, k);
+  }
+  if (k < K) {  // masked loads are slow on some CPUs (AMD Zen 4): only for the last lane
+    const __mmask64 present = (1ULL << (K - k)) - 1;
+    for (int r = 0; r < R; ++r)
+      w[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(present, weight + (n + r) * K + k),
+                              to_unsigned);
+    accumulate<D, R>(sums, w, digits, m, k);
+  }
+  for (int r = 0; r < R; ++r) {
+    int64_t exact = 0;
+    for (int p = D - 1; p >= 0; --p)
+      exact = exact * 256 + _mm512_reduce_add_epi32(sums[p][r]) - 128 * digits.sum(m, p);
+    out[m * N + n + r] = static_cast<T>(static_cast<float>(
+        static_cast<double>(exact) * digits.row_scale[m] * scale[(n + r) * scale_stride]));
+  }
+}
+
+// Each thread takes whole tiles of weight rows and runs every activation row over a tile while
+// it is in the L1 cache, so that the weight is read from memory once whatever the rows.
+template <typename T>
+void vnni_matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int64_t N,
+                 const float* scale, int64_t scale_stride, T* out) {
+  constexpr int D = kDigits<T>;
+  thread_local Digits this_thread;
+  Digits& digits = this_thread;  // the caller's, which the workers below must read, not theirs
+  fill_digits(x, rows, K, digits);
+  const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;
+  const int64_t grain = std::max<int64_t>(1, kBytesPerTask / (kRowsPerTile * K));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n = tile * kRowsPerTile;
+      for (int64_t m = 0; m < rows; ++m) {
+        if (n + kRowsPerTile <= N) {
+          vnni_tile<D, kRowsPerTile>(digits, m, weight, K, n, scale, scale_stride, out, N);
+        } else {
+          for (int64_t i = n; i < N; ++i)
+            vnni_tile<D, 1>(digits, m, weight, K, i, scale, scale_stride, out, N);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void plain_matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int64_t N,
+                  const float* scale, int64_t scale_stride, T* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < rows; ++m) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; ++k)
+          sum += static_cast<float>(x[m * K + k]) * static_cast<float>(weight[n * K + k]);
+        out[m * N + n] = static_cast<T>(sum * scale[n * scale_stride]);
+      }
+  });
+}
+
+bool has_vnni();
+
+template <typename T>
+void matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int64_t N,
+            const float* scale, int64_t scale_stride, T* out) {
+  if (has_vnni() && K <= kMaxK) {
+    vnni_matmul(x, rows, K, weight, N, scale, scale_stride, out);
+  } else {
+    plain_matmul(x, rows, K, weight, N, scale, scale_stride, out);
+  }
+}
+
+// NXDPLUG_INT8_MATMUL_PORTABLE=1 takes the plain loop on any CPU (to check it where it would
+// not otherwise run).
+bool has_vnni() {
+  static const bool supported = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vnni") &&
+                                std::getenv("NXDPLUG_INT8_MATMUL_PORTABLE") == nullptr;
+  return supported;
+}
+
+// The scales as float32: their own data when they are float32 already, else converted into a
+// buffer of the calling thread (the checkpoint cast may have made them bfloat16).
+const float* float_scales(const at::Tensor& scale) {
+  TORCH_CHECK(scale.is_contiguous(), "int8_matmul: contiguous scales expected");
+  if (scale.scalar_type() == at::kFloat) return scale.data_ptr<float>();
+  thread_local std::vector<float> converted;
+  converted.resize(scale.numel());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scale.scalar_type(), "scales", [&] {
+    const auto* values = scale.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < scale.numel(); ++i) converted[i] = static_cast<float>(values[i]);
+  });
+  return converted.data();
+}
+
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "int8_matmul: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ",
+              weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "int8_matmul: an int8 weight expected, got ",
+              weight.scalar_type());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int8_matmul: float32 or bfloat16 x expected, got ", x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "int8_matmul: CPU tensors only");
+  const int64_t rows = x.size(0), N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(scale.numel() == N || scale.numel() == 1, "int8_matmul: scale of ", N,
+              " or 1 values expected, got ", scale.numel());
+  const at::Tensor inputs = x.contiguous();
+  const at::Tensor weights = weight.contiguous();
+  const float* scales = float_scales(scale);
+  const int64_t scale_stride = scale.numel() == 1 ? 0 : 1;
+  at::Tensor out = at::empty({rows, N}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    matmul(inputs.data_ptr<float>(), rows, K, weights.data_ptr<int8_t>(), N, scales,
+           scale_stride, out.data_ptr<float>());
+  } else {
+    matmul(inputs.data_ptr<c10::BFloat16>(), rows, K, weights.data_ptr<int8_t>(), N, scales,
+           scale_stride, out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nxdplug_quantization, m) {
+  m.def("int8_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nxdplug_quantization, CPU, m) { m.impl("int8_matmul", &int8_matmul); }

@@ -1,0 +1,171 @@
+"""The quantization plugin's int8 matmul (``plugins/quantization/int8_matmul.cpp``) against the
+exact product in float64: shapes that are not multiples of the kernel's lanes and tiles, 1-8
+rows, float32 and bfloat16 activations, per-row and per-tensor scales, weights using -128 (other
+tools' checkpoints may), and the portable loop that CPUs without AVX512-VNNI take."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxdplug.plugins.quantization.kernel import int8_matmul_op
+
+SHAPES = [  # (rows, K, N)
+    (1, 768, 1280),
+    (2, 100, 37),
+    (3, 1000, 3),
+    (4, 100, 64),  # bfloat16, 4+ rows, K % 32 != 0: PyTorch's _weight_int8pack_mm crashes here
+    (5, 64, 9),
+    (8, 2048, 260),
+]
+
+
+def cpu_has_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512bw" in flags and "avx512_vnni" in flags
+
+
+# The integer path's precision claims; on a CPU without AVX512-VNNI the op runs the portable
+# loop, which the last test checks on any CPU.
+needs_vnni = pytest.mark.skipif(not cpu_has_vnni(), reason="this CPU lacks AVX512-VNNI")
+
+
+@pytest.fixture(scope="module")
+def int8_matmul():
+    op = int8_matmul_op()
+    assert op is not None, "the int8 matmul extension did not build on this machine"
+    return op
+
+
+def operands(rows: int, K: int, N: int, dtype: torch.dtype, seed: int = 0):
+    """Activations spanning 4 decades (so that rounding them to integers is exercised), int8
+    weights over the whole range, per-row scales."""
+    generator = torch.Generator().manual_seed(seed)
+    magnitudes = torch.logspace(-3, 1, K)[torch.randperm(K, generator=generator)]
+    x = (torch.randn(rows, K, generator=generator) * magnitudes).to(dtype)
+    weight = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=generator)
+    scale = torch.rand(N, generator=generator) * 0.01 + 1e-4
+    return x, weight, scale
+
+
+def exact(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.double() @ weight.double().T * scale.double()
+
+
+@needs_vnni
+@pytest.mark.parametrize(("rows", "K", "N"), SHAPES)
+def test_bfloat16_rows_give_the_exact_product_rounded_to_bfloat16(int8_matmul, rows, K, N):
+    x, weight, scale = operands(rows, K, N, torch.bfloat16)
+    out = int8_matmul(x, weight, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, N)
+    expected = exact(x, weight, scale)
+    rounded = expected.to(torch.bfloat16)
+    # Each output is the exact value rounded to bfloat16 but for the rounding of the small
+    # activations to integers (2^-22 of the row's largest): that moves at most one in a hundred
+    # here, with activations over 4 decades, to the neighbouring bfloat16, and never further.
+    assert (out != rounded).float().mean().item() <= 1e-2
+    ulp = torch.finfo(torch.bfloat16).eps * expected.abs().clamp_min(1e-30)
+    assert ((out.double() - expected).abs() <= ulp).all()
+
+
+@needs_vnni
+@pytest.mark.parametrize(("rows", "K", "N"), SHAPES)
+def test_float32_rows_are_closer_to_the_exact_product_than_a_float32_matmul(
+    int8_matmul, rows, K, N
+):
+    x, weight, scale = operands(rows, K, N, torch.float32)
+    out = int8_matmul(x, weight, scale)
+    expected = exact(x, weight, scale)
+    float32_matmul = (x @ weight.float().T) * scale
+    error = (out.double() - expected).abs().max().item()
+    assert error <= (float32_matmul.double() - expected).abs().max().item()
+    assert error <= 2 * torch.finfo(torch.float32).eps * expected.abs().max().item()
+
+
+@needs_vnni
+def test_per_tensor_and_bfloat16_scales(int8_matmul) -> None:
+    x, weight, _ = operands(2, 300, 20, torch.float32)
+    per_tensor = torch.tensor([0.02])
+    torch.testing.assert_close(
+        int8_matmul(x, weight, per_tensor).double(),
+        exact(x, weight, per_tensor.expand(20)),
+        rtol=1e-6,
+        atol=1e-9,
+    )
+    scale = torch.rand(20) + 0.5
+    as_bfloat16 = scale.to(torch.bfloat16)
+    torch.testing.assert_close(
+        int8_matmul(x, weight, as_bfloat16).double(),
+        exact(x, weight, as_bfloat16.float()),
+        rtol=1e-6,
+        atol=1e-9,
+    )
+
+
+@needs_vnni
+def test_zero_rows_and_rows_far_from_one(int8_matmul) -> None:
+    x, weight, scale = operands(3, 200, 8, torch.float32)
+    x[0] = 0
+    x[1] *= 1e30
+    x[2] *= 1e-30
+    out = int8_matmul(x, weight, scale)
+    assert torch.equal(out[0], torch.zeros(8))
+    expected = exact(x, weight, scale)
+    torch.testing.assert_close(out[1:].double(), expected[1:], rtol=1e-6, atol=0)
+
+
+def test_bad_operands_are_refused(int8_matmul) -> None:
+    x, weight, scale = operands(1, 64, 4, torch.float32)
+    with pytest.raises(RuntimeError, match="an int8 weight expected"):
+        int8_matmul(x, weight.float(), scale)
+    with pytest.raises(RuntimeError, match=r"x \[M, K\] and weight \[N, K\] expected"):
+        int8_matmul(x[:, :32], weight, scale)
+    with pytest.raises(RuntimeError, match="scale of 4 or 1 values expected"):
+        int8_matmul(x, weight, scale[:3])
+
+
+PORTABLE_RUN = """
+import sys
+import torch
+from nxdplug.plugins.quantization.kernel import int8_matmul_op
+from test_int8_matmul import SHAPES, operands
+op = int8_matmul_op()
+outputs = {}
+for rows, K, N in SHAPES:
+    for dtype in (torch.float32, torch.bfloat16):
+        outputs[rows, K, N, dtype] = op(*operands(rows, K, N, dtype))
+torch.save(outputs, sys.argv[1])
+"""
+
+
+def test_the_portable_loop_gives_the_product_too(int8_matmul, tmp_path) -> None:
+    """The loop of CPUs without AVX512-VNNI, forced on this one in a fresh process: within
+    float32 accumulation error of the exact product, and not the VNNI path's bits (which
+    would mean that it did not run)."""
+    env = dict(os.environ, NXDPLUG_INT8_MATMUL_PORTABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
+    )
+    saved = tmp_path / "portable.pt"
+    result = subprocess.run(
+        [sys.executable, "-c", PORTABLE_RUN, str(saved)], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    outputs = torch.load(saved)
+    differs = False
+    for (rows, K, N, dtype), portable in outputs.items():
+        x, weight, scale = operands(rows, K, N, dtype)
+        expected = exact(x, weight, scale)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        error = (portable.double() - expected).abs().max().item()
+        assert error <= tolerance * expected.abs().max().item(), (rows, K, N, dtype, error)
+        differs |= not torch.equal(portable, int8_matmul(x, weight, scale))
+    assert differs or not cpu_has_vnni()
