@@ -4,7 +4,8 @@
 quantization_type=...)`` switches it on. ``save_quantized_state_dict`` writes the checkpoint
 with the method record ``<dtype>-<per_tensor|per_channel>``; loading swaps the projections
 (:mod:`.targets` says which, less ``modules_to_not_convert``) for layers that keep the 8-bit
-weights in memory and dequantize them at each call. f8e4m3 needs ``XLA_HANDLE_SPECIAL_SCALAR=1``
+weights in memory: on the CPU, int8 weights times up to 32 rows (decoding) go to the plugin's
+int8 matmul (:mod:`.kernel`); prompts, fp8 weights and other devices dequantize per call. f8e4m3 needs ``XLA_HANDLE_SPECIAL_SCALAR=1``
 on Neuron only; on the CPU nothing is needed.
 """
 
@@ -50,7 +51,7 @@ def nxdplug_features() -> Iterable[Feature]:
         enabled_by=("quantized",),
         validate=f"{PACKAGE}.validation:validate",
         transform_model=f"{PACKAGE}.layers:quantize_model",
-        description="8-bit projection weights with float32 scales, dequantized per use",
+        description="8-bit projection weights with float32 scales; an int8 matmul for decoding",
     )
 
 

@@ -128,6 +128,30 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline voi
   }
 }
 
+// totals[r] = the sum of the 16 lanes of sums[r]. Four rows are summed together, pairwise
+// across registers (13 instructions against 4 separate reductions of 7 each), which matters
+// for short rows: a 768-long row takes 12 vpdpbusd per digit plane.
+template <int R>
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline void lane_totals(
+    const __m512i (&sums)[R], int32_t (&totals)[R]) {
+  if constexpr (R == 4) {
+    const __m512i pairs01 = _mm512_add_epi32(_mm512_unpacklo_epi32(sums[0], sums[1]),
+                                             _mm512_unpackhi_epi32(sums[0], sums[1]));
+    const __m512i pairs23 = _mm512_add_epi32(_mm512_unpacklo_epi32(sums[2], sums[3]),
+                                             _mm512_unpackhi_epi32(sums[2], sums[3]));
+    // Each 128-bit lane now holds one partial sum of rows 0, 1, 2, 3, in that order.
+    const __m512i quads = _mm512_add_epi32(_mm512_unpacklo_epi64(pairs01, pairs23),
+                                           _mm512_unpackhi_epi64(pairs01, pairs23));
+    const __m256i halves = _mm256_add_epi32(_mm512_castsi512_si256(quads),
+                                            _mm512_extracti64x4_epi64(quads, 1));
+    const __m128i total = _mm_add_epi32(_mm256_castsi256_si128(halves),
+                                        _mm256_extracti128_si256(halves, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(totals), total);
+  } else {
+    for (int r = 0; r < R; ++r) totals[r] = _mm512_reduce_add_epi32(sums[r]);
+  }
+}
+
 // Rows [n, n + R) of the output for activation row m.
 template <int D, int R, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_tile(
@@ -154,10 +178,11 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_tile(
                               to_unsigned);
     accumulate<D, R>(sums, w, digits, m, k);
   }
+  int32_t totals[D][R];
+  for (int p = 0; p < D; ++p) lane_totals<R>(sums[p], totals[p]);
   for (int r = 0; r < R; ++r) {
     int64_t exact = 0;
-    for (int p = D - 1; p >= 0; --p)
-      exact = exact * 256 + _mm512_reduce_add_epi32(sums[p][r]) - 128 * digits.sum(m, p);
+    for (int p = D - 1; p >= 0; --p) exact = exact * 256 + totals[p][r] - 128 * digits.sum(m, p);
     out[m * N + n + r] = static_cast<T>(static_cast<float>(
         static_cast<double>(exact) * digits.row_scale[m] * scale[(n + r) * scale_stride]));
   }
