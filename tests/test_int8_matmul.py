@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from nxdplug.modules.parallel_linear import ColumnParallelLinear
 from nxdplug.plugins.quantization.kernel import int8_matmul_op
+from nxdplug.plugins.quantization.layers import QuantizedColumnParallelLinear
 
 SHAPES = [  # (rows, K, N)
     (1, 768, 1280),
@@ -135,7 +137,9 @@ def test_bad_operands_are_refused(int8_matmul) -> None:
 PORTABLE_RUN = """
 import sys
 import torch
+from nxdplug.modules.parallel_linear import ColumnParallelLinear
 from nxdplug.plugins.quantization.kernel import int8_matmul_op
+from nxdplug.plugins.quantization.layers import QuantizedColumnParallelLinear
 from test_int8_matmul import SHAPES, operands
 op = int8_matmul_op()
 outputs = {}
@@ -169,3 +173,33 @@ def test_the_portable_loop_gives_the_product_too(int8_matmul, tmp_path) -> None:
         assert error <= tolerance * expected.abs().max().item(), (rows, K, N, dtype, error)
         differs |= not torch.equal(portable, int8_matmul(x, weight, scale))
     assert differs or not cpu_has_vnni()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 32, 33])
+def test_quantized_layers_give_the_product_whichever_path_they_take(
+    int8_matmul, monkeypatch, dtype, rows
+) -> None:
+    """An int8 layer multiplies up to 32 float32 or bfloat16 rows in the int8 matmul and
+    dequantizes its weight for more rows or float16 inputs: each way, the product plus bias."""
+    calls = []
+    monkeypatch.setattr(
+        "nxdplug.plugins.quantization.layers.int8_matmul_op",
+        lambda: lambda *args: calls.append(1) or int8_matmul(*args),
+    )
+    layer = QuantizedColumnParallelLinear.like(
+        ColumnParallelLinear(96, 40, bias=True), torch.int8, row_scales=True
+    )
+    x, weight, scale = operands(rows, 96, 40, torch.float32)
+    bias = torch.randn(40)
+    layer.load_state_dict({"weight": weight, "weight_scale": scale, "bias": bias})
+    layer.to(dtype)
+    layer.weight_scale.data = scale  # float32, as in the checkpoint
+    out = layer(x.to(dtype).reshape(1, rows, 96))
+    assert out.dtype == dtype and out.shape == (1, rows, 40)
+    assert len(calls) == (1 if rows <= 32 and dtype != torch.float16 else 0)
+    expected = exact(x.to(dtype), weight, scale) + bias.to(dtype).double()
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(
+        out[0].double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item()
+    )

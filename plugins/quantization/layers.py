@@ -31,6 +31,7 @@ from nxdplug.plugins.quantization.targets import (
 # CPU, eager, 2048x768 weights: 28 against 295 us at 1 row, 110 against 320 at 8, 436 against
 # 671 at 32; its cost grows by about a GEMV a row, the GEMM's barely).
 INT8_KERNEL_MAX_ROWS = 32
+INT8_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class QuantizedWeight:
@@ -63,13 +64,14 @@ class QuantizedWeight:
         (:mod:`.kernel`), which reads the 8-bit weight as it is, computes the products exactly
         in integers and scales each output by its row's float32 scale: the step reads half the
         bytes of a bf16 weight and makes no full-precision copy. Its cost grows with the rows
-        (about a GEMV each), so prompts, fp8 weights and other devices dequantize the weight
-        for a GEMM."""
+        (about a GEMV each), so prompts, fp8 weights, float16 inputs and other devices dequantize
+        the weight for a GEMM."""
         rows = x.numel() // x.shape[-1]
         int8_matmul = (
             int8_matmul_op()
             if self.weight.dtype == torch.int8
             and x.device.type == "cpu"
+            and x.dtype in INT8_KERNEL_INPUT_DTYPES
             and rows <= INT8_KERNEL_MAX_ROWS
             else None
         )
