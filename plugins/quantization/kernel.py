@@ -1,10 +1,10 @@
 """The plugin's int8 matmul for decoding on the CPU (``int8_matmul.cpp``), built on first use.
 
-The C++ source is compiled once per machine and torch version by torch's extension builder
-(cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) and registers
-``torch.ops.nxdplug_quantization.int8_matmul``. Eager models call it; compiled graphs keep it as
-a call by name (AOTInductor's proxy executor), so a process that loads such a graph needs the op
-registered first: building the int8 layers does that (:func:`int8_matmul_op`).
+The C++ source is compiled once per machine, Python and torch version by torch's extension
+builder (cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) and
+registers ``torch.ops.nxdplug_quantization.int8_matmul``. Eager models call it; compiled graphs
+keep it as a call by name (AOTInductor's proxy executor), so a process that loads such a graph
+needs the op registered first: building the int8 layers does that (:func:`int8_matmul_op`).
 
 Where it cannot be built (no C++ compiler or ninja, a CPU other than x86), :func:`int8_matmul_op`
 returns None after a warning that says why, and the layers dequantize the weight for a GEMM.
@@ -13,8 +13,11 @@ returns None after a warning that says why, and the layers dequantize the weight
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int8_matmul.cpp")
 LIBRARY = "nxdplug_quantization"
+STALE_LOCK_SECONDS = 600
 
 
 @functools.cache
@@ -38,6 +42,7 @@ def int8_matmul_op() -> Any | None:
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_directory(cpp_extension.get_default_build_root())),
             is_python_module=False,
         )
     except (OSError, RuntimeError) as error:
@@ -50,6 +55,22 @@ def int8_matmul_op() -> Any | None:
         return None
     torch.library.register_fake(f"{LIBRARY}::int8_matmul")(_output_like)
     return getattr(torch.ops, LIBRARY).int8_matmul
+
+
+def _build_directory(root: str) -> Path:
+    """The build folder, one per Python and torch version (the library links torch's). A lock
+    left there by a build that was killed would make every later process wait for it forever
+    (torch's builder waits while the file exists); a build takes seconds, so a lock older than
+    STALE_LOCK_SECONDS is removed."""
+    version = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    folder = Path(root) / f"{LIBRARY}-{version.replace('+', '-')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    with contextlib.suppress(FileNotFoundError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            log.warning("removing %s, left by an int8 matmul build that did not finish", lock)
+            lock.unlink()
+    return folder
 
 
 def _output_like(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
