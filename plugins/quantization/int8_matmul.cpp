@@ -67,7 +67,8 @@ struct Digits {
 };
 
 template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) __m512 load_floats(const T* data, __mmask16 mask) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) __m512 load_floats(const T* data,
+                                                                       __mmask16 mask) {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_maskz_loadu_ps(mask, data);
