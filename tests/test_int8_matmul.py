@@ -125,6 +125,21 @@ def test_zero_rows_and_rows_far_from_one(int8_matmul) -> None:
     torch.testing.assert_close(out[1:].double(), expected[1:], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_infinities_and_nans_reach_the_output(int8_matmul, dtype) -> None:
+    """Integers cannot carry them: such inputs take the plain loop, so the output has them
+    where a float matmul would, instead of digits made of garbage."""
+    x, weight, scale = operands(3, 130, 12, dtype)
+    x[0, 5] = float("nan")
+    x[1, 129] = float("inf")
+    out = int8_matmul(x, weight, scale)
+    expected = (x.float() @ weight.float().T) * scale
+    assert torch.equal(out[:2].float().isnan(), expected[:2].isnan())
+    assert torch.equal(out[:2].float().isinf(), expected[:2].isinf())
+    assert out[0].isnan().all() and not out[1].isfinite().any()
+    torch.testing.assert_close(out[2].float(), expected[2], rtol=1e-2, atol=1e-2)
+
+
 def test_bad_operands_are_refused(int8_matmul) -> None:
     x, weight, scale = operands(1, 64, 4, torch.float32)
     with pytest.raises(RuntimeError, match="an int8 weight expected"):

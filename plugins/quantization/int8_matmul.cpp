@@ -31,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -78,9 +79,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) __m512 load_floats(const T*
   }
 }
 
-// v = round(x * 2^(B - e)) with |x| < 2^e, as D signed base-256 digits per element.
+// v = round(x * 2^(B - e)) with |x| < 2^e, as D signed base-256 digits per element; false (and
+// the digits unusable) when x holds an infinity or a NaN, which integers cannot carry.
 template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void fill_digits(const T* x, int64_t rows,
+__attribute__((target("avx512f,avx512bw,avx512vl"))) bool fill_digits(const T* x, int64_t rows,
                                                                       int64_t K, Digits& digits) {
   constexpr int D = kDigits<T>;
   constexpr int B = 8 * D - 2;
@@ -90,13 +92,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void fill_digits(const T* x
   digits.sums.assign(rows * D, 0);
   digits.row_scale.assign(rows, 1.0);
   const __m512i bias = _mm512_set1_epi32(128), low_byte = _mm512_set1_epi32(255);
+  const __m512 infinity = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t m = 0; m < rows; ++m) {
     const T* row = x + m * K;
     __m512 largest = _mm512_setzero_ps();
+    __mmask16 not_finite = 0;
     for (int64_t k = 0; k < K; k += 16) {
       const __mmask16 mask = K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1;
-      largest = _mm512_max_ps(largest, _mm512_abs_ps(load_floats(row + k, mask)));
+      const __m512 magnitude = _mm512_abs_ps(load_floats(row + k, mask));
+      not_finite |= _mm512_mask_cmp_ps_mask(mask, magnitude, infinity, _CMP_NLT_UQ);
+      largest = _mm512_max_ps(largest, magnitude);
     }
+    if (not_finite) return false;
     int exponent = 0;
     const float peak = _mm512_reduce_max_ps(largest);
     if (peak > 0.f) std::frexp(peak, &exponent);
@@ -117,6 +124,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void fill_digits(const T* x
     }
     for (int p = 0; p < D; ++p) digits.sum(m, p) = _mm512_reduce_add_epi32(sums[p]);
   }
+  return true;
 }
 
 // sums[p][r] += the 64 products of digit plane p (row m, from k) with weight lane w[r].
@@ -190,14 +198,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_tile(
 }
 
 // Each thread takes whole tiles of weight rows and runs every activation row over a tile while
-// it is in the L1 cache, so that the weight is read from memory once whatever the rows.
+// it is in the L1 cache, so that the weight is read from memory once whatever the rows. False,
+// with nothing written, when x is not all finite.
 template <typename T>
-void vnni_matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int64_t N,
+bool vnni_matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int64_t N,
                  const float* scale, int64_t scale_stride, T* out) {
   constexpr int D = kDigits<T>;
   thread_local Digits this_thread;
   Digits& digits = this_thread;  // the caller's, which the workers below must read, not theirs
-  fill_digits(x, rows, K, digits);
+  if (!fill_digits(x, rows, K, digits)) return false;
   const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;
   const int64_t grain = std::max<int64_t>(1, kBytesPerTask / (kRowsPerTile * K));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
@@ -213,6 +222,7 @@ void vnni_matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int6
       }
     }
   });
+  return true;
 }
 
 template <typename T>
@@ -234,9 +244,8 @@ bool has_vnni();
 template <typename T>
 void matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int64_t N,
             const float* scale, int64_t scale_stride, T* out) {
-  if (has_vnni() && K <= kMaxK) {
-    vnni_matmul(x, rows, K, weight, N, scale, scale_stride, out);
-  } else {
+  // Infinities and NaNs take the plain loop too, which carries them to the output.
+  if (!(has_vnni() && K <= kMaxK && vnni_matmul(x, rows, K, weight, N, scale, scale_stride, out))) {
     plain_matmul(x, rows, K, weight, N, scale, scale_stride, out);
   }
 }
