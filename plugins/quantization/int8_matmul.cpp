@@ -79,6 +79,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) __m512 load_floats(const T*
   }
 }
 
+// The lanes of a 16-float load that hold elements when `left` of them remain.
+inline __mmask16 floats_present(int64_t left) {
+  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+}
+
 // v = round(x * 2^(B - e)) with |x| < 2^e, as D signed base-256 digits per element; false (and
 // the digits unusable) when x holds an infinity or a NaN, which integers cannot carry.
 template <typename T>
@@ -98,7 +103,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) bool fill_digits(const T* x
     __m512 largest = _mm512_setzero_ps();
     __mmask16 not_finite = 0;
     for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1;
+      const __mmask16 mask = floats_present(K - k);
       const __m512 magnitude = _mm512_abs_ps(load_floats(row + k, mask));
       not_finite |= _mm512_mask_cmp_ps_mask(mask, magnitude, infinity, _CMP_NLT_UQ);
       largest = _mm512_max_ps(largest, magnitude);
@@ -112,7 +117,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) bool fill_digits(const T* x
     __m512i sums[D];
     for (int p = 0; p < D; ++p) sums[p] = _mm512_setzero_si512();
     for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1;
+      const __mmask16 mask = floats_present(K - k);
       __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_floats(row + k, mask), to_integer));
       for (int p = 0; p < D; ++p) {
         const __m512i digit =
