@@ -6,6 +6,8 @@ else runs beside it, eager and compiled, with and without async mode.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -123,6 +125,68 @@ def test_async_mode_lets_a_late_request_join_at_once(checkpoint, prompts) -> Non
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == [late, *early]
     engine.close()
+
+
+def test_async_mode_keeps_the_model_on_the_stepping_thread(
+    checkpoint, prompts, solo, monkeypatch
+) -> None:
+    """The model runs on the thread that steps the engine (the one that loaded it); the host's
+    handling of a step runs on the helper thread while the model makes the next."""
+    app = app_for(checkpoint, async_mode=True, **DYNAMIC)
+    model_threads, host_threads = set(), set()
+
+    def runner(**inputs: torch.Tensor):
+        model_threads.add(threading.current_thread().name)
+        return app(**inputs)
+
+    engine = Engine(app, eos_token_ids=[], runner=runner)
+    accept = engine._accept
+
+    def recording_accept(batch, result):
+        host_threads.add(threading.current_thread().name)
+        return accept(batch, result)
+
+    monkeypatch.setattr(engine, "_accept", recording_accept)
+    assert list(serve_all(engine, prompts).values()) == solo
+    engine.close()
+    assert model_threads == {threading.current_thread().name}
+    helpers = host_threads - {threading.current_thread().name}
+    assert helpers and all(name.startswith("nxdplug-host") for name in helpers)
+
+
+def test_generate_in_async_mode_handles_each_step_beside_the_next(
+    checkpoint, prompts, solo
+) -> None:
+    """``generate()`` with async_mode: the model's calls on the caller's thread, the streamer
+    fed on the helper thread; an EOS stop lets one step run ahead, which is dropped."""
+    app = app_for(checkpoint, async_mode=True, **DYNAMIC)
+    model_threads, streamer_threads = [], []
+
+    class Streamer:
+        def put(self, value: torch.Tensor) -> None:
+            streamer_threads.append(threading.current_thread().name)
+
+        def end(self) -> None:
+            pass
+
+    adapter = HuggingFaceGenerationAdapter(
+        app,
+        input_capture_hook=lambda model, inputs: model_threads.append(
+            threading.current_thread().name
+        ),
+    )
+    prompt, expected = prompts[0], solo[0]
+    stop_at = next(i for i in range(2, len(expected)) if expected[i] not in expected[:i])
+    output = adapter.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=len(expected),
+        eos_token_id=expected[stop_at],
+        pad_token_id=0,
+        streamer=Streamer(),
+    )
+    assert output[0, len(prompt) :].tolist() == expected[: stop_at + 1]
+    assert model_threads == [threading.current_thread().name] * (stop_at + 2)
+    assert any(name.startswith("nxdplug-host") for name in streamer_threads)
 
 
 @pytest.fixture(scope="module")

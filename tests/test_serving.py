@@ -477,18 +477,25 @@ def application(checkpoint: Path):
     return model
 
 
-def test_engine_thread_streams_and_a_closed_stream_aborts(application) -> None:
+def _running(engine_loop) -> threading.Thread:
+    """``engine_loop.run()`` on a thread of its own, as the server's main thread runs it."""
+    stepper = threading.Thread(target=engine_loop.run, daemon=True)
+    stepper.start()
+    return stepper
+
+
+def test_engine_loop_streams_and_a_closed_stream_aborts(application) -> None:
     from nxdplug.engine import Engine, SamplingSettings
-    from nxdplug.serving.engine_thread import EngineStoppedError, EngineThread
+    from nxdplug.serving.engine_loop import EngineLoop, EngineStoppedError
 
     engine = Engine(application)
-    engine_thread = EngineThread(engine)
-    engine_thread.start()
+    engine_loop = EngineLoop(engine)
+    stepper = _running(engine_loop)
     settings = SamplingSettings(max_tokens=40, temperature=0, ignore_eos=True)
 
     async def scenario() -> tuple[int, str | None]:
-        whole = [o async for o in engine_thread.generate([1, 2, 3], settings)]
-        stream = engine_thread.generate([1, 2, 3], settings)
+        whole = [o async for o in engine_loop.generate([1, 2, 3], settings)]
+        stream = engine_loop.generate([1, 2, 3], settings)
         async for _ in stream:
             break  # the consumer leaves: the request is aborted
         return sum(len(o.token_ids) for o in whole), whole[-1].finish_reason
@@ -499,34 +506,36 @@ def test_engine_thread_streams_and_a_closed_stream_aborts(application) -> None:
             break
         time.sleep(0.01)
     assert engine.lines.in_use == 0 and not engine.has_unfinished()
-    engine_thread.shutdown(timeout=10)
-    assert not engine_thread.is_alive()
+    assert engine_loop.is_serving()
+    engine_loop.stop()
+    stepper.join(timeout=10)
+    assert not stepper.is_alive() and not engine_loop.is_serving()
 
-    async def after_shutdown() -> None:
-        engine_thread.generate([1], settings)
+    async def after_stop() -> None:
+        engine_loop.generate([1], settings)
 
     with pytest.raises(EngineStoppedError):
-        asyncio.run(after_shutdown())
+        asyncio.run(after_stop())
 
 
 def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
     from nxdplug.engine import Engine, SamplingSettings
-    from nxdplug.serving.engine_thread import EngineThread
+    from nxdplug.serving.engine_loop import EngineLoop
 
     def broken(**inputs: torch.Tensor) -> None:
         raise RuntimeError("the device fell off")
 
-    engine_thread = EngineThread(Engine(application, runner=broken))
-    engine_thread.start()
+    engine_loop = EngineLoop(Engine(application, runner=broken))
+    stepper = _running(engine_loop)
 
     async def scenario() -> None:
-        async for _ in engine_thread.generate([1, 2], SamplingSettings(max_tokens=4)):
+        async for _ in engine_loop.generate([1, 2], SamplingSettings(max_tokens=4)):
             pass
 
     with pytest.raises(RuntimeError, match="the device fell off"):
         asyncio.run(scenario())
-    engine_thread.shutdown(timeout=10)
-    assert not engine_thread.is_alive()
+    stepper.join(timeout=10)
+    assert not stepper.is_alive() and not engine_loop.is_serving()
 
 
 # --- tensor parallelism ------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """``nxdplug serve``: an OpenAI-compatible HTTP server over the engine.
 
 The model is built as ``nxdplug run`` builds it, with continuous batching on (a KV-cache line
-per request). The port is taken before the model loads, so a busy port fails at once. On Ctrl-C
-or SIGTERM uvicorn stops taking connections and gives the requests in flight
-:data:`GRACE_SECONDS` to finish; the engine thread then aborts whatever still runs, stops, and
+per request). The port is taken before the model loads, so a busy port fails at once. The main
+thread, which loaded the model, steps the engine; uvicorn serves HTTP on a thread of its own.
+On Ctrl-C or SIGTERM uvicorn stops taking connections and gives the requests in flight
+:data:`GRACE_SECONDS` to finish; the engine loop then aborts whatever still runs, stops, and
 the command exits 0. Under ``torchrun`` the first rank serves and the others follow its steps.
 """
 
@@ -15,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -108,14 +110,14 @@ def _serve(
 
     from nxdplug.engine import Engine
     from nxdplug.serving.app import build_app
-    from nxdplug.serving.engine_thread import EngineThread
+    from nxdplug.serving.engine_loop import EngineLoop
     from nxdplug.serving.metrics import ServingMetrics
 
     engine = Engine(model, tokenizer, max_waiting=args.max_waiting, runner=runner)
     metrics = ServingMetrics(engine)
-    engine_thread = EngineThread(engine, metrics)
+    engine_loop = EngineLoop(engine, metrics)
     name = args.served_model_name or str(args.model_path)
-    app = build_app(engine_thread, tokenizer, name, metrics)
+    app = build_app(engine_loop, tokenizer, name, metrics)
     server_config = uvicorn.Config(
         app,
         log_level=args.log_level,
@@ -124,17 +126,42 @@ def _serve(
     )
     if args.log_level != "debug":  # uvicorn's start-up lines; the one line below says it all
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    server = uvicorn.Server(server_config)
+
+    def serve_http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            engine_loop.stop()
+
+    http = threading.Thread(target=serve_http, name="nxdplug-http")
     host, port = sock.getsockname()[:2]
-    engine_thread.start()
+    print(
+        f"nxdplug: serving {name} at http://{_url_host(host)}:{port}/v1 "
+        f"({model.backend_name} backend, batch size {model.neuron_config.max_batch_size})",
+        flush=True,
+    )
+    with _stop_signals_stop(server):
+        http.start()
+        try:
+            engine_loop.run()
+        finally:
+            engine_loop.stop()
+            http.join()
+
+
+@contextlib.contextmanager
+def _stop_signals_stop(server: Any) -> Iterator[None]:
+    """Ctrl-C and SIGTERM stop uvicorn (which serves on another thread, where it cannot take
+    signals): a first signal shuts down gracefully, a second Ctrl-C at once."""
+    previous = {
+        sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
-        print(
-            f"nxdplug: serving {name} at http://{_url_host(host)}:{port}/v1 "
-            f"({model.backend_name} backend, batch size {model.neuron_config.max_batch_size})",
-            flush=True,
-        )
-        _graceful_server_class()(server_config).run(sockets=[sock])
+        yield
     finally:
-        engine_thread.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -177,18 +204,3 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def _graceful_server_class() -> type:
-    import uvicorn
-
-    class GracefulServer(uvicorn.Server):
-        """uvicorn's server, except that a signal only stops it: uvicorn re-raises the signal
-        after its shutdown (Ctrl-C would end in KeyboardInterrupt, SIGTERM in death by signal),
-        where ``nxdplug serve`` exits 0 after a clean stop."""
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            super().handle_exit(sig, frame)
-            getattr(self, "_captured_signals", []).clear()
-
-    return GracefulServer

@@ -6,23 +6,25 @@ runs one token-generation step for every running request (``tkg_batch_size`` row
 chooses each request's token with its own settings, and frees the line of every request that
 ended. Requests come and go between steps; the graphs never change shape, so nothing recompiles.
 
-With ``async_mode`` (which needs on-device sampling) the next decode step is started with the
-tokens the model just chose, before the host looks at them: the host's work of a step
-(choosing what ended, decoding text, handing out outputs) overlaps the model's next step. A
-request that ended is dropped from the step after; its extra token is thrown away. The chain
-breaks for a step whenever requests join (a prompt to encode, or one just encoded), so that
-the next step decodes every running request.
+With ``async_mode`` (which needs on-device sampling) the next decode step starts from the
+tokens the model just chose, before the host looks at them: the host's work of a step (choosing
+what ended, decoding text, handing out outputs) runs on a helper thread while the model's next
+step runs on the stepping thread (:class:`~nxdplug.runtime.step_ahead.HostOverlap`). A request
+that ended is dropped from the step after; its extra token is thrown away. The chain breaks for
+a step whenever requests join (a prompt to encode, or one just encoded), so that the next step
+decodes every running request.
 
+Step the engine from the thread that loaded the model (see ``step_ahead`` for why).
 ``add_request`` and ``abort`` may be called from other threads while one thread steps.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from nxdplug.engine.requests import (
 )
 from nxdplug.engine.token_choice import TokenChoice
 from nxdplug.errors import ConfigError
+from nxdplug.runtime.step_ahead import HostOverlap
 
 StepOutputs = tuple[list[int], list[float] | None]
 
@@ -100,8 +103,9 @@ class Engine:
         )
         self.choice = TokenChoice(application.context)
         self.async_mode = bool(neuron_config.async_mode)
-        self._worker = ThreadPoolExecutor(1, "nxdplug-step") if self.async_mode else None
-        self._pending: tuple[list[Request], Future[Any]] | None = None
+        self._overlap = HostOverlap(self.async_mode)
+        # async mode: the last decode step's requests and result, not yet handled by the host
+        self._pending: tuple[list[Request], StepOutputs] | None = None
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}
@@ -200,29 +204,44 @@ class Engine:
         """Admit, encode, decode once; the outputs of every request that moved."""
         outputs = self._take_aborts()
         if self._pending is not None:
-            batch, future = self._pending
+            batch, result = self._pending
             self._pending = None
-            result = future.result()
-            newcomers = any(r not in batch for r in self._running.values())
-            if not (newcomers or self._can_admit()):
-                self._start_decode(batch, first_tokens=result[0])
-            return outputs + self._accept(batch, result)
+            return outputs + self._handle_and_step_ahead(batch, result)
         admitted = self._admit()
         for start in range(0, len(admitted), self.ctx_rows):
             batch = admitted[start : start + self.ctx_rows]
             outputs += self._accept(batch, self._prefill(batch))
         decoding = [r for r in self._running.values() if r not in admitted and not r.finished]
         if decoding:
-            if self._worker is not None:
-                self._start_decode(decoding)
+            calls = self._decode_calls(decoding)
+            if self._overlap.enabled:
+                self._pending = (decoding, self._run_decode(calls))
             else:
-                outputs += self._accept(decoding, self._decode(decoding))
+                outputs += self._accept(decoding, self._run_decode(calls))
+        return outputs
+
+    def _handle_and_step_ahead(
+        self, batch: list[Request], result: StepOutputs
+    ) -> list[RequestOutput]:
+        """Async mode: hand out the last decode step's tokens while the model decodes the next
+        step from them; when requests are joining, only hand them out (the next step admits
+        and decodes every running request)."""
+        newcomers = any(r not in batch for r in self._running.values())
+        ahead = [(r, t) for r, t in zip(batch, result[0], strict=True) if not r.finished]
+        if newcomers or self._can_admit() or not ahead:
+            return self._accept(batch, result)
+        rows = [r for r, _ in ahead]
+        calls = self._decode_calls(rows, first_tokens=[t for _, t in ahead])
+        outputs, stepped = self._overlap.run(
+            functools.partial(self._accept, batch, result),
+            functools.partial(self._run_decode, calls),
+        )
+        self._pending = (rows, stepped)
         return outputs
 
     def close(self) -> None:
-        """Stop the step worker (async mode)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
+        """Stop the host's helper thread (async mode)."""
+        self._overlap.close()
 
     def _take_aborts(self) -> list[RequestOutput]:
         outputs = []
@@ -265,11 +284,6 @@ class Engine:
         )
         return self._choose(batch, outputs)
 
-    def _decode(
-        self, batch: list[Request], first_tokens: Sequence[int] | None = None
-    ) -> StepOutputs:
-        return self._run_decode(self._decode_calls(batch, first_tokens))
-
     def _decode_calls(
         self, batch: list[Request], first_tokens: Sequence[int] | None = None
     ) -> list[tuple[list[Request], dict[str, torch.Tensor]]]:
@@ -303,25 +317,6 @@ class Engine:
             tokens += chosen
             logprobs += chosen_logprobs or [float("nan")] * len(rows)
         return tokens, logprobs
-
-    def _start_decode(
-        self, batch: list[Request], first_tokens: Sequence[int] | None = None
-    ) -> None:
-        """Start the next decode step on the worker (async mode); its inputs are made here."""
-        if first_tokens is not None:
-            kept = [(r, t) for r, t in zip(batch, first_tokens, strict=True) if not r.finished]
-            batch, first_tokens = [r for r, _ in kept], [t for _, t in kept]
-        else:
-            batch = [r for r in batch if not r.finished]
-        if not batch:
-            return
-        calls = self._decode_calls(batch, first_tokens)
-
-        def run() -> StepOutputs:
-            with torch.inference_mode():
-                return self._run_decode(calls)
-
-        self._pending = (batch, self._worker.submit(run))
 
     def _seq_ids(self, batch: Sequence[Request]) -> torch.Tensor:
         return self._long([r.line for r in batch])

@@ -14,6 +14,7 @@ per step are refused.
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,7 +32,7 @@ from nxdplug.runtime.generate_processors import (
 )
 from nxdplug.runtime.sampling import SamplingParams
 from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice
-from nxdplug.runtime.step_ahead import StepAhead
+from nxdplug.runtime.step_ahead import HostOverlap
 
 # transformers' own fallbacks for settings neither the model nor the caller gives (its
 # _get_default_generation_params in transformers 5; the lengths are decided with the prompt).
@@ -123,6 +124,69 @@ class PluginTokens:
         tokens, logits = self.source.next_tokens(outputs)
         scores = self.source.scores(logits) if self.keep_scores else None
         return tokens, logits, scores
+
+
+class GenerationProgress:
+    """The rows ``generate()`` has made so far and what it keeps for its result; ``add`` is the
+    host's work of one step (async mode runs it while the model makes the next)."""
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        parts: GenerationParts,
+        streamer: Any,
+    ) -> None:
+        config = parts.config
+        self.sequences = input_ids
+        self.mask = attention_mask
+        self.unfinished = torch.ones(len(input_ids), dtype=torch.long, device=input_ids.device)
+        self.criteria = parts.criteria
+        self.pads_finished_rows = parts.pads_finished_rows
+        self.pad = config._pad_token_tensor
+        self.keep_scores = bool(config.return_dict_in_generate and config.output_scores)
+        self.keep_logits = bool(config.return_dict_in_generate and config.output_logits)
+        self.logits: list[torch.Tensor | None] = []
+        self.scores: list[torch.Tensor | None] = []
+        self.streamer = streamer
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+    def mask_with_one_more(self) -> torch.Tensor:
+        """The attention mask with one more position."""
+        return torch.cat([self.mask, self.mask.new_ones(len(self.mask), 1)], dim=-1)
+
+    def add(
+        self, tokens: torch.Tensor, logits: torch.Tensor | None, scores: torch.Tensor | None
+    ) -> bool:
+        """Append one step's tokens (the pad token in finished rows); True once every row
+        has finished."""
+        if self.keep_logits:
+            self.logits.append(logits)
+        if self.keep_scores:
+            self.scores.append(scores)
+        if self.pads_finished_rows:
+            tokens = tokens * self.unfinished + self.pad * (1 - self.unfinished)
+        self.sequences = torch.cat([self.sequences, tokens[:, None]], dim=-1)
+        self.mask = self.mask_with_one_more()
+        self.unfinished = self.unfinished & ~self.criteria(
+            self.sequences, tuple(self.scores) or None
+        )
+        if self.streamer is not None:
+            self.streamer.put(tokens.cpu())
+        return bool(self.unfinished.max() == 0)
+
+    def result(self, config: GenerationConfig) -> torch.Tensor | GenerateDecoderOnlyOutput:
+        """What ``generate()`` returns; ends the streamer."""
+        if self.streamer is not None:
+            self.streamer.end()
+        if not config.return_dict_in_generate:
+            return self.sequences
+        return GenerateDecoderOnlyOutput(
+            sequences=self.sequences,
+            scores=tuple(self.scores) if self.keep_scores else None,
+            logits=tuple(self.logits) if self.keep_logits else None,
+        )
 
 
 def model_generation_config(model: Any) -> GenerationConfig:
@@ -261,19 +325,9 @@ class HuggingFaceGenerationAdapter:
                 " with k >= prompt_lookup_num_tokens"
             )
         sampling = self._token_source(parts, input_ids.shape[0], step_keywords, kwargs)
-        keep_scores = config.return_dict_in_generate and config.output_scores
-        keep_logits = config.return_dict_in_generate and config.output_logits
-        pad = parts.config._pad_token_tensor
-        criteria = parts.criteria
-
+        progress = GenerationProgress(input_ids, attention_mask, parts, streamer)
         model = self.neuron_model
         model.reset()
-        sequences, mask = input_ids, attention_mask
-        unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
-        all_logits: list[torch.Tensor | None] = []
-        all_scores: list[torch.Tensor | None] = []
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
 
         def call(step_input: torch.Tensor, step_mask: torch.Tensor) -> Any:
             return model(
@@ -283,42 +337,28 @@ class HuggingFaceGenerationAdapter:
                 **sampling.step_keywords,
             )
 
-        steps = StepAhead(call, pipelined=self._runs_ahead(sampling))
+        overlap = HostOverlap(self._runs_ahead(sampling))
         try:
-            step_input = input_ids
+            outputs = call(input_ids, attention_mask)
             for step in range(new_tokens):
-                outputs = steps.outputs(step_input, mask)
-                next_tokens, logits, scores = sampling.step(outputs, sequences)
-                if step < new_tokens - 1:
-                    steps.start_next(
-                        next_tokens[:, None], torch.cat([mask, mask.new_ones(len(mask), 1)], -1)
+                next_tokens, logits, scores = sampling.step(outputs, progress.sequences)
+                last = step == new_tokens - 1
+                if overlap.enabled and not last:
+                    done, outputs = overlap.run(
+                        functools.partial(progress.add, next_tokens, logits, scores),
+                        functools.partial(
+                            call, next_tokens[:, None], progress.mask_with_one_more()
+                        ),
                     )
-                if keep_logits:
-                    all_logits.append(logits)
-                if keep_scores:
-                    all_scores.append(scores)
-                if parts.pads_finished_rows:
-                    next_tokens = next_tokens * unfinished + pad * (1 - unfinished)
-                sequences = torch.cat([sequences, next_tokens[:, None]], dim=-1)
-                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-                unfinished = unfinished & ~criteria(sequences, tuple(all_scores) or None)
-                if streamer is not None:
-                    streamer.put(next_tokens.cpu())
-                if unfinished.max() == 0 or step == new_tokens - 1:
+                else:
+                    done = progress.add(next_tokens, logits, scores)
+                    if not (done or last):
+                        outputs = call(progress.sequences[:, -1:], progress.mask)
+                if done or last:
                     break
-                step_input = next_tokens[:, None]
         finally:
-            steps.finish()
-        if streamer is not None:
-            streamer.end()
-
-        if not config.return_dict_in_generate:
-            return sequences
-        return GenerateDecoderOnlyOutput(
-            sequences=sequences,
-            scores=tuple(all_scores) if keep_scores else None,
-            logits=tuple(all_logits) if keep_logits else None,
-        )
+            overlap.close()
+        return progress.result(parts.config)
 
     def _runs_ahead(self, sampling: HostSampling | PluginTokens) -> bool:
         """Whether each step starts before the host handles the last one (async_mode): only

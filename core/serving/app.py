@@ -1,7 +1,7 @@
-"""The HTTP layer: OpenAI's routes over an :class:`~nxdplug.serving.engine_thread.EngineThread`.
+"""The HTTP layer: OpenAI's routes over an :class:`~nxdplug.serving.engine_loop.EngineLoop`.
 
 A route checks the request, turns it into prompt ids and sampling settings, hands it to the
-engine thread and returns (or streams, as server-sent events) what comes back. Scheduling,
+engine loop and returns (or streams, as server-sent events) what comes back. Scheduling,
 batching and cancellation are the engine's; a request whose client goes away is aborted, which
 frees its KV-cache line: a streamed one when its stream is cancelled, a non-streamed one when
 the server sees the connection close while it waits for the whole answer.
@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from nxdplug.engine import EngineFullError, RequestError, RequestOutput
-from nxdplug.serving.engine_thread import EngineStoppedError, EngineThread, OutputStream
+from nxdplug.serving.engine_loop import EngineLoop, EngineStoppedError, OutputStream
 from nxdplug.serving.metrics import ServingMetrics
 from nxdplug.serving.protocol import (
     ChatCompletionRequest,
@@ -47,11 +47,11 @@ from nxdplug.serving.responses import (
 
 
 def build_app(
-    engine_thread: EngineThread, tokenizer: Any, model_name: str, metrics: ServingMetrics
+    engine_loop: EngineLoop, tokenizer: Any, model_name: str, metrics: ServingMetrics
 ) -> FastAPI:
     """The server's app; ``model_name`` is the one name requests may give as ``model``."""
     app = FastAPI(title="nxdplug")
-    seq_len = engine_thread.engine.max_positions
+    seq_len = engine_loop.engine.max_positions
     _add_error_handlers(app)
 
     def check_model(name: str) -> None:
@@ -67,7 +67,7 @@ def build_app(
     async def completions(request: Request, body: CompletionRequest) -> Response:
         check_model(body.model)
         body.refuse_unsupported()
-        stream = engine_thread.generate(body.prompt_ids(tokenizer), body.settings())
+        stream = engine_loop.generate(body.prompt_ids(tokenizer), body.settings())
         reply_id = "cmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         if body.stream:
@@ -88,7 +88,7 @@ def build_app(
         check_model(body.model)
         body.refuse_unsupported()
         prompt_ids = body.prompt_ids(tokenizer)
-        stream = engine_thread.generate(prompt_ids, body.settings(len(prompt_ids), seq_len))
+        stream = engine_loop.generate(prompt_ids, body.settings(len(prompt_ids), seq_len))
         reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         if body.stream:
@@ -117,9 +117,9 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if engine_thread.is_alive():
+        if engine_loop.is_serving():
             return Response(status_code=200)
-        return JSONResponse(error_body(503, "the engine thread is not running"), status_code=503)
+        return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -1,6 +1,8 @@
-"""The engine's step loop on a thread of its own, with an asyncio face for request handlers.
+"""The engine's step loop, with an asyncio face for request handlers.
 
-The engine is stepped from one thread only; HTTP handlers run on the event loop. The loop thread
+The engine is stepped from one thread only, the one that loaded the model (``nxdplug serve``'s
+main thread: a model called from a second thread runs its steps up to 2x slower, see
+:mod:`nxdplug.runtime.step_ahead`); HTTP handlers run on the event loop's thread. The loop
 sleeps while the engine has nothing to do, steps while it has, and hands each output to its
 request's :class:`OutputStream` through ``loop.call_soon_threadsafe``. A stream that is closed
 before its request ended (a client gone, a cancelled handler) aborts the request, so its
@@ -31,7 +33,7 @@ logger = logging.getLogger("nxdplug.serving")
 
 
 class EngineStoppedError(NxdPlugError):
-    """The engine thread stopped (shutting down, or after an engine failure): a 503."""
+    """The engine loop stopped (shutting down, or after an engine failure): a 503."""
 
 
 @attrs.define
@@ -77,8 +79,9 @@ class OutputStream:
             self._abort(self.request_id)
 
 
-class EngineThread:
-    """Owns ``engine``: steps it on a background thread while requests are unfinished.
+class EngineLoop:
+    """Steps ``engine`` on the thread that calls :meth:`run` while requests are unfinished;
+    the other methods may be called from any thread.
 
     ``metrics`` (optional) records each output's tokens and latencies.
     """
@@ -90,13 +93,10 @@ class EngineThread:
         self._consumers: dict[str, _Consumer] = {}
         self._accepting = True
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="nxdplug-engine", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
+    def is_serving(self) -> bool:
+        """True until the loop is stopped or the engine failed."""
+        return self._accepting
 
     def generate(self, prompt_ids: Sequence[int], settings: SamplingSettings) -> OutputStream:
         """Queue a request and return its outputs' stream; call from the event loop.
@@ -118,9 +118,9 @@ class EngineThread:
         deliver: Callable[[RequestOutput | BaseException], None],
     ) -> None:
         """Queue a request whose outputs (or the engine's failure) go to ``deliver``, which is
-        called on the engine thread; thread-safe."""
+        called on the thread that steps the engine; thread-safe."""
         with self._wake:
-            if not self._accepting or not self.is_alive():
+            if not self._accepting:
                 raise EngineStoppedError("the server is shutting down; no new requests")
             self._consumers[request_id] = _Consumer(deliver, time.monotonic())
             try:
@@ -136,20 +136,19 @@ class EngineThread:
         with self._wake:
             self._wake.notify()
 
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Stop taking requests, abort the running ones, let the loop deliver their last
-        outputs, join the thread and close the engine."""
+    def stop(self) -> None:
+        """Stop taking requests and abort the running ones; :meth:`run` delivers their last
+        outputs and returns."""
         with self._wake:
             self._accepting = False
             self._stopping = True
             for request_id in self._consumers:
                 self.engine.abort(request_id)
             self._wake.notify()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        self.engine.close()
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Step the engine until :meth:`stop` was called and no request is left, or until the
+        engine fails (the server then answers 503); closes the engine."""
         try:
             while self._wait_for_work():
                 outputs = self.engine.step()
@@ -161,6 +160,8 @@ class EngineThread:
                 consumers, self._consumers = list(self._consumers.values()), {}
             for consumer in consumers:
                 consumer.deliver(exc)
+        finally:
+            self.engine.close()
 
     def _wait_for_work(self) -> bool:
         """Sleep until the engine has work; False once stopping and nothing is left."""
