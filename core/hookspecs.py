@@ -133,16 +133,18 @@ class NumericsSpecs:
 
     @hookspec
     def nxdplug_kv_cache_strategies(self) -> Iterable[KVCacheStrategy]:
-        """Register KV-cache layouts.
+        """Register KV-cache layouts, each with the cache space through which the serving
+        engine reserves room in it for a request (by default a whole line, a batch row).
 
         .. code-block:: python
 
             @nxdplug.hookimpl
             def nxdplug_kv_cache_strategies():
                 yield KVCacheStrategy(
-                    name="int8-cache",
-                    implementation="my_pkg.cache:Int8KVCache",
-                    enabled_by=("my_int8_cache",),
+                    name="paged",
+                    implementation="my_pkg.cache:PagedKVCache",
+                    cache_space="my_pkg.cache:BlockTables",
+                    enabled_by=("is_block_kv_layout",),
                 )
         """
 

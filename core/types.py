@@ -180,9 +180,13 @@ class Sampler(PluginRecord):
 
 @attrs.frozen(kw_only=True)
 class KVCacheStrategy(SelectableRecord):
-    """A KV-cache layout; ``implementation`` is a KVCacheManager subclass."""
+    """A KV-cache layout; ``implementation`` is a KVCacheManager subclass. ``cache_space`` is
+    the :class:`nxdplug.engine.cache_space.CacheSpace` subclass (built with the NeuronConfig)
+    through which the serving engine reserves room in it; by default a whole line (batch row)
+    per request."""
 
     implementation: str = _ref_field()
+    cache_space: str = _ref_field(default="nxdplug.engine.cache_space:CacheLines")
 
 
 @attrs.frozen(kw_only=True)

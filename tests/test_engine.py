@@ -6,6 +6,7 @@ else runs beside it, eager and compiled, with and without async mode.
 
 from __future__ import annotations
 
+import heapq
 import threading
 
 import pytest
@@ -19,7 +20,11 @@ from nxdplug import (
     from_pretrained,
 )
 from nxdplug.engine import Engine, EngineFullError, RequestError, SamplingSettings
+from nxdplug.engine.cache_space import CacheLines
 from nxdplug.errors import ConfigError
+from nxdplug.hookspecs import hookimpl
+from nxdplug.testing import temporary_plugin
+from nxdplug.types import Feature, KVCacheStrategy
 
 LENGTHS = (3, 7, 12, 5, 9, 4, 14)
 MAX_TOKENS = (10, 4, 8, 12, 6, 9, 5)
@@ -187,6 +192,53 @@ def test_generate_in_async_mode_handles_each_step_beside_the_next(
     assert output[0, len(prompt) :].tolist() == expected[: stop_at + 1]
     assert model_threads == [threading.current_thread().name] * (stop_at + 2)
     assert any(name.startswith("nxdplug-host") for name in streamer_threads)
+
+
+class TwoTopLines(CacheLines):
+    """A third party's cache space: the highest free line first, and room for 2 requests."""
+
+    reserved: list[tuple[int, int]] = []
+    most_in_use = 0
+
+    def reserve(self, prompt_ids, max_tokens):
+        if self.in_use == 2:
+            return None
+        line = max(self._free)
+        self._free.remove(line)
+        heapq.heapify(self._free)
+        TwoTopLines.reserved.append((len(prompt_ids), max_tokens))
+        TwoTopLines.most_in_use = max(TwoTopLines.most_in_use, self.in_use)
+        return line
+
+    def step_inputs(self, lines, device):
+        assert all(line >= self.count - 2 for line in lines)
+        return {}
+
+
+class TwoTopLinesPlugin:
+    @hookimpl
+    def nxdplug_features(self):
+        yield Feature(name="two-top-lines", settings={"two_top_lines": False})
+
+    @hookimpl
+    def nxdplug_kv_cache_strategies(self):
+        yield KVCacheStrategy(
+            name="two-top-lines",
+            implementation="nxdplug.plugins.static_kv_cache.cache:StaticKVCache",
+            cache_space=f"{__name__}:TwoTopLines",
+            enabled_by=("two_top_lines",),
+        )
+
+
+def test_the_kv_cache_strategy_lends_the_room(plugin_manager, checkpoint, prompts, solo) -> None:
+    """The engine asks the selected KV-cache strategy's cache space for room: a request waits
+    while it has none, though lines are free, and runs in the line it lends."""
+    with temporary_plugin(TwoTopLinesPlugin(), "two-top-lines"):
+        engine = Engine(app_for(checkpoint, two_top_lines=True), eos_token_ids=[])
+        assert isinstance(engine.lines, TwoTopLines)
+        assert list(serve_all(engine, prompts).values()) == solo
+    assert TwoTopLines.most_in_use == 2 and engine.lines.in_use == 0
+    assert TwoTopLines.reserved == [(len(p), n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
 
 
 @pytest.fixture(scope="module")

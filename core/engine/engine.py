@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.engine.cache_lines import CacheLines
+from nxdplug.engine.cache_space import CacheSpace
 from nxdplug.engine.detokenizer import IncrementalText
 from nxdplug.engine.requests import (
     FINISH_ABORT,
@@ -92,7 +92,8 @@ class Engine:
         self.runner = runner or application
         self.device = application.device
         self.max_waiting = max_waiting
-        self.lines = CacheLines(neuron_config.max_batch_size)
+        strategy = application.plugins.kv_cache_strategy
+        self.lines: CacheSpace = strategy.load("cache_space")(neuron_config)
         self.ctx_rows = neuron_config.ctx_batch_size
         self.tkg_rows = neuron_config.tkg_batch_size
         self.max_prompt = neuron_config.max_context_length
@@ -260,8 +261,12 @@ class Engine:
         admitted = []
         with self._lock:
             while self._waiting and self.lines.free > 0:
-                request = self._waiting.popleft()
-                request.line = self.lines.take()
+                request = self._waiting[0]
+                line = self.lines.reserve(request.prompt_ids, request.settings.max_tokens)
+                if line is None:
+                    break
+                self._waiting.popleft()
+                request.line = line
                 self._running[request.line] = request
                 if self.tokenizer is not None:
                     self._texts[request.request_id] = IncrementalText(
@@ -279,7 +284,7 @@ class Engine:
         outputs = self.runner(
             input_ids=self._long(ids),
             attention_mask=self._long(mask),
-            seq_ids=self._seq_ids(batch),
+            **self._cache_inputs(batch),
             **self.choice.step_keywords(batch),
         )
         return self._choose(batch, outputs)
@@ -302,9 +307,9 @@ class Engine:
             inputs = {
                 "input_ids": self._long(last)[:, None],
                 "position_ids": self._long(positions)[:, None],
-                "seq_ids": self._seq_ids(rows),
             }
-            calls.append((rows, inputs | self.choice.step_keywords(rows)))
+            inputs |= self._cache_inputs(rows) | self.choice.step_keywords(rows)
+            calls.append((rows, inputs))
         return calls
 
     def _run_decode(
@@ -318,8 +323,11 @@ class Engine:
             logprobs += chosen_logprobs or [float("nan")] * len(rows)
         return tokens, logprobs
 
-    def _seq_ids(self, batch: Sequence[Request]) -> torch.Tensor:
-        return self._long([r.line for r in batch])
+    def _cache_inputs(self, batch: Sequence[Request]) -> dict[str, torch.Tensor]:
+        """Where the rows' keys and values are: their lines (``seq_ids``), and what else the
+        KV-cache strategy's graphs take."""
+        lines = [r.line for r in batch]
+        return {"seq_ids": self._long(lines), **self.lines.step_inputs(lines, self.device)}
 
     def _long(self, values: Sequence[Any]) -> torch.Tensor:
         """Token ids, positions or cache lines as a long tensor on the model's device."""
