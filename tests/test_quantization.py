@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -419,6 +420,21 @@ def test_compiled_quantized_model_generates_the_eager_tokens(tiny_checkpoint, tm
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == expected.tolist()
+
+    # Where the operator cannot be built, loading says so (not PyTorch's missing schema alone).
+    no_compiler = os.environ | {"CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "x")}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(checkpoint), str(tmp_path / "compiled")],
+        capture_output=True,
+        text=True,
+        env=no_compiler,
+    )
+    assert result.returncode != 0
+    assert "int8 matmul (int8_matmul.cpp) could not be built" in result.stderr
+    assert (
+        "calls the operator nxdplug_quantization::int8_matmul, which is not registered"
+        in result.stderr
+    )
 
 
 # -- config problems --------------------------------------------------------------------------

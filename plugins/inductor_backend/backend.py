@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from nxdplug.errors import ConfigError
+from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.plugins.inductor_backend.prepacked_linear import (
     PrepackedWeights,
     prepacking_available,
@@ -28,6 +29,8 @@ QUIET_AUTOTUNE = {"autotune_num_choices_displayed": 0, "max_autotune_report_choi
 # nxdplug's own compiler argument (not an inductor option): prepack_weights=false keeps plain
 # linear weights (see prepacked_linear).
 PREPACK_ARGUMENT = "prepack_weights"
+# How PyTorch says a loaded graph calls an operator nobody registered (a plugin's custom op).
+UNREGISTERED_OPERATOR = re.compile(r"Could not find schema for (\S+?)\.?$", re.MULTILINE)
 
 
 def parse_compiler_args(compiler_args: str | None) -> dict[str, Any]:
@@ -125,8 +128,19 @@ class InductorBackend:
             )
 
     def load_graph(self, path: Path, *, weights_in_graph: bool) -> Callable[..., torch.Tensor]:
-        with torch_internal_warnings_silenced():
-            compiled = torch._inductor.aoti_load_package(str(path))
+        try:
+            with torch_internal_warnings_silenced():
+                compiled = torch._inductor.aoti_load_package(str(path))
+        except RuntimeError as error:
+            unregistered = UNREGISTERED_OPERATOR.search(str(error))
+            if unregistered is None:
+                raise
+            raise NxdPlugError(
+                f"{path} calls the operator {unregistered.group(1)}, which is not registered in "
+                "this process: the plugin that provides it did not register it (a warning above "
+                "may say why, e.g. its extension could not be built here). Load the folder where "
+                "the plugin's operator is available, or compile the model again here."
+            ) from None
         if not weights_in_graph:
             self.prepacked.add_graph(compiled.get_metadata(), str(path))
         return FlatCallGraph(compiled, takes_weights=not weights_in_graph)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ def int8_matmul_op() -> Any | None:
             build_directory=str(_build_directory(cpp_extension.get_default_build_root())),
             is_python_module=False,
         )
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning(
             "nxdplug's int8 matmul (%s) could not be built: %s; int8 layers dequantize their "
             "weights at each call instead, which is slower",
