@@ -1,10 +1,11 @@
-"""Time the serving engine with and without async mode, in one run, on one compiled model.
+"""Time the serving engine with and without async mode, in one run, on one model.
 
     python examples/engine_async_mode.py --model-path /tmp/llama-120m --compiled-model-path C
 
 Serves the same requests (greedy, on-device sampling, text decoded as it comes) in turns with
 ``async_mode`` off and on, and prints the median time of a decode step of each and the gain.
-Both load the same compiled folder: async mode is a runtime setting.
+Both load the same compiled folder (async mode is a runtime setting), or run eagerly without
+``--compiled-model-path``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ def build(args: argparse.Namespace, async_mode: bool) -> Engine:
         async_mode=async_mode,
     )
     app = from_pretrained(args.model_path, config)
-    app.compile(args.compiled_model_path, quiet=True)
-    app.load(args.compiled_model_path, quiet=True)
+    if args.compiled_model_path is None:
+        app.to_cpu()
+    else:
+        app.compile(args.compiled_model_path, quiet=True)
+        app.load(args.compiled_model_path, quiet=True)
     return Engine(app, AutoTokenizer.from_pretrained(args.model_path), eos_token_ids=[])
 
 
@@ -52,7 +56,7 @@ def decode_step_seconds(engine: Engine, prompts: list[list[int]], max_tokens: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", type=Path, required=True)
-    parser.add_argument("--compiled-model-path", type=Path, required=True)
+    parser.add_argument("--compiled-model-path", type=Path, help="without it: eager")
     parser.add_argument("--torch-dtype", default="bfloat16")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prompt-length", type=int, default=64)

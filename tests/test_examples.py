@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,14 +75,29 @@ def test_nxdi_speculative_script_prints_hf_greedy_text(tiny_checkpoint) -> None:
     assert printed.startswith(f"Output 0: {text}\nspeculation: "), printed
 
 
-def test_engine_async_mode_example_times_both_modes(tiny_checkpoint, tmp_path) -> None:
+def test_engine_async_mode_example_times_both_modes(tiny_checkpoint) -> None:
+    """Eager here: the compiled engine in async mode is tested in test_engine.py."""
     path = tiny_checkpoint("llama", seed=5)
     command = [sys.executable, str(EXAMPLES / "engine_async_mode.py"), "--model-path", str(path)]
-    command += ["--compiled-model-path", str(tmp_path / "c"), "--torch-dtype", "float32"]
-    command += ["--batch-size", "2", "--prompt-length", "8", "--max-tokens", "8", "--runs", "1"]
+    command += ["--torch-dtype", "float32", "--batch-size", "2", "--prompt-length", "8"]
+    command += ["--max-tokens", "8", "--runs", "1"]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     assert "async_mode=False" in result.stdout and "async_mode=True" in result.stdout
     assert "gain" in result.stdout
+
+
+def test_engine_throughput_example_serves_every_request(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("llama", seed=5)
+    command = [sys.executable, str(EXAMPLES / "engine_throughput.py"), "--model-path", str(path)]
+    command += ["--torch-dtype", "float32", "--batch-size", "2", "--requests", "5", "--runs", "1"]
+    command += ["--prompt-length", "4", "--max-tokens", "3", "--seq-len", "32"]
+    command += ["--max-context-length", "8"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert re.fullmatch(
+        r"5 requests, 2 at a time: [\d.]+ s, [\d.]+ output tok/s, \d+ steps, "
+        r"median step [\d.]+ ms\n",
+        result.stdout,
+    ), result.stdout
 
 
 def test_nxdi_generation_demo_compiles_reloads_and_prints_hf_greedy_text(tiny_checkpoint, tmp_path):
