@@ -204,6 +204,7 @@ def test_text_streamer_prints_what_hf_prints(pair, path, capsys) -> None:
     assert ours.strip() and tokenizer.decode(out[0]).strip() in ours
 
 
+@pytest.mark.filterwarnings("ignore:the model runs on thread:RuntimeWarning")  # HF's pattern
 def test_text_iterator_streamer_yields_the_new_text(pair, path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     adapter, _ = pair

@@ -484,6 +484,7 @@ def _running(engine_loop) -> threading.Thread:
     return stepper
 
 
+@pytest.mark.filterwarnings("ignore:the model runs on thread:RuntimeWarning")  # the loop's thread
 def test_engine_loop_streams_and_a_closed_stream_aborts(application) -> None:
     from nxdplug.engine import Engine, SamplingSettings
     from nxdplug.serving.engine_loop import EngineLoop, EngineStoppedError

@@ -40,6 +40,7 @@ from nxdplug.pipeline import (
     validate,
 )
 from nxdplug.registry import get_registry
+from nxdplug.runtime.loading_thread import LoadingThread
 from nxdplug.runtime.meta_init import parameters_on_meta
 from nxdplug.runtime.model_wrapper import (
     CONTEXT_ENCODING_MODEL_TAG,
@@ -95,6 +96,7 @@ class NeuronApplicationBase(nn.Module):
         self.is_compiled = False
         self.is_loaded_to_neuron = False
         self.backend_name: str | None = None  # what runs the sub-models once loaded
+        self.loading_thread: LoadingThread | None = None  # set by load() and to_cpu()
         self.compiler_args: str | None = None
 
     @classmethod
@@ -158,6 +160,7 @@ class NeuronApplicationBase(nn.Module):
         """Load a compiled folder made for this config, and its weights."""
         self._refuse_on_cpu("load()")
         load_application(self, Path(compiled_model_path), quiet=quiet)
+        self.loading_thread = LoadingThread()
 
     def _refuse_on_cpu(self, action: str) -> None:
         if self.neuron_config.on_cpu:
@@ -200,6 +203,7 @@ class NeuronApplicationBase(nn.Module):
             wrapper.model = wrapper.phase_module(model)
         self.backend_name = DEFAULT_BACKEND
         self.context.bind(self)
+        self.loading_thread = LoadingThread()
         self.reset()
 
     @classmethod
@@ -408,6 +412,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise NotSupportedError(f"forward() does not accept {', '.join(given)} yet")
         if input_ids is None:
             raise NxdPlugError("forward() needs input_ids")
+        if self.loading_thread is not None:
+            self.loading_thread.check(self.device)
         if input_capture_hook is not None:
             input_capture_hook(self, [input_ids, attention_mask, position_ids, seq_ids])
         keywords = {"sampling_params": sampling_params, "adapter_ids": adapter_ids}
