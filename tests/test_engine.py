@@ -21,7 +21,7 @@ from nxdplug import (
 )
 from nxdplug.engine import Engine, EngineFullError, RequestError, SamplingSettings
 from nxdplug.engine.cache_space import CacheLines
-from nxdplug.errors import ConfigError
+from nxdplug.errors import ConfigError, NotSupportedError
 from nxdplug.hookspecs import hookimpl
 from nxdplug.testing import temporary_plugin
 from nxdplug.types import Feature, KVCacheStrategy
@@ -239,6 +239,48 @@ def test_the_kv_cache_strategy_lends_the_room(plugin_manager, checkpoint, prompt
         assert list(serve_all(engine, prompts).values()) == solo
     assert TwoTopLines.most_in_use == 2 and engine.lines.in_use == 0
     assert TwoTopLines.reserved == [(len(p), n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
+
+
+def left_padded(prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def test_generate_with_more_rows_than_lines_gives_hf_batched_output(checkpoint, prompts, solo):
+    """7 rows on a cache of 4 lines: generate() runs them through the engine and returns what
+    HF's generate() gives the same left-padded batch (rows ending at EOS, then padded)."""
+    ids, mask = left_padded(prompts)
+    eos = solo[0][3]
+    assert sum(eos in tokens[:11] for tokens in solo) >= 2  # rows end at different steps
+    common = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": eos, "pad_token_id": 0}
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.inference_mode():
+        expected = hf.generate(ids, attention_mask=mask, **common)
+    app = app_for(checkpoint)
+    assert app.neuron_config.max_batch_size < len(prompts)
+    ours = HuggingFaceGenerationAdapter(app).generate(ids, attention_mask=mask, **common)
+    assert torch.equal(ours, expected)
+
+
+def test_sampled_rows_on_the_engine_follow_the_global_seed(checkpoint, prompts) -> None:
+    ids, mask = left_padded(prompts)
+    adapter = HuggingFaceGenerationAdapter(app_for(checkpoint))
+    common = {"max_new_tokens": 6, "do_sample": True, "top_k": 0, "eos_token_id": None}
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(adapter.generate(ids, attention_mask=mask, **common))
+    greedy = adapter.generate(ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], greedy)
+
+
+def test_generate_refuses_on_the_engine_what_it_would_ignore(checkpoint, prompts) -> None:
+    ids, mask = left_padded(prompts)
+    adapter = HuggingFaceGenerationAdapter(app_for(checkpoint))
+    with pytest.raises(NotSupportedError, match="RepetitionPenaltyLogitsProcessor need every row"):
+        adapter.generate(ids, attention_mask=mask, max_new_tokens=4, repetition_penalty=1.3)
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from nxdplug.errors import NotSupportedError, NxdPlugError
 from nxdplug.registry import get_registry
 from nxdplug.runtime.application import refuse_untaken_keywords
+from nxdplug.runtime.engine_generation import generate_on_engine, refuse_what_the_engine_ignores
 from nxdplug.runtime.generate_processors import (
     GenerationParts,
     expand_for_return_sequences,
@@ -291,7 +292,8 @@ class HuggingFaceGenerationAdapter:
         ``num_return_sequences`` rows per prompt. ``sampling_params`` and the keywords of other
         step-input plugins go to the model; with on-device sampling (its plugin's token source)
         the model samples, by default with the GenerationConfig's settings as one row per request
-        when ``dynamic=True``.
+        when ``dynamic=True``. A continuous-batching model given more rows than its cache holds
+        runs them through the serving engine (:mod:`nxdplug.runtime.engine_generation`).
         """
         assistant_model = _application_of(kwargs.pop("assistant_model", None))
         step_keywords = self._step_keywords(sampling_params, kwargs)
@@ -323,6 +325,11 @@ class HuggingFaceGenerationAdapter:
                 "prompt_lookup_num_tokens verifies the looked-up tokens in one target call: "
                 "the model needs NeuronConfig(speculation_length=k, trace_tokengen_model=False)"
                 " with k >= prompt_lookup_num_tokens"
+            )
+        if self._rows_need_the_engine(input_ids.shape[0]):
+            refuse_what_the_engine_ignores(parts, input_ids.shape[0], step_keywords, streamer)
+            return generate_on_engine(
+                self.neuron_model, input_ids, attention_mask, parts, new_tokens
             )
         sampling = self._token_source(parts, input_ids.shape[0], step_keywords, kwargs)
         progress = GenerationProgress(input_ids, attention_mask, parts, streamer)
@@ -359,6 +366,12 @@ class HuggingFaceGenerationAdapter:
         finally:
             overlap.close()
         return progress.result(parts.config)
+
+    def _rows_need_the_engine(self, rows: int) -> bool:
+        """More rows than a continuous-batching model's cache holds: they take turns in its
+        lines through the serving engine."""
+        neuron_config = self.neuron_model.neuron_config
+        return bool(neuron_config.is_continuous_batching) and rows > neuron_config.max_batch_size
 
     def _runs_ahead(self, sampling: HostSampling | PluginTokens) -> bool:
         """Whether each step starts before the host handles the last one (async_mode): only

@@ -1,0 +1,94 @@
+"""``generate()`` over more rows than the KV cache holds, through the serving engine.
+
+A continuous-batching model (``is_continuous_batching=True``) holds ``max_batch_size``
+sequences. Given more rows, ``generate()`` hands each row to the engine as a request, as vLLM's
+offline ``generate`` does: the first rows take the cache lines, each of the others takes the line
+of a row that ended, and the step loop is the one ``nxdplug serve`` runs. What a request's
+:class:`~nxdplug.engine.SamplingSettings` carry is honoured (greedy, or temperature / top_k /
+top_p, each sampled row with its own generator seeded from torch's global one; the token budget;
+the end-of-sequence tokens); HF's other processors and criteria, streamers and the per-step
+scores need the rows in one batch, and are refused. The result has HF's shape: each row's prompt
+as given, then its tokens, then the pad token once it ended.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nxdplug.engine import Engine, SamplingSettings
+from nxdplug.errors import NotSupportedError
+from nxdplug.runtime.generate_processors import GenerationParts
+
+SEED_RANGE = 2**62
+
+
+def refuse_what_the_engine_ignores(
+    parts: GenerationParts, rows: int, step_keywords: dict[str, Any], streamer: Any
+) -> None:
+    """Raise, naming them, for the settings a row alone in the engine would not honour."""
+    given = [type(p).__name__ for p in parts.host_processors]
+    given += [type(c).__name__ for c in parts.extra_criteria]
+    given += sorted(step_keywords)
+    if streamer is not None:
+        given.append("streamer")
+    if parts.config.return_dict_in_generate:
+        given.append("return_dict_in_generate")
+    if given:
+        raise NotSupportedError(
+            f"{rows} rows are more than the KV cache holds (max_batch_size), so generate() runs "
+            "them through the serving engine, which takes each row's temperature, top_k, top_p, "
+            f"token budget and end-of-sequence tokens only; {', '.join(given)} need every row "
+            "in one batch: give at most max_batch_size rows, or leave them out"
+        )
+
+
+def generate_on_engine(
+    application: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    parts: GenerationParts,
+    new_tokens: int,
+) -> torch.Tensor:
+    """Each row of ``input_ids`` (its prompt: the tokens ``attention_mask`` keeps) decoded as
+    its own engine request; [rows, prompt width + longest output], padded after a row ends."""
+    config = parts.config
+    eos = config._eos_token_tensor
+    eos_ids = [] if eos is None else eos.view(-1).tolist()
+    engine = Engine(application, eos_token_ids=eos_ids, max_waiting=len(input_ids))
+    try:
+        request_ids = [
+            engine.add_request(prompt, _settings(config, new_tokens))
+            for prompt in _prompts(input_ids, attention_mask)
+        ]
+        made: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
+        while engine.has_unfinished():
+            for output in engine.step():
+                made[output.request_id].extend(output.token_ids)
+    finally:
+        engine.close()
+    longest = max(len(tokens) for tokens in made.values())
+    pad = int(config._pad_token_tensor) if config._pad_token_tensor is not None else 0
+    new = [tokens + [pad] * (longest - len(tokens)) for tokens in made.values()]
+    new_ids = torch.tensor(new, dtype=input_ids.dtype, device=input_ids.device)
+    return torch.cat([input_ids, new_ids], dim=1)
+
+
+def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
+    return [
+        [token for token, kept in zip(row, mask, strict=True) if kept]
+        for row, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
+    ]
+
+
+def _settings(config: Any, new_tokens: int) -> SamplingSettings:
+    if not config.do_sample:
+        return SamplingSettings(max_tokens=new_tokens, temperature=0)
+    return SamplingSettings(
+        max_tokens=new_tokens,
+        temperature=config.temperature,
+        top_k=config.top_k or 0,
+        top_p=config.top_p,
+        seed=int(torch.randint(SEED_RANGE, ())),
+    )
