@@ -14,7 +14,7 @@ that ended is dropped from the step after; its extra token is thrown away. The c
 a step whenever requests join (a prompt to encode, or one just encoded), so that the next step
 decodes every running request.
 
-Step the engine from the thread that loaded the model (see ``step_ahead`` for why).
+Step the engine from the thread that loaded the model (see ``step_ahead`` for why);
 ``add_request`` and ``abort`` may be called from other threads while one thread steps.
 """
 
