@@ -248,7 +248,12 @@ def left_padded(prompts) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def test_generate_with_more_rows_than_lines_gives_hf_batched_output(checkpoint, prompts, solo):
+@pytest.mark.parametrize(
+    "settings", [{}, {"async_mode": True, **DYNAMIC}], ids=["host", "on-device-async"]
+)
+def test_generate_with_more_rows_than_lines_gives_hf_batched_output(
+    checkpoint, prompts, solo, settings
+):
     """7 rows on a cache of 4 lines: generate() runs them through the engine and returns what
     HF's generate() gives the same left-padded batch (rows ending at EOS, then padded)."""
     ids, mask = left_padded(prompts)
@@ -258,16 +263,17 @@ def test_generate_with_more_rows_than_lines_gives_hf_batched_output(checkpoint, 
     hf = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     with torch.inference_mode():
         expected = hf.generate(ids, attention_mask=mask, **common)
-    app = app_for(checkpoint)
+    app = app_for(checkpoint, **settings)
     assert app.neuron_config.max_batch_size < len(prompts)
     ours = HuggingFaceGenerationAdapter(app).generate(ids, attention_mask=mask, **common)
     assert torch.equal(ours, expected)
 
 
-def test_sampled_rows_on_the_engine_follow_the_global_seed(checkpoint, prompts) -> None:
+@pytest.mark.parametrize("sampling", [{}, DYNAMIC], ids=["host", "on-device"])
+def test_sampled_rows_on_the_engine_follow_the_global_seed(checkpoint, prompts, sampling) -> None:
     ids, mask = left_padded(prompts)
-    adapter = HuggingFaceGenerationAdapter(app_for(checkpoint))
-    common = {"max_new_tokens": 6, "do_sample": True, "top_k": 0, "eos_token_id": None}
+    adapter = HuggingFaceGenerationAdapter(app_for(checkpoint, **sampling))
+    common = {"max_new_tokens": 6, "do_sample": True, "top_k": 5, "eos_token_id": None}
     runs = []
     for _ in range(2):
         torch.manual_seed(7)

@@ -5,7 +5,8 @@ sequences. Given more rows, ``generate()`` hands each row to the engine as a req
 offline ``generate`` does: the first rows take the cache lines, each of the others takes the line
 of a row that ended, and the step loop is the one ``nxdplug serve`` runs. What a request's
 :class:`~nxdplug.engine.SamplingSettings` carry is honoured (greedy, or temperature / top_k /
-top_p, each sampled row with its own generator seeded from torch's global one; the token budget;
+top_p; on the host each sampled row has its own generator seeded from torch's global one, a
+model that samples in its graph draws from torch's global stream; the token budget;
 the end-of-sequence tokens); HF's other processors and criteria, streamers and the per-step
 scores need the rows in one batch, and are refused. The result has HF's shape: each row's prompt
 as given, then its tokens, then the pad token once it ended.
@@ -57,9 +58,10 @@ def generate_on_engine(
     eos = config._eos_token_tensor
     eos_ids = [] if eos is None else eos.view(-1).tolist()
     engine = Engine(application, eos_token_ids=eos_ids, max_waiting=len(input_ids))
+    seeded = engine.choice.samples_on_host  # a graph that samples draws from torch's own stream
     try:
         request_ids = [
-            engine.add_request(prompt, _settings(config, new_tokens))
+            engine.add_request(prompt, _settings(config, new_tokens, seeded))
             for prompt in _prompts(input_ids, attention_mask)
         ]
         made: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
@@ -82,7 +84,7 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list
     ]
 
 
-def _settings(config: Any, new_tokens: int) -> SamplingSettings:
+def _settings(config: Any, new_tokens: int, seeded: bool) -> SamplingSettings:
     if not config.do_sample:
         return SamplingSettings(max_tokens=new_tokens, temperature=0)
     return SamplingSettings(
@@ -90,5 +92,5 @@ def _settings(config: Any, new_tokens: int) -> SamplingSettings:
         temperature=config.temperature,
         top_k=config.top_k or 0,
         top_p=config.top_p,
-        seed=int(torch.randint(SEED_RANGE, ())),
+        seed=int(torch.randint(SEED_RANGE, ())) if seeded else None,
     )
