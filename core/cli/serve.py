@@ -128,9 +128,13 @@ def _serve(
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     server = uvicorn.Server(server_config)
 
+    http_failures: list[BaseException] = []
+
     def serve_http() -> None:
         try:
             server.run(sockets=[sock])
+        except BaseException as failure:  # raised again on the main thread, below
+            http_failures.append(failure)
         finally:
             engine_loop.stop()
 
@@ -148,6 +152,8 @@ def _serve(
         finally:
             engine_loop.stop()
             http.join()
+    if http_failures:
+        raise http_failures[0]
 
 
 @contextlib.contextmanager
