@@ -102,7 +102,7 @@ class EngineLoop:
         """Queue a request and return its outputs' stream; call from the event loop.
 
         Raises at once what ``engine.add_request`` raises (RequestError, EngineFullError), or
-        EngineStoppedError when the thread no longer takes requests.
+        EngineStoppedError when the loop no longer takes requests.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
