@@ -60,10 +60,9 @@ def serve_closed_loop(
         step_start = time.perf_counter()
         outputs = engine.step()
         steps.append(time.perf_counter() - step_start)
-        for _ in [o for o in outputs if o.finished]:
-            prompt = next(waiting, None)
-            if prompt is not None:
-                engine.add_request(prompt, settings)
+        ended = sum(output.finished for output in outputs)
+        for prompt in itertools.islice(waiting, ended):
+            engine.add_request(prompt, settings)
     return time.perf_counter() - start, steps
 
 

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from test_application import left_padded
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nxdplug import (
@@ -239,13 +240,6 @@ def test_the_kv_cache_strategy_lends_the_room(plugin_manager, checkpoint, prompt
         assert list(serve_all(engine, prompts).values()) == solo
     assert TwoTopLines.most_in_use == 2 and engine.lines.in_use == 0
     assert TwoTopLines.reserved == [(len(p), n) for p, n in zip(prompts, MAX_TOKENS, strict=True)]
-
-
-def left_padded(prompts) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if tp_world_size() > 1 and tp_rank() != 0:
         from nxdplug.engine.ranks import follow_steps
 
-        with _deaf_to_stop_signals():
+        with _on_stop_signals(signal.SIG_IGN):
             follow_steps(model)
         return 0
     assert sock is not None
@@ -145,7 +145,7 @@ def _serve(
         f"({model.backend_name} backend, batch size {model.neuron_config.max_batch_size})",
         flush=True,
     )
-    with _stop_signals_stop(server):
+    with _on_stop_signals(server.handle_exit):
         http.start()
         try:
             engine_loop.run()
@@ -157,29 +157,18 @@ def _serve(
 
 
 @contextlib.contextmanager
-def _stop_signals_stop(server: Any) -> Iterator[None]:
-    """Ctrl-C and SIGTERM stop uvicorn (which serves on another thread, where it cannot take
-    signals): a first signal shuts down gracefully, a second Ctrl-C at once."""
-    previous = {
-        sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
-    }
+def _on_stop_signals(handler: Any) -> Iterator[None]:
+    """Ctrl-C and SIGTERM go to ``handler`` inside the block. The first rank gives them to
+    uvicorn, which serves on another thread where it cannot take signals (a first signal shuts
+    down gracefully, a second Ctrl-C at once); a follower rank ignores them (a terminal or
+    torchrun sends them to the whole process group): it stops when the first rank, shutting
+    down, tells it to."""
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def _deaf_to_stop_signals() -> Iterator[None]:
-    """A follower rank ignores Ctrl-C and SIGTERM (sent to the whole process group by a
-    terminal or by torchrun): it stops when the first rank, shutting down, tells it to."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, previous_handler in previous.items():
+            signal.signal(sig, previous_handler)
 
 
 def _require_serving_packages() -> None:
