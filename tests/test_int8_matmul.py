@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from nxdplug.modules.parallel_linear import ColumnParallelLinear
-from nxdplug.plugins.quantization.kernel import STALE_LOCK_SECONDS, _build_directory, int8_matmul_op
+from nxdplug.plugins.quantization.kernel import int8_matmul_op
 from nxdplug.plugins.quantization.layers import QuantizedColumnParallelLinear
 
 SHAPES = [  # (rows, K, N)
@@ -154,7 +153,7 @@ PORTABLE_RUN = """
 import sys
 import torch
 from nxdplug.modules.parallel_linear import ColumnParallelLinear
-from nxdplug.plugins.quantization.kernel import STALE_LOCK_SECONDS, _build_directory, int8_matmul_op
+from nxdplug.plugins.quantization.kernel import int8_matmul_op
 from nxdplug.plugins.quantization.layers import QuantizedColumnParallelLinear
 from test_int8_matmul import SHAPES, operands
 op = int8_matmul_op()
@@ -219,18 +218,3 @@ def test_quantized_layers_give_the_product_whichever_path_they_take(
     torch.testing.assert_close(
         out[0].double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item()
     )
-
-
-def test_a_lock_left_by_a_killed_build_is_removed(tmp_path) -> None:
-    """torch's builder waits as long as its lock file exists; one from a build that never
-    finished would hang every later process."""
-    fresh = _build_directory(str(tmp_path / "fresh"))
-    (fresh / "lock").touch()
-    assert _build_directory(str(tmp_path / "fresh")) == fresh and (fresh / "lock").exists()
-
-    stale = _build_directory(str(tmp_path / "stale"))
-    (stale / "lock").touch()
-    old = time.time() - STALE_LOCK_SECONDS - 60
-    os.utime(stale / "lock", (old, old))
-    assert _build_directory(str(tmp_path / "stale")) == stale
-    assert not (stale / "lock").exists()

@@ -67,9 +67,7 @@ class TokenChoice:
         """Each request's next token from one step's outputs (``logits`` [rows, vocab] or None,
         the model's ``tokens`` [rows] or None), and their logprobs when any request asks."""
         if tokens is None:
-            tokens = torch.stack(
-                [self._draw(r, row) for r, row in zip(requests, logits, strict=True)]
-            )
+            tokens = self._draw(requests, logits)
         logprobs = None
         if logits is not None and any(r.settings.logprobs for r in requests):
             logprobs = (
@@ -80,10 +78,23 @@ class TokenChoice:
             )
         return tokens.view(-1).tolist(), logprobs
 
-    def _draw(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
+    def _draw(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
+        """The greedy requests' tokens in one call of the greedy sampler (an argmax a row costs
+        ~20 us, a third of a millisecond a step at 16 rows), each sampled one from its own
+        generator."""
+        greedy = [i for i, r in enumerate(requests) if r.settings.greedy]
+        if len(greedy) == len(requests):
+            return self.greedy(logits, SamplingParams())
+        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        if greedy:
+            tokens[greedy] = self.greedy(logits[greedy], SamplingParams())
+        for index, request in enumerate(requests):
+            if not request.settings.greedy:
+                tokens[index] = self._sample(request, logits[index])
+        return tokens
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> torch.Tensor:
         settings = request.settings
-        if settings.greedy:
-            return self.greedy(logits[None], SamplingParams())[0]
         params = SamplingParams(
             top_k=settings.top_k, top_p=settings.top_p, temperature=settings.temperature
         )

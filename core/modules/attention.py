@@ -129,7 +129,13 @@ def attend_over_local_cache(
     mask: torch.Tensor,
     cache: CacheSlot,
 ) -> torch.Tensor:
-    """Store this step's keys and values, then attend over the cache's first positions."""
+    """Store this step's keys and values, then attend over the cache's first positions: where
+    the cache's manager computes the plain softmax attention over its own layout (the static
+    cache's decode kernel) and the layer's attention is that, the manager's way."""
+    if attention.attends_by_plain_softmax:
+        attended = cache.store_and_attend(q.to(attention.attention_dtype or q.dtype), k, v, mask)
+        if attended is not None:
+            return attended
     k, v = cache.store_and_fetch(k, v)
     return attention.attend(q, k, v, mask)
 
@@ -213,6 +219,12 @@ class NeuronAttentionBase(nn.Module):
 
         out = self.cache_attention(self, q, k, v, mask, cache).to(x.dtype)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    @property
+    def attends_by_plain_softmax(self) -> bool:
+        """Whether :meth:`attend` is this class's masked softmax, which a KV cache may compute
+        over its own layout instead; False for a model that weighs keys otherwise."""
+        return type(self).attend is NeuronAttentionBase.attend
 
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor

@@ -45,6 +45,24 @@ class KVCacheManager(nn.Module, ABC):
         ([batch, seq]) of rows ``seq_ids`` ([batch]); return the rows' first ``length``
         positions as [batch, kv_heads, length, head_dim] in the keys' dtype."""
 
+    def store_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Store ``key``/``value`` as :meth:`update_and_read` does, then return softmax(q K^T /
+        sqrt(head_dim), ``mask``) V over the rows' cached positions, reading them where they
+        are: [batch, heads, queries, head_dim] in q's dtype (``mask``: boolean [batch, 1,
+        queries, keys]). Or None, having stored nothing, where this manager has no such
+        attention for these inputs (the default): the caller then reads the positions with
+        :meth:`update_and_read` and attends over them itself."""
+        return None
+
     @abstractmethod
     def reset(self) -> None:
         """Forget every stored position."""
@@ -113,8 +131,23 @@ class CacheSlot:
     def store_and_fetch(
         self, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.writer_rows is not None:
-            key, value = key[self.writer_rows], value[self.writer_rows]
+        key, value = self._written(key, value)
         return self.manager.update_and_read(
             self.layer, key, value, self.position_ids, self.seq_ids, self.length
         )
+
+    def store_and_attend(
+        self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Store the step's keys and values and return the plain softmax attention of ``q``
+        over the cache, computed by the manager where they lie; None, having stored nothing,
+        where the manager has no such attention (see KVCacheManager.store_and_attend)."""
+        key, value = self._written(key, value)
+        return self.manager.store_and_attend(
+            self.layer, q, key, value, mask, self.position_ids, self.seq_ids
+        )
+
+    def _written(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.writer_rows is None:
+            return key, value
+        return key[self.writer_rows], value[self.writer_rows]

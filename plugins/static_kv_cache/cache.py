@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager, read_prefix, write_positions
+from nxdplug.plugins.static_kv_cache.kernel import DTYPES, decode_attention_op
+
+# Up to this many queries a row (decoding, speculation) attend with the plugin's kernel, which
+# reads each row's line in place; prompts gather their lines for the model's attention.
+KERNEL_MAX_QUERIES = 8
 
 
 class StaticKVCache(KVCacheManager):
@@ -14,6 +19,8 @@ class StaticKVCache(KVCacheManager):
         for layer in range(layout.num_layers):
             self.register_buffer(f"k_{layer}", torch.zeros(shape, dtype=layout.dtype), False)
             self.register_buffer(f"v_{layer}", torch.zeros(shape, dtype=layout.dtype), False)
+        # Registers the kernel now: a compiled graph that calls it can only be loaded once it is.
+        decode_attention_op()
 
     def update_and_read(
         self,
@@ -24,13 +31,44 @@ class StaticKVCache(KVCacheManager):
         seq_ids: torch.Tensor,
         length: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k_cache, v_cache = getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")
+        k_cache, v_cache = self._layer(layer)
         write_positions(k_cache, seq_ids, position_ids, key)
         write_positions(v_cache, seq_ids, position_ids, value)
         keys = read_prefix(k_cache, seq_ids, length).to(key.dtype)
         values = read_prefix(v_cache, seq_ids, length).to(value.dtype)
         return keys, values
 
+    def store_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """A few queries a row on the CPU, in the cache's own float32 or bfloat16: the kernel
+        reads the positions each row's mask lets it see, where they are (``decode_attention``),
+        instead of a copy of every row's line up to the bucket's width."""
+        k_cache, v_cache = self._layer(layer)
+        kernel = (
+            decode_attention_op()
+            if q.device.type == "cpu"
+            and q.shape[2] <= KERNEL_MAX_QUERIES
+            and q.dtype == k_cache.dtype
+            and q.dtype in DTYPES
+            else None
+        )
+        if kernel is None:
+            return None
+        write_positions(k_cache, seq_ids, position_ids, key)
+        write_positions(v_cache, seq_ids, position_ids, value)
+        return kernel(q, k_cache, v_cache, seq_ids, mask, q.shape[-1] ** -0.5)
+
     def reset(self) -> None:
         for buffer in self.buffers():
             buffer.zero_()
+
+    def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")

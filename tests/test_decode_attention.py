@@ -1,0 +1,233 @@
+"""The static cache's decode attention (``plugins/static_kv_cache/decode_attention.cpp``) against
+the model's own attention over the gathered lines (``grouped_attention``): head sizes of the
+vector path and of the portable loop, grouped query heads, several queries a row, masks with
+holes and rows that see no key, lines in any order; and the cache computing it in place."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nxdplug.modules.attention import NeuronAttentionBase, grouped_attention
+from nxdplug.modules.kv_cache import CacheLayout, CacheSlot
+from nxdplug.plugins.static_kv_cache import cache as static_cache
+from nxdplug.plugins.static_kv_cache.cache import KERNEL_MAX_QUERIES, StaticKVCache
+from nxdplug.plugins.static_kv_cache.kernel import decode_attention_op
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = decode_attention_op()
+    assert op is not None, "the decode attention kernel did not build (see the warning)"
+    return op
+
+
+def operands(batch, heads, kv_heads, queries, dim, keys, dtype, seed=0):
+    """q, K and V caches of 6 lines x 160 positions, the batch's lines (in no order), and a
+    causal mask whose rows start at different positions (left padding)."""
+    generator = torch.Generator().manual_seed(seed)
+    positions = 160
+    q = torch.randn(batch, heads, queries, dim, generator=generator).to(dtype)
+    k_cache = torch.randn(6, kv_heads, positions, dim, generator=generator).to(dtype)
+    v_cache = torch.randn(6, kv_heads, positions, dim, generator=generator).to(dtype)
+    seq_ids = torch.randperm(6, generator=generator)[:batch]
+    last = torch.randint(queries - 1, keys, (batch,), generator=generator)
+    first = torch.randint(0, 4, (batch,), generator=generator)
+    key_positions = torch.arange(keys)
+    query_positions = last[:, None] - queries + 1 + torch.arange(queries)
+    mask = (key_positions <= query_positions[:, :, None]) & (key_positions >= first[:, None, None])
+    return q, k_cache, v_cache, seq_ids, mask[:, None]
+
+
+def reference(q, k_cache, v_cache, seq_ids, mask):
+    keys = mask.shape[-1]
+    return grouped_attention(q, k_cache[seq_ids, :, :keys], v_cache[seq_ids, :, :keys], mask)
+
+
+def assert_matches(out, expected, dtype):
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "queries", "dim", "keys"),
+    [
+        (12, 4, 1, 64, 128),  # the ~120M Llama decoding
+        (4, 4, 1, 16, 37),
+        (8, 2, 5, 128, 160),  # speculation: 5 queries a row, the mask as wide as the cache
+        (6, 3, 3, 32, 50),
+        (4, 1, 2, 256, 21),
+        (4, 2, 1, 8, 30),  # head sizes the vector path does not take: the portable loop
+        (6, 2, 4, 24, 70),
+    ],
+)
+def test_the_kernel_is_the_models_attention_over_the_gathered_lines(
+    kernel, dtype, heads, kv_heads, queries, dim, keys
+) -> None:
+    q, k_cache, v_cache, seq_ids, mask = operands(4, heads, kv_heads, queries, dim, keys, dtype)
+    out = kernel(q, k_cache, v_cache, seq_ids, mask, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert_matches(out, reference(q, k_cache, v_cache, seq_ids, mask), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_holes_in_the_mask_and_a_query_seeing_nothing(kernel, dtype) -> None:
+    """A tree of speculated tokens sees some positions and not others; a query that may see no
+    key gets the mean of the mask's positions, as the model's softmax over equal scores does."""
+    q, k_cache, v_cache, seq_ids, _ = operands(3, 4, 2, 4, 64, 40, dtype, seed=1)
+    mask = torch.rand(3, 1, 4, 40, generator=torch.Generator().manual_seed(2)) < 0.3
+    mask[1, 0, 2] = False
+    out = kernel(q, k_cache, v_cache, seq_ids, mask, 0.125)
+    expected = reference(q, k_cache, v_cache, seq_ids, mask)
+    assert_matches(out, expected, dtype)
+    mean = v_cache[seq_ids[1], :, :40].float().mean(dim=1)  # [kv_heads, dim]
+    torch.testing.assert_close(out[1, :, 2].float(), mean.repeat_interleave(2, 0), **_loose(dtype))
+
+
+def _loose(dtype):
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    return {"rtol": tolerance, "atol": tolerance}
+
+
+def test_rows_sharing_a_line_read_the_same_keys(kernel) -> None:
+    q, k_cache, v_cache, _, mask = operands(3, 4, 2, 1, 64, 30, torch.float32)
+    seq_ids = torch.tensor([4, 4, 1])
+    out = kernel(q, k_cache, v_cache, seq_ids, mask, 0.125)
+    assert_matches(out, reference(q, k_cache, v_cache, seq_ids, mask), torch.float32)
+
+
+def test_bad_operands_are_refused(kernel) -> None:
+    q, k_cache, v_cache, seq_ids, mask = operands(2, 4, 2, 1, 16, 20, torch.float32)
+    with pytest.raises(RuntimeError, match="must have one dtype"):
+        kernel(q.bfloat16(), k_cache, v_cache, seq_ids, mask, 0.25)
+    with pytest.raises(RuntimeError, match=r"seq_ids\[1\] = 6 is not a cache line"):
+        kernel(q, k_cache, v_cache, torch.tensor([0, 6]), mask, 0.25)
+    with pytest.raises(RuntimeError, match="keys <= positions"):
+        kernel(q, k_cache, v_cache, seq_ids, torch.ones(2, 1, 1, 161, dtype=torch.bool), 0.25)
+    with pytest.raises(RuntimeError, match="divide into the K/V heads"):
+        kernel(q[:, :3], k_cache, v_cache, seq_ids, mask, 0.25)
+    with pytest.raises(RuntimeError, match="contiguous caches"):
+        kernel(q, k_cache.transpose(2, 3), v_cache.transpose(2, 3), seq_ids, mask, 0.25)
+
+
+PORTABLE_RUN = """
+import sys
+import torch
+from nxdplug.plugins.static_kv_cache.kernel import decode_attention_op
+from test_decode_attention import operands
+inputs = operands(4, 12, 4, 1, 64, 128, torch.float32)
+torch.save(decode_attention_op()(*inputs, 0.125), sys.argv[1])
+"""
+
+
+def test_the_portable_loop_forced_on_this_cpu(kernel, tmp_path) -> None:
+    """NXDPLUG_DECODE_ATTENTION_PORTABLE=1 in a fresh process: the same attention, not the
+    vector path's bits (which would mean that it did not run)."""
+    env = dict(os.environ, NXDPLUG_DECODE_ATTENTION_PORTABLE="1")
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
+    )
+    saved = tmp_path / "portable.pt"
+    result = subprocess.run(
+        [sys.executable, "-c", PORTABLE_RUN, str(saved)], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    portable = torch.load(saved)
+    inputs = operands(4, 12, 4, 1, 64, 128, torch.float32)
+    assert_matches(portable, reference(*inputs), torch.float32)
+    assert not torch.equal(portable, kernel(*inputs, 0.125)) or not cpu_has_avx512()
+
+
+def cpu_has_avx512() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(flag in flags for flag in ("avx512f", "avx512bw", "avx512vl"))
+
+
+def slot_operands(dtype, queries=1):
+    layout = CacheLayout(1, 4, 2, 32, 16, dtype)
+    cache = StaticKVCache(layout)
+    generator = torch.Generator().manual_seed(3)
+    for buffer in cache.buffers():
+        buffer.copy_(torch.randn(buffer.shape, generator=generator).to(dtype))
+    seq_ids = torch.tensor([3, 0])
+    positions = torch.tensor([[9], [4]]) + torch.arange(queries)
+    q = torch.randn(2, 4, queries, 16, generator=generator).to(dtype)
+    key = torch.randn(2, 2, queries, 16, generator=generator).to(dtype)
+    keys = torch.arange(16)
+    mask = (keys <= positions[:, :, None])[:, None]
+    return cache, CacheSlot(cache, 0, positions, seq_ids, 16), q, key, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cache_stores_then_attends_in_place(dtype) -> None:
+    """Decoding through the static cache: the same cache contents as update_and_read leaves,
+    and the model's attention over the positions it would have read."""
+    cache, slot, q, key, mask = slot_operands(dtype)
+    twin = StaticKVCache(cache.layout)
+    twin.k_0.copy_(cache.k_0)
+    twin.v_0.copy_(cache.v_0)
+    out = slot.store_and_attend(q, key, key * 2, mask)
+    keys, values = CacheSlot(twin, 0, slot.position_ids, slot.seq_ids, 16).store_and_fetch(
+        key, key * 2
+    )
+    assert torch.equal(cache.k_0, twin.k_0) and torch.equal(cache.v_0, twin.v_0)
+    assert_matches(out, grouped_attention(q, keys, values, mask), dtype)
+
+
+def test_what_the_kernel_does_not_take_is_left_to_the_model(monkeypatch) -> None:
+    """More queries than KERNEL_MAX_QUERIES (prompts), float16, a query dtype other than the
+    cache's, a kernel that did not build: None, and nothing stored."""
+
+    def assert_left(dtype, queries=1, q_dtype=None) -> None:
+        cache, slot, q, key, mask = slot_operands(dtype, queries)
+        before = cache.k_0.clone()
+        assert slot.store_and_attend(q.to(q_dtype or dtype), key, key, mask) is None
+        assert torch.equal(cache.k_0, before)
+
+    assert_left(torch.float32, queries=KERNEL_MAX_QUERIES + 1)
+    assert_left(torch.float16)
+    assert_left(torch.bfloat16, q_dtype=torch.float32)
+    monkeypatch.setattr(static_cache, "decode_attention_op", lambda: None)
+    assert_left(torch.float32)
+
+
+def test_a_model_that_weighs_keys_otherwise_keeps_its_attention() -> None:
+    """gpt-oss adds learned sinks to the softmax: its layers never take the cache's kernel."""
+    from nxdplug.contrib_models.gpt_oss.modeling_gpt_oss import NeuronGptOssAttention
+
+    plain = NeuronAttentionBase.attends_by_plain_softmax.fget
+    assert not plain(object.__new__(NeuronGptOssAttention))
+    assert plain(object.__new__(NeuronAttentionBase))
+
+
+def test_a_llama_decodes_through_the_kernel_and_encodes_prompts_without(
+    tiny_checkpoint, kernel, monkeypatch
+) -> None:
+    """Each decode step calls the kernel once a layer (HF parity of such models is checked in
+    test_model_parity); a prompt of more than KERNEL_MAX_QUERIES tokens does not."""
+    from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
+
+    calls = []
+    monkeypatch.setattr(
+        static_cache,
+        "decode_attention_op",
+        lambda: lambda q, *rest: calls.append(q.shape[2]) or kernel(q, *rest),
+    )
+    checkpoint = tiny_checkpoint("llama", num_hidden_layers=2)
+    app = from_pretrained(checkpoint, NeuronConfig(batch_size=1, seq_len=32, torch_dtype="float32"))
+    app.to_cpu()
+    prompt = torch.arange(3, 3 + KERNEL_MAX_QUERIES + 1)[None]
+    adapter = HuggingFaceGenerationAdapter(app)
+    adapter.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4)
+    assert calls == [1] * 2 * 3
