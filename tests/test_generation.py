@@ -170,3 +170,21 @@ def test_multinomial_scores_and_draws_equal_hf_warpers(top_k, top_p, temperature
 def test_sampling_params_are_validated(bad) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("vocab", [32000, 1000, 200, 100, 128 * 7 + 1])
+def test_the_greedy_sampler_is_torch_argmax(vocab) -> None:
+    """Blockwise (maxima of 128 values first): the first index of the highest value, with ties
+    inside and across blocks, -inf rows, NaN (which argmax counts as highest) and a last,
+    partial block."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=generator)
+    logits[1, [5, vocab - 1]] = 50.0  # a tie across blocks
+    logits[2, [vocab - 1, vocab - 2]] = 50.0  # a tie in the last block
+    logits[3] = float("-inf")
+    logits[4, [vocab // 2, 3]] = float("nan")
+    logits[5, vocab - 1] = 50.0  # the last value
+    logits[6] = 1.0  # every value the same
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = logits.to(dtype)
+        assert torch.equal(GreedySampler()(rows, SamplingParams()), rows.argmax(dim=-1))

@@ -17,7 +17,33 @@ class GreedySampler:
 
     def __call__(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         """[batch, vocab] logits -> [batch] token ids of the highest scores."""
+        return blockwise_argmax(logits)
+
+
+# PyTorch's CPU argmax compares one element at a time (~150 us for 16 rows of 32000 logits);
+# its max over a dimension is vectorized (~15 us for the same).
+ARGMAX_BLOCK = 128
+
+
+def blockwise_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` for [rows, vocab] logits, the first index of the highest value
+    (NaN counting as highest, as argmax has it), found through the maxima of blocks of
+    ARGMAX_BLOCK values: the first block holding the highest value holds its first index."""
+    rows, vocab = logits.shape
+    blocks = vocab // ARGMAX_BLOCK
+    if blocks < 2:
         return logits.argmax(dim=-1)
+    whole = logits[:, : blocks * ARGMAX_BLOCK].view(rows, blocks, ARGMAX_BLOCK)
+    tail = logits[:, blocks * ARGMAX_BLOCK :]
+    block_max = whole.amax(dim=-1)
+    if tail.shape[-1]:
+        block_max = torch.cat([block_max, tail.amax(dim=-1, keepdim=True)], dim=-1)
+    best = block_max.argmax(dim=-1)
+    rows_index = torch.arange(rows, device=logits.device)
+    within = whole[rows_index, best.clamp(max=blocks - 1)].argmax(dim=-1)
+    if tail.shape[-1]:
+        within = torch.where(best == blocks, tail.argmax(dim=-1), within)
+    return best * ARGMAX_BLOCK + within
 
 
 def apply_top_k(scores: torch.Tensor, top_k: int) -> torch.Tensor:
