@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nxdplug.errors import NxdPlugError
 from nxdplug.modules.attention import NeuronAttentionBase, grouped_attention
 from nxdplug.modules.kv_cache import CacheLayout, CacheSlot
 from nxdplug.plugins.static_kv_cache import cache as static_cache
@@ -187,7 +188,8 @@ def test_the_cache_stores_then_attends_in_place(dtype) -> None:
 
 def test_what_the_kernel_does_not_take_is_left_to_the_model(monkeypatch) -> None:
     """More queries than KERNEL_MAX_QUERIES (prompts), float16, a query dtype other than the
-    cache's, a kernel that did not build: None, and nothing stored."""
+    cache's, NXDPLUG_DECODE_ATTENTION=gather, a kernel that did not build: None, and nothing
+    stored."""
 
     def assert_left(dtype, queries=1, q_dtype=None) -> None:
         cache, slot, q, key, mask = slot_operands(dtype, queries)
@@ -198,8 +200,20 @@ def test_what_the_kernel_does_not_take_is_left_to_the_model(monkeypatch) -> None
     assert_left(torch.float32, queries=KERNEL_MAX_QUERIES + 1)
     assert_left(torch.float16)
     assert_left(torch.bfloat16, q_dtype=torch.float32)
+    monkeypatch.setenv(static_cache.SWITCH, "gather")
+    assert_left(torch.float32)
+    monkeypatch.delenv(static_cache.SWITCH)
     monkeypatch.setattr(static_cache, "decode_attention_op", lambda: None)
     assert_left(torch.float32)
+
+
+def test_the_switch_takes_kernel_or_gather(monkeypatch) -> None:
+    _, slot, q, key, mask = slot_operands(torch.float32)
+    monkeypatch.setenv(static_cache.SWITCH, "kernel")
+    assert slot.store_and_attend(q, key, key, mask) is not None
+    monkeypatch.setenv(static_cache.SWITCH, "fast")
+    with pytest.raises(NxdPlugError, match="NXDPLUG_DECODE_ATTENTION='fast': expected 'kernel'"):
+        slot.store_and_attend(q, key, key, mask)
 
 
 def test_a_model_that_weighs_keys_otherwise_keeps_its_attention() -> None:

@@ -133,3 +133,17 @@ def test_nxdi_generation_demo_compiles_reloads_and_prints_hf_greedy_text(tiny_ch
             )
             expected.append(f"Output {index}: {text}\n")
     assert printed == "".join(expected)
+
+
+def test_decode_attention_example_times_both_attentions(tiny_checkpoint) -> None:
+    """Eager, float32: the kernel and the gathered lines decode the same greedy tokens."""
+    path = tiny_checkpoint("llama", seed=5)
+    command = [sys.executable, str(EXAMPLES / "decode_attention.py"), "--model-path", str(path)]
+    command += ["--torch-dtype", "float32", "--batch-size", "3", "--prompt-length", "8"]
+    command += ["--seq-len", "64", "--steps", "20"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    assert re.fullmatch(
+        r"gather  median decode step [\d.]+ ms\nkernel  median decode step [\d.]+ ms\n"
+        r"kernel / gather: x[\d.]+; same greedy tokens: True\n",
+        result.stdout,
+    ), result.stdout

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from nxdplug.errors import NxdPlugError
 from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager, read_prefix, write_positions
 from nxdplug.plugins.static_kv_cache.kernel import DTYPES, decode_attention_op
 
 # Up to this many queries a row (decoding, speculation) attend with the plugin's kernel, which
 # reads each row's line in place; prompts gather their lines for the model's attention.
 KERNEL_MAX_QUERIES = 8
+# NXDPLUG_DECODE_ATTENTION=gather leaves decoding to the model's attention too (to compare, or
+# to rule the kernel out); read when a model is run eagerly or traced for compiling.
+SWITCH = "NXDPLUG_DECODE_ATTENTION"
 
 
 class StaticKVCache(KVCacheManager):
@@ -54,7 +60,8 @@ class StaticKVCache(KVCacheManager):
         k_cache, v_cache = self._layer(layer)
         kernel = (
             decode_attention_op()
-            if q.device.type == "cpu"
+            if kernel_enabled()
+            and q.device.type == "cpu"
             and q.shape[2] <= KERNEL_MAX_QUERIES
             and q.dtype == k_cache.dtype
             and q.dtype in DTYPES
@@ -72,3 +79,11 @@ class StaticKVCache(KVCacheManager):
 
     def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")
+
+
+def kernel_enabled() -> bool:
+    """False when SWITCH says ``gather``; any other value but ``kernel`` is refused."""
+    choice = os.environ.get(SWITCH, "kernel")
+    if choice not in ("kernel", "gather"):
+        raise NxdPlugError(f"{SWITCH}={choice!r}: expected 'kernel' (the default) or 'gather'")
+    return choice == "kernel"
