@@ -245,3 +245,22 @@ def test_a_llama_decodes_through_the_kernel_and_encodes_prompts_without(
     adapter = HuggingFaceGenerationAdapter(app)
     adapter.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4)
     assert calls == [1] * 2 * 3
+
+
+def test_a_folder_compiled_without_the_kernel_is_not_taken_for_one_with_it(
+    tiny_checkpoint, tmp_path, monkeypatch
+) -> None:
+    """How decoding attends is part of a compiled folder's hash: graphs traced over gathered
+    lines are refused, naming it, by a process that would trace them with the kernel."""
+    from nxdplug import NeuronConfig, from_pretrained
+    from nxdplug.compile.artefacts import Manifest
+
+    checkpoint = tiny_checkpoint("llama", num_hidden_layers=1)
+    config = NeuronConfig(batch_size=1, seq_len=16, torch_dtype="float32")
+    monkeypatch.setenv(static_cache.SWITCH, "gather")
+    from_pretrained(checkpoint, config).compile(tmp_path, quiet=True)
+    variant = Manifest.read(tmp_path).versions["kv_cache"]
+    assert variant == "decode attention over gathered lines (NXDPLUG_DECODE_ATTENTION=gather)"
+    monkeypatch.delenv(static_cache.SWITCH)
+    with pytest.raises(NxdPlugError, match=r"versions\.kv_cache"):
+        from_pretrained(checkpoint, config).load(tmp_path, quiet=True)

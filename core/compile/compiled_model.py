@@ -159,6 +159,9 @@ def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, di
     selected = app.plugins.with_backend(record).plugins
     plugins = {name: manager.plugin_info(name).version for name in sorted(selected)}
     versions = {"nxdplug": __version__, **backend.versions()}
+    variant = app.plugins.kv_cache_strategy.load("implementation").graph_variant()
+    if variant:  # none: the hash of folders compiled before variants existed
+        versions["kv_cache"] = variant
     shaping = graph_shaping_config(config.to_dict())
     extra = {"backend": backend_name, "plugins": plugins, "compiler_args": app.get_compiler_args()}
     if tp_world_size() > 1:  # one process: the hash of folders compiled before ranks existed

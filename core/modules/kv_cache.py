@@ -63,6 +63,13 @@ class KVCacheManager(nn.Module, ABC):
         :meth:`update_and_read` and attends over them itself."""
         return None
 
+    @classmethod
+    def graph_variant(cls) -> str:
+        """What, beyond the config, decides the graphs this layout's attention traces (a kernel
+        in use or not here); it is part of a compiled folder's hash, so that a folder traced
+        one way is not taken for the other. Empty (the default) when nothing does."""
+        return ""
+
     @abstractmethod
     def reset(self) -> None:
         """Forget every stored position."""

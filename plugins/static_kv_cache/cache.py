@@ -73,6 +73,15 @@ class StaticKVCache(KVCacheManager):
         write_positions(v_cache, seq_ids, position_ids, value)
         return kernel(q, k_cache, v_cache, seq_ids, mask, q.shape[-1] ** -0.5)
 
+    @classmethod
+    def graph_variant(cls) -> str:
+        """Decoding traced with the kernel (empty: the default), or over gathered lines."""
+        if not kernel_enabled():
+            return f"decode attention over gathered lines ({SWITCH}=gather)"
+        if decode_attention_op() is None:
+            return "decode attention over gathered lines (the kernel could not be built)"
+        return ""
+
     def reset(self) -> None:
         for buffer in self.buffers():
             buffer.zero_()
