@@ -6,9 +6,9 @@
 Builds the model twice, with ``NXDPLUG_DECODE_ATTENTION=kernel`` (the default: the static KV
 cache attends over each row's visible positions where they lie) and ``=gather`` (each row's
 cache line is copied up to the bucket's width for the model's attention), compiled into
-``C/kernel`` and ``C/gather`` (eager without ``--compiled-model-path``); encodes one batch of
-random prompts and times ``--steps`` greedy decode steps after it. Prints each median, the ratio,
-and whether both decoded the same tokens.
+``C/kernel`` and ``C/gather`` (eager without ``--compiled-model-path``); then, ``--rounds``
+times, each encodes one batch of random prompts and decodes ``--steps`` greedy steps after it,
+in turns. Prints the median step of each, the ratio, and whether both decoded the same tokens.
 """
 
 from __future__ import annotations
@@ -18,17 +18,18 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from nxdplug import NeuronConfig, from_pretrained
 
 SWITCH = "NXDPLUG_DECODE_ATTENTION"
+MODES = ("gather", "kernel")
 
 
-def decode_steps(args: argparse.Namespace, mode: str) -> tuple[list[float], torch.Tensor]:
-    """Seconds of each decode step after one prompt batch, with the attention ``mode``, and
-    the greedy tokens decoded."""
+def build(args: argparse.Namespace, mode: str) -> Any:
+    """The model with the attention ``mode``, compiled into ``C/mode`` (or eager)."""
     os.environ[SWITCH] = mode
     config = NeuronConfig(
         batch_size=args.batch_size,
@@ -44,26 +45,31 @@ def decode_steps(args: argparse.Namespace, mode: str) -> tuple[list[float], torc
         folder = args.compiled_model_path / mode
         app.compile(folder, quiet=True)
         app.load(folder, quiet=True)
+    return app
+
+
+@torch.inference_mode()
+def decode_steps(app: Any, args: argparse.Namespace) -> tuple[list[float], torch.Tensor]:
+    """Seconds of each greedy decode step after one batch of random prompts, and the tokens."""
     generator = torch.Generator().manual_seed(0)
     high = min(30000, app.config.vocab_size)
     prompts = torch.randint(3, high, (args.batch_size, args.prompt_length), generator=generator)
     rows = torch.arange(args.batch_size)
     times, decoded = [], []
-    with torch.inference_mode():
-        logits = app(input_ids=prompts, attention_mask=torch.ones_like(prompts)).logits
+    logits = app(input_ids=prompts, attention_mask=torch.ones_like(prompts)).logits
+    token = logits[:, -1].argmax(dim=-1, keepdim=True)
+    for step in range(args.steps):
+        position = args.prompt_length + step
+        start = time.perf_counter()
+        logits = app(
+            input_ids=token,
+            attention_mask=torch.ones(args.batch_size, position + 1, dtype=torch.long),
+            position_ids=torch.full((args.batch_size, 1), position),
+            seq_ids=rows,
+        ).logits
         token = logits[:, -1].argmax(dim=-1, keepdim=True)
-        for step in range(args.steps):
-            position = args.prompt_length + step
-            start = time.perf_counter()
-            logits = app(
-                input_ids=token,
-                attention_mask=torch.ones(args.batch_size, position + 1, dtype=torch.long),
-                position_ids=torch.full((args.batch_size, 1), position),
-                seq_ids=rows,
-            ).logits
-            token = logits[:, -1].argmax(dim=-1, keepdim=True)
-            times.append(time.perf_counter() - start)
-            decoded.append(token)
+        times.append(time.perf_counter() - start)
+        decoded.append(token)
     return times, torch.cat(decoded, dim=1)
 
 
@@ -76,18 +82,24 @@ def main() -> None:
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5, help="turns of each model")
     args = parser.parse_args()
     if args.prompt_length + args.steps > args.seq_len:
         parser.error("--prompt-length plus --steps must fit in --seq-len")
-    medians, tokens = {}, {}
-    for mode in ("gather", "kernel"):
-        times, tokens[mode] = decode_steps(args, mode)
-        medians[mode] = statistics.median(times[2:])
+    apps = {mode: build(args, mode) for mode in MODES}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    tokens = {}
+    for _ in range(args.rounds):  # in turns, so that both see the same load on the machine
+        for mode in MODES:
+            os.environ[SWITCH] = mode  # eager models read it at every call
+            round_times, tokens[mode] = decode_steps(apps[mode], args)
+            times[mode] += round_times[2:]
+    medians = {mode: statistics.median(times[mode]) for mode in MODES}
+    for mode in MODES:
         print(f"{mode:7s} median decode step {medians[mode] * 1000:.2f} ms")
+    ratio = medians["kernel"] / medians["gather"]
     same = torch.equal(tokens["gather"], tokens["kernel"])
-    print(
-        f"kernel / gather: x{medians['kernel'] / medians['gather']:.2f}; same greedy tokens: {same}"
-    )
+    print(f"kernel / gather: x{ratio:.2f}; same greedy tokens: {same}")
 
 
 if __name__ == "__main__":

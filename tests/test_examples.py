@@ -140,7 +140,7 @@ def test_decode_attention_example_times_both_attentions(tiny_checkpoint) -> None
     path = tiny_checkpoint("llama", seed=5)
     command = [sys.executable, str(EXAMPLES / "decode_attention.py"), "--model-path", str(path)]
     command += ["--torch-dtype", "float32", "--batch-size", "3", "--prompt-length", "8"]
-    command += ["--seq-len", "64", "--steps", "20"]
+    command += ["--seq-len", "64", "--steps", "20", "--rounds", "2"]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     assert re.fullmatch(
         r"gather  median decode step [\d.]+ ms\nkernel  median decode step [\d.]+ ms\n"
