@@ -5,13 +5,11 @@ holes and rows that see no key, lines in any order; and the cache computing it i
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fresh_process import run_and_load
 
 from nxdplug.errors import NxdPlugError
 from nxdplug.modules.attention import NeuronAttentionBase, grouped_attention
@@ -132,16 +130,7 @@ torch.save(decode_attention_op()(*inputs, 0.125), sys.argv[1])
 def test_the_portable_loop_forced_on_this_cpu(kernel, tmp_path) -> None:
     """NXDPLUG_DECODE_ATTENTION_PORTABLE=1 in a fresh process: the same attention, not the
     vector path's bits (which would mean that it did not run)."""
-    env = dict(os.environ, NXDPLUG_DECODE_ATTENTION_PORTABLE="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
-    )
-    saved = tmp_path / "portable.pt"
-    result = subprocess.run(
-        [sys.executable, "-c", PORTABLE_RUN, str(saved)], env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    portable = torch.load(saved)
+    portable = run_and_load(PORTABLE_RUN, tmp_path, NXDPLUG_DECODE_ATTENTION_PORTABLE="1")
     inputs = operands(4, 12, 4, 1, 64, 128, torch.float32)
     assert_matches(portable, reference(*inputs), torch.float32)
     assert not torch.equal(portable, kernel(*inputs, 0.125)) or not cpu_has_avx512()

@@ -5,13 +5,11 @@ tools' checkpoints may), and the portable loop that CPUs without AVX512-VNNI tak
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from fresh_process import run_and_load
 
 from nxdplug.modules.parallel_linear import ColumnParallelLinear
 from nxdplug.plugins.quantization.kernel import int8_matmul_op
@@ -169,16 +167,7 @@ def test_the_portable_loop_gives_the_product_too(int8_matmul, tmp_path) -> None:
     """The loop of CPUs without AVX512-VNNI, forced on this one in a fresh process: within
     float32 accumulation error of the exact product, and not the VNNI path's bits (which
     would mean that it did not run)."""
-    env = dict(os.environ, NXDPLUG_INT8_MATMUL_PORTABLE="1")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
-    )
-    saved = tmp_path / "portable.pt"
-    result = subprocess.run(
-        [sys.executable, "-c", PORTABLE_RUN, str(saved)], env=env, capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    outputs = torch.load(saved)
+    outputs = run_and_load(PORTABLE_RUN, tmp_path, NXDPLUG_INT8_MATMUL_PORTABLE="1")
     differs = False
     for (rows, K, N, dtype), portable in outputs.items():
         x, weight, scale = operands(rows, K, N, dtype)

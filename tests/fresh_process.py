@@ -1,0 +1,27 @@
+"""Running a snippet in a fresh Python process (an environment variable read once per process,
+a CPU path forced) and loading the tensors it saved."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def run_and_load(script: str, folder: Path, **environment: str) -> Any:
+    """Run ``script`` (it may import the test modules; it saves its result with
+    ``torch.save(..., sys.argv[1])``) with ``environment`` added, and return what it saved."""
+    env = dict(os.environ, **environment)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
+    )
+    saved = folder / "saved.pt"
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(saved)], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return torch.load(saved)
