@@ -134,7 +134,12 @@ class NumericsSpecs:
     @hookspec
     def nxdplug_kv_cache_strategies(self) -> Iterable[KVCacheStrategy]:
         """Register KV-cache layouts, each with the cache space through which the serving
-        engine reserves room in it for a request (by default a whole line, a batch row).
+        engine reserves room in it for a request (by default a whole line, a batch row). The
+        implementation is a ``KVCacheManager``: ``update_and_read`` stores a step's keys and
+        values and hands back the rows' cached ones; ``store_and_attend`` may compute the
+        attention over the layout itself (the static layout's decode kernel does), or return
+        None to leave it to the model; ``graph_variant`` names what else decides the traced
+        graphs (part of a compiled folder's hash).
 
         .. code-block:: python
 
