@@ -188,3 +188,5 @@ def test_the_greedy_sampler_is_torch_argmax(vocab) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         rows = logits.to(dtype)
         assert torch.equal(GreedySampler()(rows, SamplingParams()), rows.argmax(dim=-1))
+    transposed = logits.t().contiguous().t()  # the vocabulary not contiguous
+    assert torch.equal(GreedySampler()(transposed, SamplingParams()), logits.argmax(dim=-1))

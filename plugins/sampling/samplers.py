@@ -33,7 +33,7 @@ def blockwise_argmax(logits: torch.Tensor) -> torch.Tensor:
     blocks = vocab // ARGMAX_BLOCK
     if blocks < 2:
         return logits.argmax(dim=-1)
-    whole = logits[:, : blocks * ARGMAX_BLOCK].view(rows, blocks, ARGMAX_BLOCK)
+    whole = logits[:, : blocks * ARGMAX_BLOCK].reshape(rows, blocks, ARGMAX_BLOCK)
     tail = logits[:, blocks * ARGMAX_BLOCK :]
     block_max = whole.amax(dim=-1)
     if tail.shape[-1]:
