@@ -14,7 +14,9 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +24,24 @@ log = logging.getLogger(__name__)
 
 # A build takes seconds; a lock older than this was left by a build that was killed.
 STALE_LOCK_SECONDS = 600
+
+
+def build_operator(
+    library: str,
+    source: Path,
+    operator: str,
+    fake: Callable[..., torch.Tensor],
+    *,
+    purpose: str,
+    instead: str,
+) -> Any | None:
+    """``torch.ops.<library>.<operator>`` from ``source``, built and loaded, with ``fake`` (its
+    output for given inputs, without computing it) registered for tracing; None where it cannot
+    be built (see :func:`build_operator_library`). Call it once per process."""
+    if not build_operator_library(library, source, purpose=purpose, instead=instead):
+        return None
+    torch.library.register_fake(f"{library}::{operator}")(fake)
+    return getattr(getattr(torch.ops, library), operator)
 
 
 def build_operator_library(library: str, source: Path, *, purpose: str, instead: str) -> bool:

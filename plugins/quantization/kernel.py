@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.runtime.cpp_ops import build_operator_library
+from nxdplug.runtime.cpp_ops import build_operator
 
 SOURCE = Path(__file__).with_name("int8_matmul.cpp")
 LIBRARY = "nxdplug_quantization"
@@ -28,16 +28,14 @@ LIBRARY = "nxdplug_quantization"
 def int8_matmul_op() -> Any | None:
     """``int8_matmul(x [M, K] float32 or bfloat16, weight int8 [N, K], scale [N] or [1])`` ->
     ``[M, N]`` in x's dtype, or None where the extension cannot be built."""
-    built = build_operator_library(
+    return build_operator(
         LIBRARY,
         SOURCE,
+        "int8_matmul",
+        _output_like,
         purpose="int8 matmul",
         instead="int8 layers dequantize their weights at each call instead, which is slower",
     )
-    if not built:
-        return None
-    torch.library.register_fake(f"{LIBRARY}::int8_matmul")(_output_like)
-    return getattr(torch.ops, LIBRARY).int8_matmul
 
 
 def _output_like(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

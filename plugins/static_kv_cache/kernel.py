@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.runtime.cpp_ops import build_operator_library
+from nxdplug.runtime.cpp_ops import build_operator
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 LIBRARY = "nxdplug_static_kv_cache"
@@ -27,17 +27,15 @@ def decode_attention_op() -> Any | None:
     """``decode_attention(q [batch, heads, queries, dim], k_cache, v_cache [lines, kv_heads,
     positions, dim], seq_ids [batch], mask [batch, 1, queries, keys] bool, scale)`` -> q's
     shape and dtype; None where the extension cannot be built."""
-    built = build_operator_library(
+    return build_operator(
         LIBRARY,
         SOURCE,
+        "decode_attention",
+        _output_like,
         purpose="decode attention",
         instead="decoding gathers each row's cache for the model's attention instead, "
         "which is slower",
     )
-    if not built:
-        return None
-    torch.library.register_fake(f"{LIBRARY}::decode_attention")(_output_like)
-    return getattr(torch.ops, LIBRARY).decode_attention
 
 
 def _output_like(
