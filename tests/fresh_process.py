@@ -1,5 +1,5 @@
 """Running a snippet in a fresh Python process (an environment variable read once per process,
-a CPU path forced) and loading the tensors it saved."""
+a CPU path forced) and loading the tensors it saved; which CPU paths this machine takes."""
 
 from __future__ import annotations
 
@@ -25,3 +25,12 @@ def run_and_load(script: str, folder: Path, **environment: str) -> Any:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return torch.load(saved)
+
+
+def cpu_has(*flags: str) -> bool:
+    """Whether /proc/cpuinfo lists every one of ``flags`` (False where it cannot be read)."""
+    try:
+        listed = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(flag in listed for flag in flags)

@@ -5,11 +5,9 @@ holes and rows that see no key, lines in any order; and the cache computing it i
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from fresh_process import run_and_load
+from fresh_process import cpu_has, run_and_load
 
 from nxdplug.errors import NxdPlugError
 from nxdplug.modules.attention import NeuronAttentionBase, grouped_attention
@@ -133,15 +131,9 @@ def test_the_portable_loop_forced_on_this_cpu(kernel, tmp_path) -> None:
     portable = run_and_load(PORTABLE_RUN, tmp_path, NXDPLUG_DECODE_ATTENTION_PORTABLE="1")
     inputs = operands(4, 12, 4, 1, 64, 128, torch.float32)
     assert_matches(portable, reference(*inputs), torch.float32)
-    assert not torch.equal(portable, kernel(*inputs, 0.125)) or not cpu_has_avx512()
-
-
-def cpu_has_avx512() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(flag in flags for flag in ("avx512f", "avx512bw", "avx512vl"))
+    assert not torch.equal(portable, kernel(*inputs, 0.125)) or not cpu_has(
+        "avx512f", "avx512bw", "avx512vl"
+    )
 
 
 def slot_operands(dtype, queries=1):

@@ -5,11 +5,9 @@ tools' checkpoints may), and the portable loop that CPUs without AVX512-VNNI tak
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from fresh_process import run_and_load
+from fresh_process import cpu_has, run_and_load
 
 from nxdplug.modules.parallel_linear import ColumnParallelLinear
 from nxdplug.plugins.quantization.kernel import int8_matmul_op
@@ -26,11 +24,7 @@ SHAPES = [  # (rows, K, N)
 
 
 def cpu_has_vnni() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512bw" in flags and "avx512_vnni" in flags
+    return cpu_has("avx512bw", "avx512_vnni")
 
 
 # The integer path's precision claims; on a CPU without AVX512-VNNI the op runs the portable
