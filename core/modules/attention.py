@@ -130,8 +130,8 @@ def attend_over_local_cache(
     cache: CacheSlot,
 ) -> torch.Tensor:
     """Store this step's keys and values, then attend over the cache's first positions: where
-    the cache's manager computes the plain softmax attention over its own layout (the static
-    cache's decode kernel) and the layer's attention is that, the manager's way."""
+    the cache's manager computes the plain softmax attention over its own layout (a kernel of
+    its KV-cache plugin) and the layer's attention is that, the manager's way."""
     if attention.attends_by_plain_softmax:
         attended = cache.store_and_attend(q.to(attention.attention_dtype or q.dtype), k, v, mask)
         if attended is not None:
