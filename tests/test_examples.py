@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from fresh_process import cpu_has
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -147,3 +149,17 @@ def test_decode_attention_example_times_both_attentions(tiny_checkpoint) -> None
         r"kernel / gather: x[\d.]+; same greedy tokens: True\n",
         result.stdout,
     ), result.stdout
+
+
+@pytest.mark.skipif(
+    not cpu_has("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    reason="the panel kernel runs on x86 CPUs with AVX512-BF16",
+)
+def test_bf16_linear_example_times_onednn_and_panels() -> None:
+    command = [sys.executable, str(EXAMPLES / "bf16_linear.py"), "--rows", "1", "9"]
+    command += ["--hidden-size", "64", "--intermediate-size", "96", "--heads", "4"]
+    command += ["--kv-heads", "2", "--layers", "2", "--vocab-size", "100", "--passes", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    line = r" +{} rows: oneDNN [\d.]+ ms \(\d+ GFLOP/s\), panels [\d.]+ ms \(\d+ GFLOP/s\); "
+    line += r"panels x[\d.]+ faster\n"
+    assert re.fullmatch(line.format(1) + line.format(9), result.stdout), result.stdout

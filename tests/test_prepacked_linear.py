@@ -9,6 +9,7 @@ from torch import nn
 
 from nxdplug.plugins.inductor_backend import prepacked_linear as packing
 from nxdplug.plugins.inductor_backend.backend import InductorBackend
+from nxdplug.plugins.inductor_backend.bf16_linear import SWITCH
 
 pytestmark = pytest.mark.skipif(
     not packing.prepacking_available(), reason="this torch has no oneDNN"
@@ -154,7 +155,8 @@ def shared_input_weights(dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linears_of_one_input_are_one_gemm_by_stacked_weights(tmp_path, dtype) -> None:
+def test_linears_of_one_input_are_one_gemm_by_stacked_weights(tmp_path, dtype, monkeypatch):
+    monkeypatch.setenv(SWITCH, "onednn")  # bf16 weights in panels: test_bf16_linear.py
     weights = shared_input_weights(dtype)
     x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
     program = torch.export.export(SharedInputs(), (weights, [], x), strict=False)

@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from nxdplug.errors import ConfigError, NxdPlugError
+from nxdplug.plugins.inductor_backend.bf16_linear import panels_in_use
 from nxdplug.plugins.inductor_backend.prepacked_linear import (
     PrepackedWeights,
     prepacking_available,
@@ -76,7 +77,8 @@ class WeightsAsConstants(nn.Module):
 
 class InductorBackend:
     """AOTInductor packages. The weights are graph inputs shared by every graph, linear weights
-    prepacked once for oneDNN (``prepack_weights=false`` keeps them plain). With the compiler
+    prepacked once for oneDNN, bf16 ones in panels for nxdplug's kernel where the CPU has
+    AVX512-BF16 (``prepack_weights=false`` keeps them plain). With the compiler
     argument ``freezing=true`` the weights are folded into each graph instead: one copy of the
     weights per graph and no weight swapping without recompiling."""
 
@@ -100,7 +102,10 @@ class InductorBackend:
     def versions(self) -> dict[str, str]:
         # The application builds weights, caches and inputs on the CPU, so the graphs are CPU
         # graphs; CUDA needs those tensors placed on the GPU first (not done yet).
-        return {"torch": torch.__version__, "device": "cpu", "linear_weights": "onednn-linear-3"}
+        linear_weights = "onednn-linear-3"
+        if panels_in_use():
+            linear_weights = "bf16-panels-1, " + linear_weights
+        return {"torch": torch.__version__, "device": "cpu", "linear_weights": linear_weights}
 
     def compile_graph(
         self,
@@ -128,6 +133,7 @@ class InductorBackend:
             )
 
     def load_graph(self, path: Path, *, weights_in_graph: bool) -> Callable[..., torch.Tensor]:
+        panels_in_use()  # registers the panel kernel that bf16 graphs compiled here call
         try:
             with torch_internal_warnings_silenced():
                 compiled = torch._inductor.aoti_load_package(str(path))

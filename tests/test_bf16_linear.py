@@ -1,0 +1,103 @@
+"""The bf16 panel linear (``plugins/inductor_backend/bf16_linear.cpp``): the panel layout, the
+kernel against float64 linears (row counts around its 8-row tiles, a last panel narrower than
+32, biases), the switch, and compiled graphs calling it on the weights in panels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fresh_process import cpu_has
+from torch import nn
+
+from nxdplug.errors import NxdPlugError
+from nxdplug.plugins.inductor_backend import bf16_linear
+from nxdplug.plugins.inductor_backend.backend import InductorBackend
+from nxdplug.plugins.inductor_backend.bf16_linear import PANEL, SWITCH, to_panels
+
+needs_avx512_bf16 = pytest.mark.skipif(
+    not cpu_has("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    reason="the panel kernel runs on x86 CPUs with AVX512-BF16",
+)
+
+
+def test_panels_hold_32_outputs_with_input_pairs_outermost() -> None:
+    out_features, in_features = 2 * PANEL + 5, 6
+    weight = torch.arange(out_features * in_features).reshape(out_features, in_features)
+    stored = to_panels(weight).view(-1)  # int64: every value exact
+    assert to_panels(weight.bfloat16()).shape == weight.shape
+    for row in range(out_features):
+        panel, feature = divmod(row, PANEL)
+        width = min(PANEL, out_features - panel * PANEL)
+        for column in range(in_features):
+            pair, half = divmod(column, 2)
+            position = panel * PANEL * in_features + (pair * width + feature) * 2 + half
+            assert stored[position] == weight[row, column]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    assert bf16_linear.panels_in_use(), "the bf16 panel kernel did not build (see the warning)"
+    return bf16_linear.bf16_linear_op()
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 96), (45, 2), (7, 1030)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_multiplies_like_linear(kernel, rows, out_features, in_features, with_bias):
+    generator = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(2, rows, in_features, generator=generator).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16() if with_bias else None
+    out = kernel(x, to_panels(weight), bias)
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert out.dtype == torch.bfloat16 and out.shape == (2, rows, out_features)
+    # float32 sums rounded once to bf16 (8 significant bits); a wrong panel or pair is O(1)
+    torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=2**-7 * exact.abs().max())
+
+
+def test_switch_values(monkeypatch) -> None:
+    monkeypatch.setenv(SWITCH, "onednn")
+    assert not bf16_linear.panels_in_use()
+    assert InductorBackend().versions()["linear_weights"] == "onednn-linear-3"
+    monkeypatch.setenv(SWITCH, "fast")
+    with pytest.raises(NxdPlugError, match=r"NXDPLUG_BF16_LINEAR='fast': expected 'panels'"):
+        bf16_linear.panels_in_use()
+
+
+class Projections(nn.Module):
+    """``forward(weights, caches, x)``: Q/K/V-like projections of x (stacked into one GEMM),
+    a tied weight read otherwise (stays plain), and a projection with a bias."""
+
+    def forward(self, weights, caches, x):
+        q, k, tied, out, bias = weights
+        h = F.linear(x, q) * F.linear(x, k)
+        return F.linear(h, out, bias) + tied.sum()
+
+
+@needs_avx512_bf16
+def test_compiled_bf16_graph_multiplies_weights_in_panels(kernel, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(SWITCH, "panels")
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(40, 64), (40, 64), (40, 64), (72, 40), (72,)]
+    weights = [(torch.randn(s, generator=generator) / 4).bfloat16() for s in shapes]
+    x = torch.randn(3, 5, 64, generator=generator).bfloat16()
+    backend = InductorBackend()
+    assert backend.versions()["linear_weights"].startswith("bf16-panels-1")
+    backend.compile_graph(
+        Projections(), (weights, [], x), tmp_path / "g.pt2", debug=False, compiler_args=None
+    )
+    graph = backend.load_graph(tmp_path / "g.pt2", weights_in_graph=False)
+    loaded = list(weights)
+    backend.form_graph_weights(loaded)
+    assert torch.equal(loaded[0], to_panels(torch.cat(weights[:2])))  # q and k stacked
+    assert torch.equal(loaded[3], to_panels(weights[3]))
+    assert loaded[2] is weights[2] and loaded[4] is weights[4]
+    with torch.profiler.profile() as profile:
+        out = graph(loaded, [], x)
+    called = [event.name for event in profile.events()]
+    assert called.count("nxdplug_bf16_linear::linear") == 2
+    assert "nxdplug::prepacked_linear" not in called
+    exact = Projections()([w.double() for w in weights], [], x.double())
+    assert (out.double() - exact).abs().max() <= 2**-6 * exact.abs().max()
