@@ -3,8 +3,8 @@
 The engine is stepped from one thread only, the one that loaded the model (``nxdplug serve``'s
 main thread: a model called from a second thread runs its steps up to 2x slower, see
 :mod:`nxdplug.runtime.step_ahead`); HTTP handlers run on the event loop's thread. The loop
-sleeps while the engine has nothing to do, steps while it has, and hands each output to its
-request's :class:`OutputStream` through ``loop.call_soon_threadsafe``. A stream that is closed
+sleeps while the engine has nothing to do, steps while it has, and hands a step's outputs to
+their requests' :class:`OutputStream` in one ``loop.call_soon_threadsafe``. A stream that is closed
 before its request ended (a client gone, a cancelled handler) aborts the request, so its
 KV-cache line is freed at the next step.
 """
@@ -17,8 +17,9 @@ import logging
 import threading
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -36,12 +37,17 @@ class EngineStoppedError(NxdPlugError):
     """The engine loop stopped (shutting down, or after an engine failure): a 503."""
 
 
+Item = RequestOutput | BaseException
+
+
 @attrs.define
 class _Consumer:
-    """Where one request's outputs go, and its clock for the latency metrics."""
+    """Where one request's outputs go (``deliver``, called on ``loop``'s thread, or on the
+    engine's without a loop), and its clock for the latency metrics."""
 
-    deliver: Callable[[RequestOutput | BaseException], None]
+    deliver: Callable[[Item], None]
     arrival: float
+    loop: asyncio.AbstractEventLoop | None = None
     last_token: float | None = None
 
 
@@ -107,7 +113,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_id = f"req-{uuid.uuid4().hex}"
-        self.submit(request_id, prompt_ids, settings, _threadsafe_put(loop, queue))
+        self.submit(request_id, prompt_ids, settings, queue.put_nowait, loop)
         return OutputStream(request_id, queue, self.abort)
 
     def submit(
@@ -115,14 +121,16 @@ class EngineLoop:
         request_id: str,
         prompt_ids: Sequence[int],
         settings: SamplingSettings,
-        deliver: Callable[[RequestOutput | BaseException], None],
+        deliver: Callable[[Item], None],
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         """Queue a request whose outputs (or the engine's failure) go to ``deliver``, which is
-        called on the thread that steps the engine; thread-safe."""
+        called on ``loop``'s thread, or without a loop on the thread that steps the engine;
+        thread-safe."""
         with self._wake:
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down; no new requests")
-            self._consumers[request_id] = _Consumer(deliver, time.monotonic())
+            self._consumers[request_id] = _Consumer(deliver, time.monotonic(), loop)
             try:
                 self.engine.add_request(prompt_ids, settings, request_id)
             except BaseException:
@@ -158,8 +166,7 @@ class EngineLoop:
             with self._wake:
                 self._accepting = False
                 consumers, self._consumers = list(self._consumers.values()), {}
-            for consumer in consumers:
-                consumer.deliver(exc)
+            _hand_over([(consumer, exc) for consumer in consumers])
         finally:
             self.engine.close()
 
@@ -173,24 +180,39 @@ class EngineLoop:
             return True
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
-        for output in outputs:
-            with self._wake:
+        handed: list[tuple[_Consumer, Item]] = []
+        with self._wake:
+            for output in outputs:
                 consumer = self._consumers.get(output.request_id)
                 if output.finished:
                     self._consumers.pop(output.request_id, None)
-            if consumer is None:
-                continue
+                if consumer is not None:
+                    handed.append((consumer, output))
+        for consumer, output in handed:
             if self.metrics is not None:
                 self.metrics.record(output, consumer.arrival, consumer.last_token, now)
             if output.token_ids:
                 consumer.last_token = now
-            consumer.deliver(output)
+        _hand_over(handed)
 
 
-def _threadsafe_put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> Callable[[Any], None]:
-    def put(item: Any) -> None:
-        # A closed event loop raises RuntimeError: nobody waits for this request any more.
+def _hand_over(items: list[tuple[_Consumer, Item]]) -> None:
+    """Give each item to its consumer, with one wake-up of each event loop for all of its
+    consumers' items: a wake-up is a write to the loop's self-pipe and a switch to its thread,
+    and one per output took ~0.9 ms between two 16-row steps of ``nxdplug serve``."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Callable[[Item], None], Item]]]
+    by_loop = defaultdict(list)
+    for consumer, item in items:
+        if consumer.loop is None:
+            consumer.deliver(item)
+        else:
+            by_loop[consumer.loop].append((consumer.deliver, item))
+    for loop, deliveries in by_loop.items():
+        # A closed event loop raises RuntimeError: nobody waits for these requests any more.
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            loop.call_soon_threadsafe(_deliver_each, deliveries)
 
-    return put
+
+def _deliver_each(deliveries: list[tuple[Callable[[Item], None], Item]]) -> None:
+    for deliver, item in deliveries:
+        deliver(item)
