@@ -7,6 +7,10 @@
 // row and a K/V head, with the query heads that share it, and reads the positions its queries
 // may see, once, prefetching ahead (a 16-row decode step of a 12-layer ~120M Llama with 64 to
 // 128 cached positions: 8.7 ms against 10.2, examples/decode_attention.py on 2 AVX-512 cores).
+// Scores are made 16 keys at a time, their dot products summed across lanes together; values
+// are read once for up to 16 / (dim / 16) query rows. Those two made a call on 16 rows x 12
+// heads (4 K/V heads) x 64-128 keys in bf16 7-14% faster (26-63 us against 29-68, both builds
+// timed in turns in one process) and the decode step above 7.24 ms against 8.97 gathering.
 //
 // The numbers follow nxdplug.modules.attention.grouped_attention: float32 products and softmax,
 // probabilities rounded to the cache's dtype, float32 sums rounded once at the end; a query that
@@ -195,17 +199,88 @@ NXDPLUG_AVX512 void softmax_rows_avx512(float* scores, int64_t rows, int64_t key
   }
 }
 
+// The sums of 16 vectors' lanes, as one vector (lane k: the sum of dots[k]): pairs of vectors
+// are interleaved and added within 128-bit lanes, then across them (45 instructions against
+// 16 horizontal sums of ~10).
+NXDPLUG_AVX512 inline __m512 lane_sums(const __m512 (&dots)[16]) {
+  __m512 pairs[8];
+  for (int k = 0; k < 8; ++k) {
+    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(dots[2 * k], dots[2 * k + 1]),
+                             _mm512_unpackhi_ps(dots[2 * k], dots[2 * k + 1]));
+  }
+  __m512 quads[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * k]), b = _mm512_castps_pd(pairs[2 * k + 1]);
+    quads[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // quads[k], 128-bit lane l: the part of dots[4k .. 4k+3] in lane l; now across the lanes.
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+// Rows [first, first + kRows) of the output: each row's probabilities (``scores``) times the values.
+template <typename T, int kChunks, int kRows>
+NXDPLUG_AVX512 void weighted_values(const Task<T>& task, const Shapes& s, const float* scores, int64_t first) {
+  const int64_t keys = s.keys, dim = s.dim;
+  const float* p = scores + first * keys;
+  __m512 sum[kRows][kChunks];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kChunks; ++c) sum[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < keys; ++j) {
+    bool seen = false;  // a position no row sees (padding) is not read
+    for (int r = 0; r < kRows; ++r) seen |= p[r * keys + j] != 0.0f;
+    if (!seen) continue;
+    const T* value = task.v + j * dim;
+    __m512 v[kChunks];
+    for (int c = 0; c < kChunks; ++c) v[c] = load_floats(value + 16 * c);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 weight = _mm512_set1_ps(p[r * keys + j]);
+      for (int c = 0; c < kChunks; ++c) sum[r][c] = _mm512_fmadd_ps(weight, v[c], sum[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kChunks; ++c) store_floats(task.out + (first + r) * dim + 16 * c, sum[r][c]);
+}
+
 // kChunks = dim / 16: a query (or a sum) is kChunks registers.
 template <typename T, int kChunks>
 NXDPLUG_AVX512 void attend_avx512(const Task<T>& task, const Shapes& s, float scale, float* scores) {
   const int64_t rows = s.rows(), keys = s.keys, dim = s.dim;
   const int64_t line_bytes = dim * int64_t(sizeof(T));
+  const __m512 scales = _mm512_set1_ps(scale), masked = _mm512_set1_ps(kMasked);
   for (int64_t i = 0; i < rows; ++i) {
     const bool* sees = task.mask + (s.queries == 1 ? 0 : (i % s.queries) * keys);
     __m512 q[kChunks];
     for (int c = 0; c < kChunks; ++c) q[c] = load_floats(task.q + i * dim + 16 * c);
     float* row = scores + i * keys;
-    for (int64_t j = 0; j < keys; ++j) {
+    int64_t j = 0;
+    for (; j + 16 <= keys; j += 16) {  // 16 keys at a time
+      if (i == 0) {
+        for (int64_t ahead = j; ahead < j + 16; ++ahead) {
+          const char* key_ahead = reinterpret_cast<const char*>(task.k + (ahead + kPrefetchPositions) * dim);
+          const char* value = reinterpret_cast<const char*>(task.v + ahead * dim);
+          for (int64_t b = 0; b < line_bytes; b += 64) {
+            _mm_prefetch(key_ahead + b, _MM_HINT_T0);
+            _mm_prefetch(value + b, _MM_HINT_T1);
+          }
+        }
+      }
+      __m512 dots[16];
+      for (int k = 0; k < 16; ++k) {
+        const T* key = task.k + (j + k) * dim;
+        dots[k] = _mm512_mul_ps(q[0], load_floats(key));
+        for (int c = 1; c < kChunks; ++c) dots[k] = _mm512_fmadd_ps(q[c], load_floats(key + 16 * c), dots[k]);
+      }
+      const __mmask16 visible = _mm512_test_epi32_mask(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sees + j))),
+          _mm512_set1_epi32(1));
+      _mm512_storeu_ps(row + j, _mm512_mask_mul_ps(masked, visible, lane_sums(dots), scales));
+    }
+    for (; j < keys; ++j) {
       if (i == 0) {  // the other heads find the keys in L1; the values are next
         const char* key_ahead = reinterpret_cast<const char*>(task.k + (j + kPrefetchPositions) * dim);
         const char* value = reinterpret_cast<const char*>(task.v + j * dim);
@@ -225,19 +300,13 @@ NXDPLUG_AVX512 void attend_avx512(const Task<T>& task, const Shapes& s, float sc
     }
   }
   softmax_rows_avx512<T>(scores, rows, keys);
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* p = scores + i * keys;
-    __m512 sum[kChunks];
-    for (int c = 0; c < kChunks; ++c) sum[c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < keys; ++j) {
-      if (p[j] == 0.0f) continue;
-      const __m512 weight = _mm512_set1_ps(p[j]);
-      const T* value = task.v + j * dim;
-      for (int c = 0; c < kChunks; ++c) sum[c] = _mm512_fmadd_ps(weight, load_floats(value + 16 * c), sum[c]);
-    }
-    for (int c = 0; c < kChunks; ++c) store_floats(task.out + i * dim + 16 * c, sum[c]);
-  }
+  // kBlock rows at a time take each value (read and widened once for them all), the rest one by one.
+  constexpr int kBlock = kChunks >= 16 ? 1 : 16 / kChunks;
+  int64_t first = 0;
+  for (; first + kBlock <= rows; first += kBlock) weighted_values<T, kChunks, kBlock>(task, s, scores, first);
+  for (; first < rows; ++first) weighted_values<T, kChunks, 1>(task, s, scores, first);
 }
+
 
 bool vector_path_usable() {
   static const bool usable = std::getenv("NXDPLUG_DECODE_ATTENTION_PORTABLE") == nullptr &&
