@@ -183,10 +183,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bf16_linear takes bfloat16 x and weight, got ", x.scalar_type(), " and ",
               weight.scalar_type());
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "bf16_linear: weight must be [out, in] panels");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(k % 2 == 0 && x.size(-1) == k, "bf16_linear: x's last size ", x.size(-1),
-              " must equal the weight's (even) in-features ", k);
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && k % 2 == 0 && k > 0 &&
+                  weight.numel() % k == 0,
+              "bf16_linear: weight must be the 1-D panels of an [out, in] matrix with even in = ",
+              "x's last size (", k, "), got ", weight.sizes());
+  const int64_t n = weight.numel() / k;
   const at::Tensor rows = x.reshape({-1, k}).contiguous();
   const int64_t m = rows.size(0);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());

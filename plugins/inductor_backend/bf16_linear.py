@@ -4,8 +4,9 @@ On an x86 CPU with AVX512-BF16, a bf16 linear weight that the graphs take prepac
 in panels of 32 output features instead of oneDNN's layout: panel ``j`` holds rows
 ``32j .. 32j+31`` of the ``[out, in]`` weight, in-feature pairs outermost
 (``[in / 2, 32, 2]``; the last panel as wide as the rows left), so that one 64-byte read gives
-two in-features of 16 outputs, the operands of ``vdpbf16ps``. The stored tensor keeps the
-weight's shape and dtype; only the order of its values changes. The graphs call
+two in-features of 16 outputs, the operands of ``vdpbf16ps``. The stored tensor is 1-D, the
+weight's values in that order (so that nobody takes it for the ``[out, in]`` matrix: copying a
+matrix into it in place fails). The graphs call
 ``torch.ops.nxdplug_bf16_linear.linear`` for those linears (built by
 :mod:`nxdplug.runtime.cpp_ops`); the kernel's source says why it is faster.
 
@@ -33,7 +34,7 @@ PANEL = 32
 
 @functools.cache
 def bf16_linear_op() -> Any | None:
-    """``linear(x [..., in] bf16, weight [out, in] bf16 in panels, bias [out] or None)`` ->
+    """``linear(x [..., in] bf16, weight [out * in] bf16 in panels, bias [out] or None)`` ->
     ``[..., out]`` bf16, or None where the extension cannot be built."""
     return build_operator(
         LIBRARY,
@@ -46,7 +47,8 @@ def bf16_linear_op() -> Any | None:
 
 
 def _output_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    # a graph traces the op with the weight's declared [out, in] shape; it runs on the panels
+    return x.new_empty((*x.shape[:-1], weight.numel() // x.shape[-1]))
 
 
 def panels_chosen() -> bool:
@@ -74,11 +76,10 @@ def takes_panels(dtype: torch.dtype, shape: torch.Size | list[int]) -> bool:
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]``, its values reordered into panels (same shape and dtype)."""
+    """The values of ``weight`` ``[out, in]`` in panel order, 1-D."""
     out_features, in_features = weight.shape
     full = out_features // PANEL * PANEL
     pairs = in_features // 2
     panels = weight[:full].reshape(-1, PANEL, pairs, 2).transpose(1, 2)
     last = weight[full:].reshape(-1, pairs, 2).transpose(0, 1)
-    ordered = torch.cat([panels.reshape(-1), last.reshape(-1)])
-    return ordered.view(out_features, in_features)
+    return torch.cat([panels.reshape(-1), last.reshape(-1)])
