@@ -4,15 +4,17 @@
 // Why not oneDNN's prepacked linear: decoding multiplies 1 to 16 rows by every weight, and a
 // 12-layer ~120M Llama's weights (200 MB) come from memory at each step; oneDNN's bf16 GEMM
 // keeps the cores waiting on those reads. examples/bf16_linear.py times one forward pass's 49
-// linears (2 Zen 5 cores): 16 rows 6.5-6.6 ms with oneDNN against 4.4-4.5 here, 1 row 3.5
-// against 2.7, 64 rows (a prompt) 16.6-16.9 against 14.7, 128 rows 30.2 against 28.3.
+// linears both ways (2 Zen 5 cores, 2026-11-27): x1.22 here at 1 row, x1.37-1.48 at 16 rows,
+// x1.13-1.15 at 64 (a prompt), x1.03-1.10 at 128.
 //
-// One task takes a panel: 32 output features, two 16-float vectors a row. Its weights are read
-// once, in order, prefetched 32 KB ahead; 8 rows of x at a time are multiplied by a stretch of
-// them (vdpbf16ps: two bf16 products summed into float32), then the next 8 rows by the same
-// stretch while it is in the L1 cache. Sums are float32, rounded to bf16 once (to nearest, ties
-// to even). Tried and not kept: panels handed out dynamically (no faster with a busy server),
-// prefetches spread over every 8-row tile (3% slower for prompts).
+// Each thread takes a contiguous range of panels (32 output features: two 16-float vectors a
+// row) and reads their weights once, in order, prefetched 32 KB ahead; 8 rows of x at a time
+// are multiplied by a stretch of a panel (vdpbf16ps: two bf16 products summed into float32),
+// then the next 8 rows by the same stretch while it is in the L1 cache. Sums are float32,
+// rounded to bf16 once (to nearest, ties to even). Tried and not kept: panels handed out
+// dynamically (no faster with a busy server), prefetches spread over every 8-row tile (3%
+// slower for prompts), 16 rows x 16 outputs a tile for 9-16 rows (30% slower: 16 broadcasts
+// to a weight vector).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
