@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -59,6 +60,13 @@ struct TileOutput {
   int64_t width;           // features in this panel (PANEL but for the last)
 };
 
+// Two bf16 values as one 32-bit word (a copy, not a cast: the data are uint16_t).
+inline int32_t two_values(const uint16_t* values) {
+  int32_t word;
+  std::memcpy(&word, values, sizeof(word));
+  return word;
+}
+
 // `rows` (at most ROWS) rows of x, starting at x, by `pairs` k-pairs of one panel (`panel`
 // points at the first pair; each pair is `width` features x 2 bf16). Rows below 4 keep two sets
 // of sums (even and odd pairs) so that the adds do not wait on each other.
@@ -90,8 +98,7 @@ NXDPLUG_BF16 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* pane
           (__m512bh)(full ? _mm512_loadu_si512(w + 32) : _mm512_maskz_loadu_epi16(high, w + 32));
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
-        const int32_t pair = *reinterpret_cast<const int32_t*>(x + r * x_stride + 2 * (p + s));
-        const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+        const __m512bh xr = (__m512bh)_mm512_set1_epi32(two_values(x + r * x_stride + 2 * (p + s)));
         sums[s][r][0] = _mm512_dpbf16_ps(sums[s][r][0], xr, w0);
         sums[s][r][1] = _mm512_dpbf16_ps(sums[s][r][1], xr, w1);
       }
@@ -103,8 +110,7 @@ NXDPLUG_BF16 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* pane
     const __m512bh w1 =
         (__m512bh)(full ? _mm512_loadu_si512(w + 32) : _mm512_maskz_loadu_epi16(high, w + 32));
     for (int r = 0; r < R; ++r) {
-      const int32_t pair = *reinterpret_cast<const int32_t*>(x + r * x_stride + 2 * p);
-      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(two_values(x + r * x_stride + 2 * p));
       sums[0][r][0] = _mm512_dpbf16_ps(sums[0][r][0], xr, w0);
       sums[0][r][1] = _mm512_dpbf16_ps(sums[0][r][1], xr, w1);
     }
