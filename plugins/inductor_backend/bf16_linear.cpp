@@ -67,6 +67,21 @@ inline int32_t two_values(const uint16_t* values) {
   return word;
 }
 
+// One k-pair of a panel (`w`: its 32 outputs x 2 bf16; `low` / `high` mask a narrower last
+// panel's two halves) multiplied by R rows' pair at `x` and added to their sums.
+template <int R>
+NXDPLUG_BF16 inline void add_pair(__m512 (&sums)[R][2], const uint16_t* x, int64_t x_stride,
+                                  const uint16_t* w, bool full, __mmask32 low, __mmask32 high) {
+  const __m512bh w0 = (__m512bh)(full ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi16(low, w));
+  const __m512bh w1 = (__m512bh)(full ? _mm512_loadu_si512(w + 32) : _mm512_maskz_loadu_epi16(high, w + 32));
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512bh xr = (__m512bh)_mm512_set1_epi32(two_values(x + r * x_stride));
+    sums[r][0] = _mm512_dpbf16_ps(sums[r][0], xr, w0);
+    sums[r][1] = _mm512_dpbf16_ps(sums[r][1], xr, w1);
+  }
+}
+
 // `rows` (at most ROWS) rows of x, starting at x, by `pairs` k-pairs of one panel (`panel`
 // points at the first pair; each pair is `width` features x 2 bf16). Rows below 4 keep two sets
 // of sums (even and odd pairs) so that the adds do not wait on each other.
@@ -93,27 +108,11 @@ NXDPLUG_BF16 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* pane
       const uint16_t* w = panel + (p + s) * pair_stride;
       _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH * pair_stride), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH * pair_stride + 32), _MM_HINT_T0);
-      const __m512bh w0 = (__m512bh)(full ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi16(low, w));
-      const __m512bh w1 =
-          (__m512bh)(full ? _mm512_loadu_si512(w + 32) : _mm512_maskz_loadu_epi16(high, w + 32));
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m512bh xr = (__m512bh)_mm512_set1_epi32(two_values(x + r * x_stride + 2 * (p + s)));
-        sums[s][r][0] = _mm512_dpbf16_ps(sums[s][r][0], xr, w0);
-        sums[s][r][1] = _mm512_dpbf16_ps(sums[s][r][1], xr, w1);
-      }
+      add_pair<R>(sums[s], x + 2 * (p + s), x_stride, w, full, low, high);
     }
   }
   for (; p < pairs; ++p) {  // an odd last pair when keeping two sets
-    const uint16_t* w = panel + p * pair_stride;
-    const __m512bh w0 = (__m512bh)(full ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi16(low, w));
-    const __m512bh w1 =
-        (__m512bh)(full ? _mm512_loadu_si512(w + 32) : _mm512_maskz_loadu_epi16(high, w + 32));
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xr = (__m512bh)_mm512_set1_epi32(two_values(x + r * x_stride + 2 * p));
-      sums[0][r][0] = _mm512_dpbf16_ps(sums[0][r][0], xr, w0);
-      sums[0][r][1] = _mm512_dpbf16_ps(sums[0][r][1], xr, w1);
-    }
+    add_pair<R>(sums[0], x + 2 * p, x_stride, panel + p * pair_stride, full, low, high);
   }
   for (int r = 0; r < R; ++r) {
     for (int s = 1; s < SETS; ++s) {

@@ -199,6 +199,18 @@ NXDPLUG_AVX512 void softmax_rows_avx512(float* scores, int64_t rows, int64_t key
   }
 }
 
+// The first query head reads ahead: the key kPrefetchPositions on into L1 (the other heads find
+// the keys there) and the value of position j into L2 (the values come next).
+template <typename T>
+NXDPLUG_AVX512 inline void prefetch_position(const Task<T>& task, int64_t j, int64_t dim) {
+  const char* key_ahead = reinterpret_cast<const char*>(task.k + (j + kPrefetchPositions) * dim);
+  const char* value = reinterpret_cast<const char*>(task.v + j * dim);
+  for (int64_t b = 0; b < dim * int64_t(sizeof(T)); b += 64) {
+    _mm_prefetch(key_ahead + b, _MM_HINT_T0);
+    _mm_prefetch(value + b, _MM_HINT_T1);
+  }
+}
+
 // The sums of 16 vectors' lanes, as one vector (lane k: the sum of dots[k]): pairs of vectors
 // are interleaved and added within 128-bit lanes, then across them (45 instructions against
 // 16 horizontal sums of ~10).
@@ -250,7 +262,6 @@ NXDPLUG_AVX512 void weighted_values(const Task<T>& task, const Shapes& s, const 
 template <typename T, int kChunks>
 NXDPLUG_AVX512 void attend_avx512(const Task<T>& task, const Shapes& s, float scale, float* scores) {
   const int64_t rows = s.rows(), keys = s.keys, dim = s.dim;
-  const int64_t line_bytes = dim * int64_t(sizeof(T));
   const __m512 scales = _mm512_set1_ps(scale), masked = _mm512_set1_ps(kMasked);
   for (int64_t i = 0; i < rows; ++i) {
     const bool* sees = task.mask + (s.queries == 1 ? 0 : (i % s.queries) * keys);
@@ -260,14 +271,7 @@ NXDPLUG_AVX512 void attend_avx512(const Task<T>& task, const Shapes& s, float sc
     int64_t j = 0;
     for (; j + 16 <= keys; j += 16) {  // 16 keys at a time
       if (i == 0) {
-        for (int64_t ahead = j; ahead < j + 16; ++ahead) {
-          const char* key_ahead = reinterpret_cast<const char*>(task.k + (ahead + kPrefetchPositions) * dim);
-          const char* value = reinterpret_cast<const char*>(task.v + ahead * dim);
-          for (int64_t b = 0; b < line_bytes; b += 64) {
-            _mm_prefetch(key_ahead + b, _MM_HINT_T0);
-            _mm_prefetch(value + b, _MM_HINT_T1);
-          }
-        }
+        for (int64_t ahead = j; ahead < j + 16; ++ahead) prefetch_position(task, ahead, dim);
       }
       __m512 dots[16];
       for (int k = 0; k < 16; ++k) {
@@ -281,14 +285,7 @@ NXDPLUG_AVX512 void attend_avx512(const Task<T>& task, const Shapes& s, float sc
       _mm512_storeu_ps(row + j, _mm512_mask_mul_ps(masked, visible, lane_sums(dots), scales));
     }
     for (; j < keys; ++j) {
-      if (i == 0) {  // the other heads find the keys in L1; the values are next
-        const char* key_ahead = reinterpret_cast<const char*>(task.k + (j + kPrefetchPositions) * dim);
-        const char* value = reinterpret_cast<const char*>(task.v + j * dim);
-        for (int64_t b = 0; b < line_bytes; b += 64) {
-          _mm_prefetch(key_ahead + b, _MM_HINT_T0);
-          _mm_prefetch(value + b, _MM_HINT_T1);
-        }
-      }
+      if (i == 0) prefetch_position(task, j, dim);
       if (!sees[j]) {
         row[j] = kMasked;
         continue;
@@ -306,7 +303,6 @@ NXDPLUG_AVX512 void attend_avx512(const Task<T>& task, const Shapes& s, float sc
   for (; first + kBlock <= rows; first += kBlock) weighted_values<T, kChunks, kBlock>(task, s, scores, first);
   for (; first < rows; ++first) weighted_values<T, kChunks, 1>(task, s, scores, first);
 }
-
 
 bool vector_path_usable() {
   static const bool usable = std::getenv("NXDPLUG_DECODE_ATTENTION_PORTABLE") == nullptr &&
