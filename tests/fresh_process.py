@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -34,3 +35,10 @@ def cpu_has(*flags: str) -> bool:
     except OSError:
         return False
     return all(flag in listed for flag in flags)
+
+
+# The x86 flags the bf16 panel GEMM (plugins/inductor_backend/bf16_linear.cpp) runs on.
+needs_avx512_bf16 = pytest.mark.skipif(
+    not cpu_has("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    reason="the panel kernel runs on x86 CPUs with AVX512-BF16",
+)

@@ -7,18 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fresh_process import cpu_has
+from fresh_process import needs_avx512_bf16
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
 from nxdplug.plugins.inductor_backend import bf16_linear
 from nxdplug.plugins.inductor_backend.backend import InductorBackend
 from nxdplug.plugins.inductor_backend.bf16_linear import PANEL, SWITCH, to_panels
-
-needs_avx512_bf16 = pytest.mark.skipif(
-    not cpu_has("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-    reason="the panel kernel runs on x86 CPUs with AVX512-BF16",
-)
 
 
 def test_panels_hold_32_outputs_with_input_pairs_outermost() -> None:

@@ -7,9 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
-from fresh_process import cpu_has
+from fresh_process import needs_avx512_bf16
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -151,10 +150,7 @@ def test_decode_attention_example_times_both_attentions(tiny_checkpoint) -> None
     ), result.stdout
 
 
-@pytest.mark.skipif(
-    not cpu_has("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-    reason="the panel kernel runs on x86 CPUs with AVX512-BF16",
-)
+@needs_avx512_bf16
 def test_bf16_linear_example_times_onednn_and_panels() -> None:
     command = [sys.executable, str(EXAMPLES / "bf16_linear.py"), "--rows", "1", "9"]
     command += ["--hidden-size", "64", "--intermediate-size", "96", "--heads", "4"]
