@@ -356,9 +356,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """The tensors every phase reads as weights, by parameter name: writing into one in
         place changes what every phase computes, eager or compiled, without recompiling. Empty
         when the weights are frozen into compiled graphs; a weight the backend holds in a form
-        of its own (the inductor backend's prepacked linear weights: opaque ``torch._mkldnn``
-        tensors, or bf16 panels, 1-D; projections of one input stacked in the first one's
-        place, the others empty) is swapped with ``load_weights`` instead."""
+        of its own (a layout its kernels read; projections of one input stacked in the first
+        one's place, the others empty) is swapped with ``load_weights`` instead."""
         return dict(self.loaded_model.named_parameters())
 
     def reset_kv_cache(self) -> None:
