@@ -17,6 +17,7 @@ from torch import nn
 
 from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.plugins.inductor_backend.bf16_linear import panels_in_use
+from nxdplug.plugins.inductor_backend.graph_runner import load_package
 from nxdplug.plugins.inductor_backend.prepacked_linear import (
     PrepackedWeights,
     prepacking_available,
@@ -136,7 +137,7 @@ class InductorBackend:
         panels_in_use()  # registers the panel kernel that bf16 graphs compiled here call
         try:
             with torch_internal_warnings_silenced():
-                compiled = torch._inductor.aoti_load_package(str(path))
+                loader = load_package(path)
         except RuntimeError as error:
             unregistered = UNREGISTERED_OPERATOR.search(str(error))
             if unregistered is None:
@@ -148,8 +149,8 @@ class InductorBackend:
                 "the plugin's operator is available, or compile the model again here."
             ) from None
         if not weights_in_graph:
-            self.prepacked.add_graph(compiled.get_metadata(), str(path))
-        return FlatCallGraph(compiled, takes_weights=not weights_in_graph)
+            self.prepacked.add_graph(dict(loader.get_metadata()), str(path))
+        return FlatCallGraph(loader, takes_weights=not weights_in_graph)
 
     def form_graph_weights(self, weights: list[torch.Tensor]) -> set[int]:
         """The weights in the form the graphs loaded so far take them, in place: linear
@@ -158,14 +159,14 @@ class InductorBackend:
 
 
 class FlatCallGraph:
-    """A loaded package called as ``graph(weights, caches, *inputs)`` with the tensors passed
-    flat. ``AOTICompiledModel.__call__`` parses the argument and output structures from JSON and
-    flattens every argument on each call, about 0.1 ms of a decode step with a model's hundred-odd
-    weights (measured on the README's Mixtral-shaped model); here the output structure is read
-    once."""
+    """A loaded package (see :mod:`.graph_runner`) called as ``graph(weights, caches, *inputs)``
+    with the tensors passed flat. ``AOTICompiledModel.__call__`` parses the argument and output
+    structures from JSON and flattens every argument on each call, about 0.1 ms of a decode step
+    with a model's hundred-odd weights (measured on the README's Mixtral-shaped model); here the
+    output structure is read once."""
 
-    def __init__(self, compiled: Any, *, takes_weights: bool) -> None:
-        self.loader = compiled.loader
+    def __init__(self, loader: Any, *, takes_weights: bool) -> None:
+        self.loader = loader
         self.takes_weights = takes_weights
         self.out_spec = pytree.treespec_loads(self.loader.get_call_spec()[1])
 
