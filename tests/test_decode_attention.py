@@ -206,11 +206,12 @@ def test_a_model_that_weighs_keys_otherwise_keeps_its_attention() -> None:
     assert plain(object.__new__(NeuronAttentionBase))
 
 
-def test_a_llama_decodes_through_the_kernel_and_encodes_prompts_without(
+def test_a_llama_decodes_and_encodes_short_prompts_through_the_kernel(
     tiny_checkpoint, kernel, monkeypatch
 ) -> None:
     """Each decode step calls the kernel once a layer (HF parity of such models is checked in
-    test_model_parity); a prompt of more than KERNEL_MAX_QUERIES tokens does not."""
+    test_model_parity), and so does a prompt of up to KERNEL_MAX_QUERIES positions; a longer
+    prompt does not."""
     from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 
     calls = []
@@ -220,12 +221,17 @@ def test_a_llama_decodes_through_the_kernel_and_encodes_prompts_without(
         lambda: lambda q, *rest: calls.append(q.shape[2]) or kernel(q, *rest),
     )
     checkpoint = tiny_checkpoint("llama", num_hidden_layers=2)
-    app = from_pretrained(checkpoint, NeuronConfig(batch_size=1, seq_len=32, torch_dtype="float32"))
+    longest = 2 * KERNEL_MAX_QUERIES
+    buckets = {"context_encoding_buckets": [16, longest], "token_generation_buckets": [longest]}
+    settings = {"batch_size": 1, "seq_len": longest, "torch_dtype": "float32"}
+    app = from_pretrained(checkpoint, NeuronConfig(**settings, enable_bucketing=True, **buckets))
     app.to_cpu()
-    prompt = torch.arange(3, 3 + KERNEL_MAX_QUERIES + 1)[None]
     adapter = HuggingFaceGenerationAdapter(app)
-    adapter.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4)
-    assert calls == [1] * 2 * 3
+    for length, prompt_calls in ((KERNEL_MAX_QUERIES + 1, []), (10, [16] * 2)):
+        calls.clear()
+        prompt = torch.arange(3, 3 + length)[None]
+        adapter.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4)
+        assert calls == prompt_calls + [1] * 2 * 3, length
 
 
 def test_a_folder_compiled_without_the_kernel_is_not_taken_for_one_with_it(

@@ -1,5 +1,6 @@
-// softmax(q k^T * scale, masked) v for a few queries a row (decoding, speculation), reading each
-// row's keys and values where they are in the static cache: [lines, kv_heads, positions, dim].
+// softmax(q k^T * scale, masked) v for a few queries a row (decoding, speculation, short
+// prompts), reading each row's keys and values where they are in the static cache: [lines,
+// kv_heads, positions, dim].
 //
 // Why not the graph's own attention: it gathers each row's line up to the bucket's width (a copy
 // of K and V), widens K to float32 (another), then runs two batched matmuls, so it moves about
