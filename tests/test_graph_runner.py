@@ -3,6 +3,7 @@ another thread runs Python while a graph runs, as it cannot under torch's own lo
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 
@@ -59,19 +60,33 @@ def another_thread_ran_during_the_graph(graph, weights, x) -> bool:
     return woke[0] < start + (end - start) / 2
 
 
-def test_another_thread_runs_while_a_graph_runs(package) -> None:
+@pytest.fixture
+def own_temporary_directory(tmp_path, monkeypatch):
+    """A temporary directory of the test's own, for Python's tempfile and torch's C++ loader."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+    return tmp_path
+
+
+def test_another_thread_runs_while_a_graph_runs(package, own_temporary_directory) -> None:
+    """Also: the unpacked package is gone once the graph is loaded (the graph still runs)."""
     if not graph_runner.releases_gil():
         pytest.skip("the graph runner extension cannot be built here (warned above)")
     path, weights, x = package
     graph = InductorBackend().load_graph(path, weights_in_graph=False)
     assert isinstance(graph.loader, torch.ScriptObject)
+    assert list(own_temporary_directory.iterdir()) == []
     assert another_thread_ran_during_the_graph(graph, weights, x)
 
 
-def test_torchs_loader_holds_the_gil_for_the_whole_run(package, monkeypatch) -> None:
-    """The fallback where the extension cannot be built, and the reason for the extension."""
+def test_torchs_loader_holds_the_gil_for_the_whole_run(
+    package, own_temporary_directory, monkeypatch
+) -> None:
+    """The fallback where the extension cannot be built, and the reasons for the extension:
+    the GIL, and the unpacked package left while the graph lives (and after, at exit)."""
     monkeypatch.setattr(graph_runner, "releases_gil", lambda: False)
     path, weights, x = package
     graph = InductorBackend().load_graph(path, weights_in_graph=False)
     assert not isinstance(graph.loader, torch.ScriptObject)
+    assert [p.name[:12] for p in own_temporary_directory.iterdir()] == ["aotinductor_"]
     assert not another_thread_ran_during_the_graph(graph, weights, x)

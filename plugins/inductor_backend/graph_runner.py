@@ -10,6 +10,8 @@ loaded by torch's loader, after a warning.
 from __future__ import annotations
 
 import functools
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,16 @@ def releases_gil() -> bool:
 
 def load_package(path: Path) -> Any:
     """The package's loader: ``boxed_run(flat inputs)``, ``get_call_spec()``,
-    ``get_metadata()``, as torch's binding names them."""
-    if releases_gil():
-        return torch.classes.nxdplug_graph_runner.Package(str(path))
-    return torch._inductor.aoti_load_package(str(path)).loader
+    ``get_metadata()``, as torch's binding names them.
+
+    Given a ``.pt2`` file, torch's loader unpacks it into a temporary folder that only its
+    destructor removes, and objects alive when the interpreter exits are not destroyed: each
+    process left ~2 MB a graph in the temporary directory. Here the package is unpacked into a
+    folder that is removed once the graph is loaded (its shared library stays mapped)."""
+    if not releases_gil():
+        return torch._inductor.aoti_load_package(str(path)).loader
+    with tempfile.TemporaryDirectory(prefix="nxdplug-graph-") as folder:
+        with zipfile.ZipFile(path) as archive:
+            archive.extractall(folder)
+        (root,) = Path(folder).iterdir()  # the archive holds one folder, named after it
+        return torch.classes.nxdplug_graph_runner.Package(str(root))
