@@ -3,7 +3,7 @@
 no further from HF float32 than HF's own bfloat16 (``check_low_precision``: max and mean logit
 error within 1.25x of HF's, greedy choices no worse), per seed. Modes: eager, compiled (the
 default inductor mode, weights shared by the graphs, linear weights prepacked), frozen +
-autotuned (``freezing=true`` alone is checked in float32 only, to keep the suite's time), and
+autotuned (``freezing=true`` alone gives the eager float32 tokens in test_compile.py), and
 compiled with int8 weight-only quantization (HF then runs on the dequantized weights: the float
 model the quantized one stands for). float32 is in test_float32_parity.py.
 """
@@ -28,7 +28,6 @@ BUCKETS = {
 STEPS = 40  # prompts of 5 and 13 tokens: decoding crosses from the 32 to the 64 bucket
 MODES = {
     "compiled": None,
-    "frozen": "freezing=true",
     "frozen-autotuned": "freezing=true max_autotune=true",
     "quantized": None,
 }
