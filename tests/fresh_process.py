@@ -13,16 +13,20 @@ import pytest
 import torch
 
 
-def run_and_load(script: str, folder: Path, **environment: str) -> Any:
+def run_and_load(script: str, folder: Path, *arguments: str, **environment: str) -> Any:
     """Run ``script`` (it may import the test modules; it saves its result with
-    ``torch.save(..., sys.argv[1])``) with ``environment`` added, and return what it saved."""
+    ``torch.save(..., sys.argv[1])``; ``arguments`` follow) with ``environment`` added, and
+    return what it saved."""
     env = dict(os.environ, **environment)
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
     )
     saved = folder / "saved.pt"
     result = subprocess.run(
-        [sys.executable, "-c", script, str(saved)], env=env, capture_output=True, text=True
+        [sys.executable, "-c", script, str(saved), *arguments],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return torch.load(saved)

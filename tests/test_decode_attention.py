@@ -115,25 +115,45 @@ def test_bad_operands_are_refused(kernel) -> None:
         kernel(q, k_cache.transpose(2, 3), v_cache.transpose(2, 3), seq_ids, mask, 0.25)
 
 
-PORTABLE_RUN = """
+FORCED_RUN = """
 import sys
 import torch
 from nxdplug.plugins.static_kv_cache.kernel import decode_attention_op
-from test_decode_attention import operands
-inputs = operands(4, 12, 4, 1, 64, 128, torch.float32)
-torch.save(decode_attention_op()(*inputs, 0.125), sys.argv[1])
+from test_decode_attention import forced_operands
+torch.save(decode_attention_op()(*forced_operands(sys.argv[2]), 128**-0.5), sys.argv[1])
 """
 
 
-def test_the_portable_loop_forced_on_this_cpu(kernel, tmp_path) -> None:
-    """NXDPLUG_DECODE_ATTENTION_PORTABLE=1 in a fresh process: the same attention, not the
-    vector path's bits (which would mean that it did not run)."""
-    portable = run_and_load(PORTABLE_RUN, tmp_path, NXDPLUG_DECODE_ATTENTION_PORTABLE="1")
-    inputs = operands(4, 12, 4, 1, 64, 128, torch.float32)
-    assert_matches(portable, reference(*inputs), torch.float32)
-    assert not torch.equal(portable, kernel(*inputs, 0.125)) or not cpu_has(
-        "avx512f", "avx512bw", "avx512vl"
-    )
+def forced_operands(dtype_name: str):
+    """bfloat16: queries of bf16 denormals (below 1.2e-38) and keys near bf16's largest values,
+    whose products are ordinary floats: AVX512-BF16's pair products read such queries as zero,
+    widening to float32 keeps them (as the model's attention does)."""
+    q, k_cache, v_cache, seq_ids, mask = operands(4, 8, 2, 5, 128, 160, getattr(torch, dtype_name))
+    if dtype_name == "bfloat16":
+        q, k_cache = (q.float() * 1e-39).bfloat16(), (k_cache.float() * 5e37).bfloat16()
+    return q, k_cache, v_cache, seq_ids, mask
+
+
+@pytest.mark.parametrize(
+    ("variable", "dtype", "cpu_flags"),
+    [
+        # the plain loop, for CPUs without AVX-512
+        ("NXDPLUG_DECODE_ATTENTION_PORTABLE", torch.float32, ("avx512f", "avx512bw", "avx512vl")),
+        # bf16 keys widened to float32, for CPUs with AVX-512 but not AVX512-BF16
+        ("NXDPLUG_DECODE_ATTENTION_WIDEN_BF16", torch.bfloat16, ("avx512_bf16",)),
+    ],
+)
+def test_the_paths_of_other_cpus_forced_on_this_one(
+    kernel, tmp_path, variable, dtype, cpu_flags
+) -> None:
+    """Each variable in a fresh process: the model's attention, not this CPU's bits (which
+    would mean that the forced path did not run; where this CPU lacks the flags it is the same
+    path)."""
+    name = str(dtype).removeprefix("torch.")
+    forced = run_and_load(FORCED_RUN, tmp_path, name, **{variable: "1"})
+    inputs = forced_operands(name)
+    assert_matches(forced, reference(*inputs), dtype)
+    assert not torch.equal(forced, kernel(*inputs, 128**-0.5)) or not cpu_has(*cpu_flags)
 
 
 def slot_operands(dtype, queries=1):
