@@ -10,7 +10,10 @@ import torch.nn.functional as F
 from fresh_process import needs_avx512_bf16
 from torch import nn
 
+from nxdplug import InferenceConfig, NeuronConfig
+from nxdplug.config.fused_spec import FusedSpecNeuronConfig
 from nxdplug.errors import NxdPlugError
+from nxdplug.plugins.inductor_backend import backend as backend_module
 from nxdplug.plugins.inductor_backend import bf16_linear
 from nxdplug.plugins.inductor_backend.backend import InductorBackend
 from nxdplug.plugins.inductor_backend.bf16_linear import PANEL, SWITCH, to_panels
@@ -52,13 +55,21 @@ def test_kernel_multiplies_like_linear(kernel, rows, out_features, in_features, 
     torch.testing.assert_close(out.double(), exact, rtol=2**-7, atol=2**-7 * exact.abs().max())
 
 
+def config(dtype: str = "bfloat16", draft_dtype: str | None = None, **options) -> InferenceConfig:
+    target = InferenceConfig(NeuronConfig(torch_dtype=dtype, **options))
+    if draft_dtype is not None:
+        draft = InferenceConfig(NeuronConfig(torch_dtype=draft_dtype))
+        target.fused_spec_config = FusedSpecNeuronConfig(nn.Linear, draft_config=draft)
+    return target
+
+
 def test_switch_values(monkeypatch) -> None:
     """The backend's versions say which layout bf16 weights take; they are part of a compiled
     folder's hash, so a folder compiled the other way is refused naming them (core's check,
     tested with versions.kv_cache in test_decode_attention)."""
     monkeypatch.setenv(SWITCH, "onednn")
     assert not bf16_linear.panels_in_use()
-    assert InductorBackend().versions()["linear_weights"] == "onednn-linear-3"
+    assert InductorBackend().versions(config())["linear_weights"] == "onednn-linear-3"
     monkeypatch.setenv(SWITCH, "fast")
     with pytest.raises(NxdPlugError, match=r"NXDPLUG_BF16_LINEAR='fast': expected 'panels'"):
         bf16_linear.panels_in_use()
@@ -74,6 +85,26 @@ class Projections(nn.Module):
         return F.linear(h, out, bias) + tied.sum()
 
 
+@pytest.mark.parametrize(
+    ("model", "panels"),
+    [
+        (config(), True),
+        (config("float32"), False),  # every weight cast to float32: no panels
+        (config("float32", cast_type="as-declared"), True),  # a checkpoint's bf16 weights kept
+        (config("float32", draft_dtype="bfloat16"), True),  # a fused bf16 draft
+    ],
+)
+def test_panels_are_in_the_hash_of_models_that_may_have_bf16_weights(
+    monkeypatch, model, panels
+) -> None:
+    """So that a float32 folder compiled where panels are used loads where they are not."""
+    monkeypatch.setattr(bf16_linear, "panels_in_use", lambda: True)
+    monkeypatch.setattr(backend_module, "panels_in_use", lambda: True)
+    linear_weights = InductorBackend().versions(model)["linear_weights"]
+    assert linear_weights.startswith("bf16-panels-1") is panels
+    assert linear_weights.endswith("onednn-linear-3")
+
+
 @needs_avx512_bf16
 def test_compiled_bf16_graph_multiplies_weights_in_panels(kernel, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(SWITCH, "panels")
@@ -82,7 +113,7 @@ def test_compiled_bf16_graph_multiplies_weights_in_panels(kernel, tmp_path, monk
     weights = [(torch.randn(s, generator=generator) / 4).bfloat16() for s in shapes]
     x = torch.randn(3, 5, 64, generator=generator).bfloat16()
     backend = InductorBackend()
-    assert backend.versions()["linear_weights"].startswith("bf16-panels-1")
+    assert backend.versions(config())["linear_weights"].startswith("bf16-panels-1")
     backend.compile_graph(
         Projections(), (weights, [], x), tmp_path / "g.pt2", debug=False, compiler_args=None
     )

@@ -424,12 +424,10 @@ def test_compiled_quantized_model_generates_the_eager_tokens(
     assert json.loads(result.stdout.strip().splitlines()[-1]) == expected.tolist()
 
     # Where the operator cannot be built, loading says so (not PyTorch's missing schema alone).
-    # There the static cache's decode kernel and the bf16 panel GEMM cannot be built either,
-    # which changes the graphs' hash (a refusal naming versions.kv_cache or
-    # versions.linear_weights): recompiled over gathered lines and for oneDNN's linears, the
-    # folder still calls the int8 matmul.
+    # There the static cache's decode kernel cannot be built either, which changes the graphs'
+    # hash (a refusal naming versions.kv_cache): recompiled over gathered lines, the folder
+    # still calls the int8 matmul (a float32 model's hash does not name the bf16 panels).
     monkeypatch.setenv("NXDPLUG_DECODE_ATTENTION", "gather")
-    monkeypatch.setenv("NXDPLUG_BF16_LINEAR", "onednn")
     NeuronLlamaForCausalLM(checkpoint, config).compile(tmp_path / "gathered", quiet=True)
     no_compiler = os.environ | {"CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "x")}
     result = subprocess.run(

@@ -34,8 +34,9 @@ class Backend(Protocol):
     def unavailable_reason(self) -> str | None:
         """None when the backend can run here; otherwise what is missing and how to get it."""
 
-    def versions(self) -> dict[str, str]:
-        """Versions (and target device) that shape the artefacts, for the manifest hash."""
+    def versions(self, config: Any) -> dict[str, str]:
+        """Versions (and target device) that shape the artefacts of ``config``'s graphs (an
+        InferenceConfig), for the manifest hash."""
 
     def compile_graph(
         self,

@@ -158,7 +158,7 @@ def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, di
     record = get_registry().get("compile_backends", backend_name)
     selected = app.plugins.with_backend(record).plugins
     plugins = {name: manager.plugin_info(name).version for name in sorted(selected)}
-    versions = {"nxdplug": __version__, **backend.versions()}
+    versions = {"nxdplug": __version__, **backend.versions(config)}
     variant = app.plugins.kv_cache_strategy.load("implementation").graph_variant()
     if variant:  # none: the hash of folders compiled before variants existed
         versions["kv_cache"] = variant

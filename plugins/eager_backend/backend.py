@@ -24,7 +24,7 @@ class EagerBackend:
     def unavailable_reason(self) -> str | None:
         return None
 
-    def versions(self) -> dict[str, str]:
+    def versions(self, config: Any) -> dict[str, str]:
         return {"torch": torch.__version__}
 
     def prepare(self, model: nn.Module) -> nn.Module:

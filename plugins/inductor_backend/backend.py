@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from nxdplug.errors import ConfigError, NxdPlugError
-from nxdplug.plugins.inductor_backend.bf16_linear import panels_in_use
+from nxdplug.plugins.inductor_backend.bf16_linear import may_hold_bf16_weights, panels_in_use
 from nxdplug.plugins.inductor_backend.graph_runner import load_package
 from nxdplug.plugins.inductor_backend.prepacked_linear import (
     PrepackedWeights,
@@ -100,11 +100,13 @@ class InductorBackend:
             return "AOTInductor needs a C++ compiler on PATH (install g++)"
         return None
 
-    def versions(self) -> dict[str, str]:
+    def versions(self, config: Any) -> dict[str, str]:
         # The application builds weights, caches and inputs on the CPU, so the graphs are CPU
-        # graphs; CUDA needs those tensors placed on the GPU first (not done yet).
+        # graphs; CUDA needs those tensors placed on the GPU first (not done yet). Panels are
+        # named only where a weight may be bf16: a float32 folder compiled on a CPU with
+        # AVX512-BF16 loads on one without.
         linear_weights = "onednn-linear-3"
-        if panels_in_use():
+        if panels_in_use() and may_hold_bf16_weights(config):
             linear_weights = "bf16-panels-1, " + linear_weights
         return {"torch": torch.__version__, "device": "cpu", "linear_weights": linear_weights}
 

@@ -70,6 +70,20 @@ def panels_in_use() -> bool:
     return panels_chosen() and _panels_usable()
 
 
+def may_hold_bf16_weights(config: Any) -> bool:
+    """Whether the model of ``config`` (an InferenceConfig), or its fused draft, may have bf16
+    linear weights: its dtype is bfloat16, or its weights keep their checkpoint's dtypes
+    (``cast_type`` other than "config")."""
+    configs = [config]
+    fused = getattr(config, "fused_spec_config", None)
+    if fused is not None and fused.draft_config is not None:
+        configs.append(fused.draft_config)
+    return any(
+        c.neuron_config.torch_dtype == torch.bfloat16 or c.neuron_config.cast_type != "config"
+        for c in configs
+    )
+
+
 def takes_panels(dtype: torch.dtype, shape: torch.Size | list[int]) -> bool:
     """Whether a linear weight of this dtype and shape is stored in panels here."""
     return dtype == torch.bfloat16 and len(shape) == 2 and shape[1] % 2 == 0 and panels_in_use()

@@ -59,7 +59,7 @@ class NeuronBackend:
             return INSTALL_HINT
         return None
 
-    def versions(self) -> dict[str, str]:
+    def versions(self, config: Any) -> dict[str, str]:
         found = {}
         for package in ("torch-neuronx", "neuronx-cc"):
             try:
