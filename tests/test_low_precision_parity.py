@@ -110,5 +110,7 @@ def test_quantized_bfloat16_is_as_close_to_its_float32_weights_as_hf_bfloat16(
     app, reference = quantized(tiny_checkpoint("llama", seed=5), "bfloat16", tmp_path)
     held = app.weight_tensors()
     assert next(t for n, t in held.items() if n.endswith("q_proj.weight")).dtype == torch.int8
+    scale = next(t for n, t in held.items() if n.endswith("q_proj.weight_scale"))
+    assert scale.dtype == torch.float32  # not the model's bf16 (the compiled folder's weights)
     report = check_low_precision(app, reference, *prompts(5), max_new_tokens=STEPS)
     assert report.passed, report.summary()

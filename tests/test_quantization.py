@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, load_pretrained_config
+from nxdplug.checkpoint.state_dict import load_state_dict
 from nxdplug.cli.main import main
 from nxdplug.contrib_models.llama.modeling_llama import (
     LlamaInferenceConfig,
@@ -105,13 +106,8 @@ needs_pycoder = pytest.mark.skipif(
 
 
 def pycoder_config(**options) -> LlamaInferenceConfig:
-    neuron_config = NeuronConfig(
-        batch_size=len(PROMPT_ROWS),
-        seq_len=128,
-        max_context_length=64,
-        torch_dtype="float32",
-        **options,
-    )
+    settings = {"batch_size": len(PROMPT_ROWS), "seq_len": 128, "max_context_length": 64}
+    neuron_config = NeuronConfig(**(settings | {"torch_dtype": "float32"} | options))
     return LlamaInferenceConfig(neuron_config, load_config=load_pretrained_config(PYCODER))
 
 
@@ -279,6 +275,21 @@ def test_checkpoint_and_memory_about_a_third_of_float32(int8_checkpoint) -> None
     assert layer.weight.dtype == torch.int8 and not layer.weight.requires_grad
     assert layer.weight_scale.shape == (256,) and layer.weight_scale.dtype == torch.float32
     assert app.loaded_model.embed_tokens.weight.dtype == torch.float32
+
+
+@needs_pycoder
+def test_a_bfloat16_model_keeps_the_float32_scales(int8_checkpoint) -> None:
+    """The scales are not cast to the model's bf16 (the rest is): a weight dequantized for a
+    prompt's GEMM is the float32 product rounded once, the bf16 of the float weight it stands
+    for."""
+    app = loaded(pycoder_config(torch_dtype="bfloat16", **quantized_options(int8_checkpoint)))
+    stored = load_state_dict(int8_checkpoint)
+    scale = next(t for n, t in stored.items() if n.endswith("layers.0.mlp.down_proj.weight_scale"))
+    layer = app.loaded_model.layers[0].mlp.down_proj
+    assert scale.dtype == torch.float32 and torch.equal(layer.weight_scale, scale)
+    expected = (layer.weight.float() * scale[:, None]).bfloat16()
+    assert torch.equal(layer.weight_for(torch.bfloat16), expected)
+    assert app.loaded_model.embed_tokens.weight.dtype == torch.bfloat16
 
 
 # -- modules_to_not_convert, foreign checkpoints, layout conversions --------------------------

@@ -18,6 +18,7 @@ from typing import Literal
 import attrs
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from nxdplug.checkpoint.safetensors_reader import SafetensorsFormatError, iter_safetensors
 from nxdplug.errors import CheckpointError
@@ -106,6 +107,17 @@ def is_castable(dtype: torch.dtype) -> bool:
     """Whether a tensor of ``dtype`` follows the model's torch_dtype: 16-64-bit floats do;
     integers and 8-bit floats (quantized weights) keep their dtype."""
     return dtype in COMPUTE_FLOATS
+
+
+def dtype_keeping_names(module: nn.Module) -> set[str]:
+    """The parameters and buffers that keep the dtype their module gives them whatever the
+    model's torch_dtype: each module names its own in a ``keeps_dtype`` attribute (a
+    quantized layer's float32 scales, as HF's ``_keep_in_fp32_modules`` keeps modules)."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, child in module.named_modules()
+        for name in getattr(child, "keeps_dtype", ())
+    }
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -232,13 +244,16 @@ def load_into_module(
     """
     current = module.state_dict()
     check_state_dict(state_dict, {name: tuple(t.shape) for name, t in current.items()}, source)
+    kept = dtype_keeping_names(module)
     assign = any(
-        t.is_meta or (dtype is not None and is_castable(t.dtype) and t.dtype != dtype)
-        for t in current.values()
+        t.is_meta
+        or (dtype is not None and name not in kept and is_castable(t.dtype) and t.dtype != dtype)
+        for name, t in current.items()
     )
     if assign:
         state_dict = {
-            name: _to_module(tensor, current[name], dtype) for name, tensor in state_dict.items()
+            name: _to_module(tensor, current[name], None if name in kept else dtype)
+            for name, tensor in state_dict.items()
         }
     module.load_state_dict(state_dict, strict=True, assign=assign)
 

@@ -28,6 +28,7 @@ from nxdplug import __version__
 from nxdplug.checkpoint.atomic_folders import save_text_atomically, staged_folder
 from nxdplug.checkpoint.state_dict import (
     check_state_dict,
+    dtype_keeping_names,
     is_castable,
     load_tensor_file,
     save_state_dict,
@@ -123,10 +124,12 @@ class Skeleton:
 
     def weight_shapes(self, dtype: torch.dtype | None) -> dict[str, tuple[torch.Size, torch.dtype]]:
         params = dict(self.model.named_parameters())
+        kept = dtype_keeping_names(self.model)
         result = {}
         for name in self.function.weight_names:
             param = params[name]
-            target = dtype if dtype is not None and is_castable(param.dtype) else param.dtype
+            castable = is_castable(param.dtype) and name not in kept
+            target = dtype if dtype is not None and castable else param.dtype
             result[name] = (param.shape, target)
         return result
 

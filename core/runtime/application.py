@@ -214,7 +214,7 @@ class NeuronApplicationBase(nn.Module):
         neuron_config = config.neuron_config
         dtype = neuron_config.torch_dtype if neuron_config.cast_type == "config" else None
         if neuron_config.quantized:
-            state_dict = cls._read_checkpoint_at(cls.weights_source(model_path, config), dtype)
+            state_dict = cls._read_checkpoint_at(cls.weights_source(model_path, config))
         else:
             state_dict = load_state_dict(model_path, dtype=dtype)
         state_dict = replace_prefix(
@@ -239,11 +239,13 @@ class NeuronApplicationBase(nn.Module):
         return source
 
     @staticmethod
-    def _read_checkpoint_at(source: Path, dtype: torch.dtype | None) -> dict[str, Any]:
+    def _read_checkpoint_at(source: Path) -> dict[str, Any]:
+        """The quantized checkpoint at ``source`` as stored (its float32 scales are not cast to
+        torch_dtype; loading casts what the model's modules do not keep)."""
         if not source.is_dir():
             return load_tensor_file(source)
         try:
-            return load_state_dict(source, dtype=dtype)
+            return load_state_dict(source)
         except CheckpointError as exc:
             raise CheckpointError(f"quantized_checkpoints_path: {exc} Or {_SAVE_IT_FIRST}") from exc
 

@@ -49,8 +49,9 @@ def quantize_weight(
 def dequantize_weight(
     quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``quantized * scale`` per row, in ``dtype`` (8-bit values are exact in bf16 and up)."""
-    return quantized.to(dtype) * scale.to(dtype)[:, None]
+    """``quantized * scale`` per row, in ``dtype``: multiplied in float32 (8-bit values and
+    float32 scales exactly), rounded once, as the float weights the quantized ones stand for."""
+    return (quantized.float() * scale.float()[:, None]).to(dtype)
 
 
 class SymmetricQuantizer:
