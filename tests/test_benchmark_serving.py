@@ -39,7 +39,7 @@ def base_url(checkpoint: Path) -> Iterator[str]:
     command = [
         sys.executable, *NXDPLUG_COMMAND, "serve", "--model-path", str(checkpoint),
         "--served-model-name", "tiny", "--port", str(port), "--batch-size", "4",
-        "--log-level", "warning", *SERVE_OPTIONS,
+        "--log-level", "warning", "--enforce-eager", *SERVE_OPTIONS,
     ]  # fmt: skip
     with running_server(command, f"http://127.0.0.1:{port}/health", 120):
         yield f"http://127.0.0.1:{port}/v1"
@@ -97,7 +97,7 @@ def test_command_starts_the_server_and_reports_json(
     argv = [
         "benchmark-serving", "--model-path", str(checkpoint), "--concurrency", "2",
         "--num-requests", "4", "--prompt-length", "8", "--max-tokens", "4", "--json",
-        "--quiet", *SERVE_OPTIONS,
+        "--quiet", "--enforce-eager", *SERVE_OPTIONS,
     ]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)

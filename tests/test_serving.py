@@ -59,13 +59,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def start_server(checkpoint: Path, *options: str, env: dict[str, str] | None = None):
+def start_server(
+    checkpoint: Path, *options: str, env: dict[str, str] | None = None, eager: bool = True
+):
     """A ``nxdplug serve`` process on a free port, and its base URL once the start-up line is
-    printed (None for a rank that does not serve)."""
+    printed (None for a rank that does not serve). ``eager``: --enforce-eager (the tests of
+    the API do not need graphs; compiling is tested on its own)."""
     command = [
         sys.executable, "-m", "nxdplug.cli.main",
         "serve", "--model-path", str(checkpoint), "--served-model-name", MODEL, "--port", "0",
         "--torch-dtype", "float32", "--log-level", "warning", *options,
+        *(["--enforce-eager"] if eager else []),
     ]  # fmt: skip
     env = os.environ | {"HF_HUB_OFFLINE": "1"} | (env or {})
     process = subprocess.Popen(
@@ -571,6 +575,39 @@ def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
         asyncio.run(scenario())
     stepper.join(timeout=10)
     assert not stepper.is_alive() and not engine_loop.is_serving()
+
+
+# --- compiled by default ----------------------------------------------------------------------
+
+
+def test_without_a_folder_the_server_compiles_into_the_cache_once(
+    checkpoint: Path, greedy, tmp_path: Path
+) -> None:
+    """No --compiled-model-path and no --enforce-eager: the graphs are compiled into the cache
+    (NXDPLUG_CACHE_DIR here), without weights (read from the checkpoint at each start), and a
+    second start reuses them."""
+    env = {"NXDPLUG_CACHE_DIR": str(tmp_path)}
+    options = ("--seq-len", "64", "--batch-size", "2")
+    for start in ("first", "second"):
+        process, base = start_server(checkpoint, *options, env=env, eager=False)
+        try:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+            prompt_ids = [5, 17, 300, 42, 9, 120]
+            reply = client.completions.create(
+                model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            assert reply.choices[0].text == greedy(prompt_ids, 12)
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=60)
+            assert process.returncode == 0, stderr
+        finally:
+            if process.poll() is None:
+                process.kill()
+        (folder,) = (tmp_path / "compiled").iterdir()
+        assert (folder / "manifest.json").is_file() and not (folder / "weights").exists()
+        reused = "already holds these graphs" in stderr
+        assert reused is (start == "second"), stderr
 
 
 # --- tensor parallelism ------------------------------------------------------------------------

@@ -62,7 +62,12 @@ def add_benchmark_serving_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="DIR",
         help="passed to `nxdplug serve`: compile into DIR (reused when it matches) and load "
-        "from it; without it the server runs eagerly",
+        "from it; without it the server compiles into its cache (see `nxdplug serve --help`)",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="passed to `nxdplug serve`: run the model eagerly, compiling nothing",
     )
     parser.add_argument(
         "--compiler-args",
@@ -187,10 +192,11 @@ def _servers(
     from nxdplug.benchmark.server_process import free_port, running_server
 
     if args.base_url is not None:
-        if args.compare_transformers_serve or args.compiled_model_path is not None:
+        if args.compare_transformers_serve or args.compiled_model_path or args.enforce_eager:
             raise NxdPlugError(
-                "--base-url loads a running server: --compare-transformers-serve and "
-                "--compiled-model-path apply to the servers this command starts; leave them out"
+                "--base-url loads a running server: --compare-transformers-serve, "
+                "--compiled-model-path and --enforce-eager apply to the servers this command "
+                "starts; leave them out"
             )
         base_url = args.base_url.rstrip("/")
         model = args.served_model_name or _first_model(base_url)
@@ -224,6 +230,8 @@ def _nxdplug_server(args: argparse.Namespace) -> ServerUnderTest:
         command += ["--compiled-model-path", str(args.compiled_model_path)]
     if args.compiler_args is not None:
         command += ["--compiler-args", args.compiler_args]
+    if args.enforce_eager:
+        command.append("--enforce-eager")
     for key, value in server_options(args).items():
         command += ["--neuron-config", f"{key}={json.dumps(value)}"]
     return ServerUnderTest("nxdplug", command, model, dict(NXDPLUG_NO_EOS))

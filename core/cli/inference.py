@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from nxdplug.cli.options import (
     sampling_kwargs,
 )
 from nxdplug.cli.speculation import acceptance_line, add_speculation_options, refuse_unused_draft
-from nxdplug.errors import NxdPlugError
+from nxdplug.errors import NotSupportedError, NxdPlugError
 
 
 def add_model_path(parser: argparse.ArgumentParser) -> None:
@@ -140,15 +141,20 @@ def load_tokenizer(model_path: Path, command: str, **kwargs: Any) -> Any:
         ) from exc
 
 
-def add_compiled_model_options(parser: argparse.ArgumentParser, required: bool) -> None:
-    """--compiled-model-path, --quiet and --backend, shared by the commands that load models."""
+def add_compiled_model_options(
+    parser: argparse.ArgumentParser,
+    required: bool,
+    without: str = "the model runs eagerly (to_cpu)",
+) -> None:
+    """--compiled-model-path, --quiet and --backend, shared by the commands that load models
+    (``without``: what happens when an optional --compiled-model-path is left out)."""
     parser.add_argument(
         "--compiled-model-path",
         type=Path,
         required=required,
         metavar="DIR",
         help="compile into DIR (a folder already matching this config is reused) and load "
-        "from it" + ("" if required else "; without it the model runs eagerly (to_cpu)"),
+        "from it" + ("" if required else f"; without it {without}"),
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.add_argument(
@@ -168,23 +174,47 @@ def add_compiled_model_options(parser: argparse.ArgumentParser, required: bool) 
 
 
 def load_model(
-    args: argparse.Namespace, config: Any, before_load: Callable[[], None] | None = None
+    args: argparse.Namespace,
+    config: Any,
+    before_load: Callable[[], None] | None = None,
+    *,
+    compile_by_default: bool = False,
 ) -> Any:
     """The application, compiled and loaded from --compiled-model-path, or eager on the CPU.
-    ``before_load`` runs once compiling is done, just before the weights are loaded."""
+    ``before_load`` runs once compiling is done, just before the weights are loaded.
+    ``compile_by_default``: without --compiled-model-path (nor --enforce-eager), compile into
+    the cache's folder for this config (see :mod:`nxdplug.compile.default_folder`)."""
     from nxdplug.runtime.application import from_pretrained
 
+    if compile_by_default and args.compiled_model_path is None and not args.enforce_eager:
+        config.neuron_config.save_sharded_checkpoint = False  # the cache keeps graphs alone
     model = from_pretrained(args.model_path, config=config)
     model.compiler_args = args.compiler_args
-    if args.compiled_model_path is not None:
-        model.compile(args.compiled_model_path, quiet=args.quiet)
+    folder = args.compiled_model_path
+    if compile_by_default and folder is None and not args.enforce_eager:
+        folder = _default_folder(model)
+    if folder is not None:
+        model.compile(folder, quiet=args.quiet)
     if before_load is not None:
         before_load()
-    if args.compiled_model_path is None:
+    if folder is None:
         model.to_cpu()
     else:
-        model.load(args.compiled_model_path, quiet=args.quiet)
+        model.load(folder, quiet=args.quiet)
     return model
+
+
+def _default_folder(model: Any) -> Path | None:
+    """The cache's folder for ``model``, or None (said on stderr) where it runs eagerly."""
+    from nxdplug.compile.default_folder import default_compiled_folder
+
+    if model.neuron_config.on_cpu:
+        return None  # NxD Inference's CPU mode: eager by definition
+    try:
+        return default_compiled_folder(model)
+    except NotSupportedError as exc:
+        print(f"nxdplug: running eagerly, without compiling: {exc}", file=sys.stderr)
+        return None
 
 
 def application_beside(args: argparse.Namespace, model_path: Path, config: Any, suffix: str) -> Any:

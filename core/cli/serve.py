@@ -64,12 +64,23 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="info and debug log each request"
     )
-    add_compiled_model_options(parser, required=False)
+    add_compiled_model_options(
+        parser,
+        required=False,
+        without="the model is compiled into the cache (NXDPLUG_CACHE_DIR, else "
+        "~/.cache/nxdplug) once per config and loaded from there",
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model eagerly (to_cpu), compiling nothing (as vLLM's --enforce-eager)",
+    )
     add_neuron_config_options(parser)
     extensions.add_extension_arguments(parser, "serve")
     parser.epilog = (
         "Serving defaults (each overridable): --is-continuous-batching, --batch-size 8, "
-        "--ctx-batch-size 1, --enable-bucketing."
+        "--ctx-batch-size 1, --enable-bucketing; compiled into the cache once per config "
+        "(--compiled-model-path DIR to choose the folder, --enforce-eager to compile nothing)."
     )
 
 
@@ -78,7 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     config = inference_config(args.model_path, SERVE_DEFAULTS | neuron_config_kwargs(args))
     extensions.prepare_config(args, config)
-    model = load_model(args, config)
+    model = load_model(args, config, compile_by_default=True)
     tokenizer = load_tokenizer(args.model_path, "serve")
 
     from nxdplug.modules.parallel_linear import tp_rank, tp_world_size

@@ -172,6 +172,15 @@ def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, di
     return config_hash(shaping, versions | extra), versions, plugins
 
 
+def graphs_digest(app: Any) -> tuple[str, bool]:
+    """The config hash of the graphs compile() would make for ``app`` (with the backend it
+    would choose; NotSupportedError where none writes artefacts), and whether they hold the
+    weights."""
+    record, backend = choose_backend(app.neuron_config)
+    digest, _, _ = _fingerprint(app, record.name, backend)
+    return digest, backend.embeds_weights(app.get_compiler_args())
+
+
 def _files_of_this_rank(manifest: Manifest) -> Manifest:
     """``manifest`` listing only the files this rank reads (all of them with one rank), so
     that no rank reads another's graphs and weights to check them."""
