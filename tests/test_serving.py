@@ -580,6 +580,17 @@ def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
 # --- compiled by default ----------------------------------------------------------------------
 
 
+def assert_greedy_completion(base: str, greedy, max_tokens: int) -> None:
+    """A greedy completion from the server at ``base`` is HF's text for the prompt alone."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    prompt_ids = [5, 17, 300, 42, 9, 120]
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].text == greedy(prompt_ids, max_tokens)
+
+
 def test_without_a_folder_the_server_compiles_into_the_cache_once(
     checkpoint: Path, greedy, tmp_path: Path
 ) -> None:
@@ -591,13 +602,7 @@ def test_without_a_folder_the_server_compiles_into_the_cache_once(
     for start in ("first", "second"):
         process, base = start_server(checkpoint, *options, env=env, eager=False)
         try:
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
-            prompt_ids = [5, 17, 300, 42, 9, 120]
-            reply = client.completions.create(
-                model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=0,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            assert reply.choices[0].text == greedy(prompt_ids, 12)
+            assert_greedy_completion(base, greedy, 12)
             process.send_signal(signal.SIGTERM)
             _, stderr = process.communicate(timeout=60)
             assert process.returncode == 0, stderr
@@ -625,13 +630,7 @@ def test_two_ranks_serve_hf_greedy_and_stop_together(checkpoint: Path, greedy) -
             checkpoint, *options, env=launch | {"RANK": "0", "LOCAL_RANK": "0"}
         )
         try:
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
-            prompt_ids = [5, 17, 300, 42, 9, 120]
-            reply = client.completions.create(
-                model=MODEL, prompt=prompt_ids, max_tokens=16, temperature=0,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            assert reply.choices[0].text == greedy(prompt_ids, 16)
+            assert_greedy_completion(base, greedy, 16)
             stop([first, follower], signal.SIGINT)
         finally:
             if first.poll() is None:
