@@ -280,7 +280,7 @@ def test_checkpoint_and_memory_about_a_third_of_float32(int8_checkpoint) -> None
 @needs_pycoder
 def test_a_bfloat16_model_keeps_the_float32_scales(int8_checkpoint) -> None:
     """The scales are not cast to the model's bf16 (the rest is): a weight dequantized for a
-    prompt's GEMM is the float32 product rounded once, the bf16 of the float weight it stands
+    prompt's GEMM is the float32 product cast to bf16, the bf16 of the float weight it stands
     for."""
     app = loaded(pycoder_config(torch_dtype="bfloat16", **quantized_options(int8_checkpoint)))
     stored = load_state_dict(int8_checkpoint)

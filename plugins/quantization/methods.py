@@ -49,8 +49,8 @@ def quantize_weight(
 def dequantize_weight(
     quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``quantized * scale`` per row, in ``dtype``: multiplied in float32 (8-bit values and
-    float32 scales exactly), rounded once, as the float weights the quantized ones stand for."""
+    """``quantized * scale`` per row, in ``dtype``: the float32 product (the float weight the
+    quantized one stands for) cast to ``dtype``, as a float32 checkpoint's weights are cast."""
     return (quantized.float() * scale.float()[:, None]).to(dtype)
 
 
