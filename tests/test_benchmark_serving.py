@@ -20,8 +20,8 @@ from nxdplug.benchmark.serving_load import (
     run_serving_load,
     synthetic_prompts,
 )
-from nxdplug.cli.benchmark_serving import NXDPLUG_COMMAND
-from nxdplug.cli.main import main
+from nxdplug.cli.benchmark_serving import NXDPLUG_COMMAND, nxdplug_server
+from nxdplug.cli.main import build_parser, main
 from nxdplug.errors import NxdPlugError
 from nxdplug.testing.tiny_models import make_tiny_checkpoint
 
@@ -106,6 +106,16 @@ def test_command_starts_the_server_and_reports_json(
     assert report["nxdplug"]["output_tokens"] == 4 * 4
     assert report["nxdplug"]["ttft_p50_ms"] > 0
     assert "transformers" not in report
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_server_command_compiles_unless_told_not_to(checkpoint: Path, eager: bool) -> None:
+    """``nxdplug serve`` compiles by default; --enforce-eager is passed on to it."""
+    argv = ["benchmark-serving", "--model-path", str(checkpoint), *SERVE_OPTIONS]
+    args = build_parser().parse_args(argv + (["--enforce-eager"] if eager else []))
+    command = nxdplug_server(args).command
+    assert command[1 : len(NXDPLUG_COMMAND) + 2] == [*NXDPLUG_COMMAND, "serve"]
+    assert ("--enforce-eager" in command) is eager
 
 
 def test_command_loads_a_running_server(

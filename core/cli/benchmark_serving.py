@@ -202,7 +202,7 @@ def _servers(
         model = args.served_model_name or _first_model(base_url)
         yield "server", base_url, model, dict(NXDPLUG_NO_EOS)
         return
-    servers = [_nxdplug_server(args)]
+    servers = [nxdplug_server(args)]
     if args.compare_transformers_serve:
         servers.append(_transformers_server(args))
     for server in servers:
@@ -222,7 +222,8 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"batch_size": args.concurrency} | neuron_config_kwargs(args)
 
 
-def _nxdplug_server(args: argparse.Namespace) -> ServerUnderTest:
+def nxdplug_server(args: argparse.Namespace) -> ServerUnderTest:
+    """The `nxdplug serve` command this benchmark starts, with the user's model options."""
     model = str(args.model_path)
     command = [sys.executable, *NXDPLUG_COMMAND, "serve", "--model-path", model]
     command += ["--served-model-name", model, "--log-level", "warning"]
