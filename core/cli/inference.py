@@ -186,13 +186,12 @@ def load_model(
     the cache's folder for this config (see :mod:`nxdplug.compile.default_folder`)."""
     from nxdplug.runtime.application import from_pretrained
 
-    if compile_by_default and args.compiled_model_path is None and not args.enforce_eager:
+    into_cache = compile_by_default and args.compiled_model_path is None and not args.enforce_eager
+    if into_cache:
         config.neuron_config.save_sharded_checkpoint = False  # the cache keeps graphs alone
     model = from_pretrained(args.model_path, config=config)
     model.compiler_args = args.compiler_args
-    folder = args.compiled_model_path
-    if compile_by_default and folder is None and not args.enforce_eager:
-        folder = _default_folder(model)
+    folder = _default_folder(model) if into_cache else args.compiled_model_path
     if folder is not None:
         model.compile(folder, quiet=args.quiet)
     if before_load is not None:

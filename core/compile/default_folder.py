@@ -44,5 +44,8 @@ def default_compiled_folder(app: Any) -> Path:
 def _weights_identity(app: Any) -> str:
     source = Path(app.weights_source(app.model_path, app.config)).resolve()
     files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
-    stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    stats = []
+    for file in files:
+        stat = file.stat()
+        stats.append((str(file), stat.st_size, stat.st_mtime_ns))
     return json.dumps(stats)
