@@ -3,9 +3,10 @@ checkpoint, and the command end to end (transformers serve is left out: too slow
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from nxdplug.benchmark.serving_load import (
     ServingLoadResult,
     read_prompt_file,
     run_serving_load,
+    sse_events,
     synthetic_prompts,
 )
 from nxdplug.cli.benchmark_serving import NXDPLUG_COMMAND, nxdplug_server
@@ -131,3 +133,45 @@ def test_command_loads_a_running_server(
     assert "output tok/s" in table and "TTFT p99 (ms)" in table
     assert main([*argv, "--compare-transformers-serve"]) == 1
     assert "--base-url loads a running server" in capsys.readouterr().err
+
+
+async def _lines(*lines: str) -> AsyncIterator[str]:
+    for line in lines:
+        yield line
+
+
+def _events(*lines: str) -> list[dict]:
+    async def collect() -> list[dict]:
+        return [event async for event in sse_events(_lines(*lines), "server")]
+
+    return asyncio.run(collect())
+
+
+def test_stream_events_are_read_as_the_sse_format_defines_them() -> None:
+    events = _events(
+        ": a comment",
+        'data: {"choices": [{"text": "a"}]}',
+        "",
+        "event: completion",
+        'data:{"choices": [],',
+        'data: "usage": {"completion_tokens": 1}}',
+        "",
+        "",
+        "data: [DONE]",
+        "",
+        'data: {"after": "done"}',
+        "",
+    )
+    assert events == [
+        {"choices": [{"text": "a"}]},
+        {"choices": [], "usage": {"completion_tokens": 1}},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [("not json", "not JSON"), ('{"error": {"message": "boom"}}', "error"), ("[1]", "unexpected")],
+)
+def test_a_stream_event_that_is_no_chunk_fails_the_run(payload: str, message: str) -> None:
+    with pytest.raises(NxdPlugError, match=message):
+        _events(f"data: {payload}", "")
