@@ -224,9 +224,9 @@ async def sse_events(lines: AsyncIterator[str], server: str) -> AsyncIterator[di
     """The JSON objects of a server-sent event stream's ``data`` events, up to ``[DONE]``.
 
     The clients parse the stream themselves, as vLLM's benchmark does, rather than through the
-    ``openai`` package's chunk objects: those cost ~170 us of CPU a chunk against ~95 here, on
-    the cores the server under test shares with its clients (see the README's Serving
-    benchmark)."""
+    ``openai`` package's chunk objects: those cost 165-205 us of CPU a chunk against 95-130
+    here (2 cores, 2026-11-27), on the cores the server under test shares with its clients
+    (see the README's Serving benchmark)."""
     data: list[str] = []
     async for line in lines:
         if line.startswith("data:"):
