@@ -22,7 +22,7 @@ from nxdplug.benchmark.serving_load import (
     sse_events,
     synthetic_prompts,
 )
-from nxdplug.cli.benchmark_serving import NXDPLUG_COMMAND, nxdplug_server
+from nxdplug.cli.benchmark_serving import NXDPLUG_COMMAND, build_report, nxdplug_server
 from nxdplug.cli.main import build_parser, main
 from nxdplug.errors import NxdPlugError
 from nxdplug.testing.tiny_models import make_tiny_checkpoint
@@ -175,3 +175,46 @@ def test_stream_events_are_read_as_the_sse_format_defines_them() -> None:
 def test_a_stream_event_that_is_no_chunk_fails_the_run(payload: str, message: str) -> None:
     with pytest.raises(NxdPlugError, match=message):
         _events(f"data: {payload}", "")
+
+
+def test_several_runs_report_their_medians_and_each_runs_ratio() -> None:
+    args = build_parser().parse_args(
+        ["benchmark-serving", "--model-path", "m", "--runs", "3", *SERVE_OPTIONS]
+    )
+    figures = [(900.0, 300.0, 40.0), (1200.0, 300.0, 30.0), (1000.0, 500.0, 20.0)]
+    runs = [
+        {
+            "nxdplug": {"output_tokens_per_s": ours, "ttft_p99_ms": ttft, "itl_p50_ms": 10.0},
+            "transformers": {
+                "output_tokens_per_s": theirs,
+                "ttft_p99_ms": 80.0,
+                "itl_p50_ms": 30.0,
+            },
+        }
+        for ours, theirs, ttft in figures
+    ]
+    report = build_report(args, runs)
+    assert report["config"]["runs"] == 3
+    assert report["nxdplug"]["output_tokens_per_s"] == 1000.0
+    assert report["transformers"]["output_tokens_per_s"] == 300.0
+    # The median of each run's ratio (3.0, 4.0, 2.0), not the ratio of the medians (3.33).
+    assert report["ratios"]["output_tokens_per_s"] == 3.0
+    assert report["ratios"]["ttft_p99_ms"] == 0.375
+    assert [run["ratios"]["output_tokens_per_s"] for run in report["runs"]] == [3.0, 4.0, 2.0]
+
+
+def test_the_command_loads_a_server_in_several_runs(
+    checkpoint: Path, base_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "benchmark-serving", "--model-path", str(checkpoint), "--base-url", base_url,
+        "--concurrency", "2", "--num-requests", "2", "--prompt-length", "8", "--max-tokens", "3",
+        "--runs", "2", "--quiet",
+    ]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["runs"]) == 2
+    per_run = [run["server"]["output_tokens_per_s"] for run in report["runs"]]
+    assert report["server"]["output_tokens_per_s"] == pytest.approx(sum(per_run) / 2)
+    assert main(argv) == 0
+    assert "medians of 2 runs" in capsys.readouterr().out

@@ -4,8 +4,10 @@ concurrent streamed requests, as vLLM's ``benchmark_serving.py`` measures them.
 Without ``--base-url`` it starts ``nxdplug serve`` on a free local port, sends warm-up
 requests, runs the load and stops the server; with ``--compare-transformers-serve`` it then
 does the same with HF ``transformers serve --continuous-batching`` on the same checkpoint and
-dtype (one server at a time) and prints both with their ratios. The load itself is in
-:mod:`nxdplug.benchmark.serving_load`.
+dtype (one server at a time) and prints both with their ratios. ``--runs N`` does all of that
+N times, the servers in turn, and reports each metric's median (the ratios: the median of
+each run's ratio): on a shared machine one run of each can catch different loads. The load
+itself is in :mod:`nxdplug.benchmark.serving_load`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import contextlib
 import json
 import shutil
+import statistics
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -112,6 +115,14 @@ def add_benchmark_serving_arguments(parser: argparse.ArgumentParser) -> None:
         "in turn; default: --prompt-length random token ids decoded with the model's tokenizer",
     )
     load.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    load.add_argument(
+        "--runs",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="measure N times, the servers in turn (each started, warmed up, loaded and "
+        "stopped in each run), and report the medians",
+    )
     parser.add_argument(
         "--compare-transformers-serve",
         action="store_true",
@@ -147,12 +158,19 @@ def run_benchmark_serving(args: argparse.Namespace) -> int:
             print(f"benchmark-serving: {message}", file=sys.stderr, flush=True)
 
     prompts = _prompts(args)
-    results: dict[str, Any] = {}
-    # closing(): an error in a load stops the server running at the time.
-    with contextlib.closing(_servers(args, progress)) as servers:
-        for label, base_url, model, extra_body in servers:
-            results[label] = _measure(args, label, base_url, model, extra_body, prompts, progress)
-    report = _report(args, results)
+    runs: list[dict[str, dict[str, float]]] = []
+    for run in range(1, args.runs + 1):
+        if args.runs > 1:
+            progress(f"run {run} of {args.runs}")
+        results: dict[str, dict[str, float]] = {}
+        # closing(): an error in a load stops the server running at the time.
+        with contextlib.closing(_servers(args, progress)) as servers:
+            for label, base_url, model, extra_body in servers:
+                results[label] = _measure(
+                    args, label, base_url, model, extra_body, prompts, progress
+                )
+        runs.append(results)
+    report = build_report(args, runs)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
@@ -288,7 +306,24 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return synthetic_prompts(tokenizer, args.num_requests, args.prompt_length, args.seed)
 
 
-def _report(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+def build_report(
+    args: argparse.Namespace, runs: list[dict[str, dict[str, float]]]
+) -> dict[str, Any]:
+    """The medians over runs of each server's figures and of each run's ratios (a run's figures
+    alone for one run); with several runs, each run's figures too."""
+    labels = list(runs[0])
+    for run in runs:
+        if "transformers" in run:
+            ours, theirs = run["nxdplug"], run["transformers"]
+            run["ratios"] = {key: ours[key] / theirs[key] for key in ours if theirs[key]}
+    medians = {
+        label: {
+            key: statistics.median(run[label][key] for run in runs if key in run[label])
+            for key in runs[0][label]
+        }
+        for label in [*labels, "ratios"]
+        if label in runs[0]
+    }
     report: dict[str, Any] = {
         "config": {
             "model": str(args.model_path),
@@ -299,17 +334,18 @@ def _report(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]
             "prompt_file": str(args.prompt_file or ""),
             "max_tokens": args.max_tokens,
             "server_options": server_options(args) if args.base_url is None else None,
+            "runs": len(runs),
         },
-        **results,
+        **medians,
     }
-    if "transformers" in results:
-        ours, theirs = results["nxdplug"], results["transformers"]
-        report["ratios"] = {key: ours[key] / theirs[key] for key in ours if theirs[key]}
+    if len(runs) > 1:
+        report["runs"] = runs
     return report
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The report as a table: a column per server, then nxdplug / transformers."""
+    """The report as a table: a column per server, then nxdplug / transformers (with several
+    runs: the medians, after each run's output tok/s)."""
     c = report["config"]
     labels = [label for label in ("server", "nxdplug", "transformers") if label in report]
     header = ["", *labels] + (["ratio"] if "ratios" in report else [])
@@ -336,6 +372,14 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if c["server_options"]:
         lines.append(f"nxdplug   {c['server_options']}")
+    if "runs" in report:
+        lines += ["", f"medians of {c['runs']} runs (the servers in turn):"]
+        for number, run in enumerate(report["runs"], start=1):
+            figures = ", ".join(
+                f"{label} {run[label]['output_tokens_per_s']:.1f}" for label in labels
+            )
+            ratio = f" (x{run['ratios']['output_tokens_per_s']:.2f})" if "ratios" in run else ""
+            lines.append(f"  run {number}: output tok/s {figures}{ratio}")
     lines += ["", *table]
     if "ratios" in report:
         r = report["ratios"]
