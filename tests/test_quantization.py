@@ -394,7 +394,14 @@ def test_compiled_quantized_model_generates_the_eager_tokens(
 ) -> None:
     """One compile (a 1-layer tiny model with tied embeddings: the head is quantized from the
     embedding table, which stays float32). The graphs call the plugin's int8 matmul by name:
-    a fresh process that only loads them gets it registered by building the int8 layers."""
+    a fresh process that only loads them gets it registered by building the int8 layers.
+
+    The static cache attends over gathered lines here (``NXDPLUG_DECODE_ATTENTION=gather``,
+    its decode kernel is tested elsewhere, as are quantized graphs with it): a process that
+    cannot build C++ operators cannot build that kernel either, and a folder compiled with it
+    would be refused for that (naming versions.kv_cache) before the int8 matmul is looked
+    for."""
+    monkeypatch.setenv("NXDPLUG_DECODE_ATTENTION", "gather")
     checkpoint = tiny_checkpoint("llama", seed=3, num_hidden_layers=1, tie_word_embeddings=True)
     settings = {
         "batch_size": 1,
@@ -434,15 +441,11 @@ def test_compiled_quantized_model_generates_the_eager_tokens(
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == expected.tolist()
 
-    # Where the operator cannot be built, loading says so (not PyTorch's missing schema alone).
-    # There the static cache's decode kernel cannot be built either, which changes the graphs'
-    # hash (a refusal naming versions.kv_cache): recompiled over gathered lines, the folder
-    # still calls the int8 matmul (a float32 model's hash does not name the bf16 panels).
-    monkeypatch.setenv("NXDPLUG_DECODE_ATTENTION", "gather")
-    NeuronLlamaForCausalLM(checkpoint, config).compile(tmp_path / "gathered", quiet=True)
+    # Where the operator cannot be built, loading says so (not PyTorch's missing schema alone;
+    # a float32 model's hash does not name the bf16 panels, so nothing else refuses first).
     no_compiler = os.environ | {"CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path / "x")}
     result = subprocess.run(
-        [sys.executable, "-c", script, str(checkpoint), str(tmp_path / "gathered")],
+        [sys.executable, "-c", script, str(checkpoint), str(tmp_path / "compiled")],
         capture_output=True,
         text=True,
         env=no_compiler,
