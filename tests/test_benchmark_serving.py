@@ -134,6 +134,14 @@ def test_command_loads_a_running_server(
     assert main([*argv, "--compare-transformers-serve"]) == 1
     assert "--base-url loads a running server" in capsys.readouterr().err
 
+    assert main([*argv, "--runs", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    per_run = [run["server"]["output_tokens_per_s"] for run in report["runs"]]
+    assert len(per_run) == 2
+    assert report["server"]["output_tokens_per_s"] == pytest.approx(sum(per_run) / 2)
+    assert main([*argv, "--runs", "2"]) == 0
+    assert "medians of 2 runs" in capsys.readouterr().out
+
 
 async def _lines(*lines: str) -> AsyncIterator[str]:
     for line in lines:
@@ -201,20 +209,3 @@ def test_several_runs_report_their_medians_and_each_runs_ratio() -> None:
     assert report["ratios"]["output_tokens_per_s"] == 3.0
     assert report["ratios"]["ttft_p99_ms"] == 0.375
     assert [run["ratios"]["output_tokens_per_s"] for run in report["runs"]] == [3.0, 4.0, 2.0]
-
-
-def test_the_command_loads_a_server_in_several_runs(
-    checkpoint: Path, base_url: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = [
-        "benchmark-serving", "--model-path", str(checkpoint), "--base-url", base_url,
-        "--concurrency", "2", "--num-requests", "2", "--prompt-length", "8", "--max-tokens", "3",
-        "--runs", "2", "--quiet",
-    ]  # fmt: skip
-    assert main([*argv, "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert len(report["runs"]) == 2
-    per_run = [run["server"]["output_tokens_per_s"] for run in report["runs"]]
-    assert report["server"]["output_tokens_per_s"] == pytest.approx(sum(per_run) / 2)
-    assert main(argv) == 0
-    assert "medians of 2 runs" in capsys.readouterr().out
