@@ -1,6 +1,6 @@
 """The compiled modes in float32 give HF transformers' greedy tokens exactly, with several
-buckets per phase (bfloat16 is in test_low_precision_parity.py; frozen weights give the eager
-tokens in test_compile.py)."""
+buckets per phase (quantized: one; bfloat16 is in test_low_precision_parity.py; frozen weights
+give the eager tokens in test_compile.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Every shipped mode in bfloat16 against HF transformers directly, several buckets per phase
-(frozen + autotuned: one per phase, its compile being the longest by far, ~19 s a graph):
+(frozen + autotuned: one per phase, its compile being the longest by far, ~19 s a graph;
+quantized: one per phase too, the buckets being the compiled mode's, not the quantizer's):
 no further from HF float32 than HF's own bfloat16 (``check_low_precision``: max and mean logit
 error within 1.25x of HF's, greedy choices no worse), per seed. Modes: eager, compiled (the
 default inductor mode, weights shared by the graphs, linear weights prepacked), frozen +
@@ -43,7 +44,8 @@ def quantized_options(path: Path) -> dict:
 
 
 def neuron_config(dtype: str, mode: str, **options) -> NeuronConfig:
-    buckets = {"enable_bucketing": False} if mode == "frozen-autotuned" else BUCKETS
+    one_per_phase = mode in ("frozen-autotuned", "quantized")
+    buckets = {"enable_bucketing": False} if one_per_phase else BUCKETS
     return NeuronConfig(
         batch_size=2, seq_len=64, max_context_length=16, torch_dtype=dtype, **buckets, **options
     )
