@@ -11,7 +11,7 @@ from fresh_process import cpu_has, run_and_load
 
 from nxdplug.modules.parallel_linear import ColumnParallelLinear
 from nxdplug.plugins.quantization.kernel import int8_matmul_op
-from nxdplug.plugins.quantization.layers import QuantizedColumnParallelLinear
+from nxdplug.plugins.quantization.layers import hold_quantized
 
 SHAPES = [  # (rows, K, N)
     (1, 768, 1280),
@@ -144,9 +144,7 @@ def test_bad_operands_are_refused(int8_matmul) -> None:
 PORTABLE_RUN = """
 import sys
 import torch
-from nxdplug.modules.parallel_linear import ColumnParallelLinear
 from nxdplug.plugins.quantization.kernel import int8_matmul_op
-from nxdplug.plugins.quantization.layers import QuantizedColumnParallelLinear
 from test_int8_matmul import SHAPES, operands
 op = int8_matmul_op()
 outputs = {}
@@ -185,9 +183,7 @@ def test_quantized_layers_give_the_product_whichever_path_they_take(
         "nxdplug.plugins.quantization.layers.int8_matmul_op",
         lambda: lambda *args: calls.append(1) or int8_matmul(*args),
     )
-    layer = QuantizedColumnParallelLinear.like(
-        ColumnParallelLinear(96, 40, bias=True), torch.int8, row_scales=True
-    )
+    layer = hold_quantized(ColumnParallelLinear(96, 40, bias=True), torch.int8, row_scales=True)
     x, weight, scale = operands(rows, 96, 40, torch.float32)
     bias = torch.randn(40)
     layer.load_state_dict({"weight": weight, "weight_scale": scale, "bias": bias})

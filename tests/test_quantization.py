@@ -49,10 +49,7 @@ from nxdplug.errors import CheckpointError, ConfigError
 from nxdplug.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from nxdplug.pipeline import config_problems
 from nxdplug.plugins.fused_qkv.convert import fuse_qkv_projections
-from nxdplug.plugins.quantization.layers import (
-    QuantizedColumnParallelLinear,
-    QuantizedRowParallelLinear,
-)
+from nxdplug.plugins.quantization.layers import QuantizedRowParallelLinear, hold_quantized
 from nxdplug.plugins.quantization.memory import weight_memory
 from nxdplug.plugins.quantization.methods import dequantize_weight, quantize_weight
 from nxdplug.registry import get_registry
@@ -248,9 +245,7 @@ def test_int8_per_channel_generates_the_float32_tokens(prompts, reference, int8_
 
 
 def test_weight_memory_counts_8_bit_weights_and_their_scales() -> None:
-    layer = QuantizedColumnParallelLinear.like(
-        ColumnParallelLinear(64, 32, bias=True), torch.int8, row_scales=True
-    )
+    layer = hold_quantized(ColumnParallelLinear(64, 32, bias=True), torch.int8, row_scales=True)
     model = nn.ModuleDict({"proj": layer, "norm": nn.LayerNorm(64, bias=False)})
     memory = weight_memory(model)
     # 32*64 int8 + 32 float32 scales + 32 float32 biases + 64 float32 norm weights
@@ -516,12 +511,12 @@ def test_quantized_layers_shard_their_scales_with_their_weights(per_channel: boo
 
     column_parts, row_partials = [], []
     for rank in range(2):
-        column = QuantizedColumnParallelLinear.like(
+        column = hold_quantized(
             ColumnParallelLinear(6, 8, tp_degree=2, rank=rank), torch.int8, per_channel
         )
         column.load_state_dict(column.shard_state_dict(full))
         column_parts.append(column(x))
-        row = QuantizedRowParallelLinear.like(
+        row = hold_quantized(
             RowParallelLinear(6, 8, tp_degree=2, rank=rank), torch.int8, per_channel
         )
         row.load_state_dict(row.shard_state_dict(full))

@@ -120,7 +120,25 @@ def _init_uniform(tensor: torch.Tensor | None, fan_in: int) -> None:
         nn.init.uniform_(tensor, -bound, bound)
 
 
-class ColumnParallelLinear(nn.Module):
+class ShardedLinear(nn.Module):
+    """What the column- and row-parallel layers share: this rank's shard of ``weight`` (and
+    ``bias``), multiplied in :meth:`project`."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight to multiply inputs of ``dtype`` by; layers storing another form of the
+        weight (quantized, say) override this, or ``project``, not ``forward``."""
+        return self.weight
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` on this rank's shard; a layer with a kernel of its own for
+        its form of the weight overrides this."""
+        return F.linear(x, self.weight_for(x.dtype), bias)
+
+
+class ColumnParallelLinear(ShardedLinear):
     """``y = x W^T + b`` with W split along the output features: this rank holds rows
     ``[rank * out/tp, (rank + 1) * out/tp)`` of W and of b.
 
@@ -172,16 +190,6 @@ class ColumnParallelLinear(nn.Module):
         parts = tensor.split(list(self.partitions))
         return torch.cat([shard_tensor(p, 0, self.tp_degree, self.rank) for p in parts])
 
-    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight to multiply inputs of ``dtype`` by; layers storing another form of the
-        weight (quantized, say) override this, or ``project``, not ``forward``."""
-        return self.weight
-
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` on this rank's shard; a layer with a kernel of its own for
-        its form of the weight overrides this."""
-        return F.linear(x, self.weight_for(x.dtype), bias)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.project(x, self.bias)
         if self.gather_output and use_collectives(self.tp_degree, self.group):
@@ -196,7 +204,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedLinear):
     """``y = x W^T + b`` with W split along the input features.
 
     This rank multiplies its slice of the input features (the input itself when
@@ -239,14 +247,6 @@ class RowParallelLinear(nn.Module):
             name: shard_tensor(t, 1, self.tp_degree, self.rank) if name == "weight" else t
             for name, t in full.items()
         }
-
-    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight to multiply inputs of ``dtype`` by (see ColumnParallelLinear.weight_for)."""
-        return self.weight
-
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` (see ColumnParallelLinear.project)."""
-        return F.linear(x, self.weight_for(x.dtype), bias)
 
     def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output, ``x`` being its slice of the input features; the

@@ -88,48 +88,10 @@ class QuantizedWeight:
 class QuantizedColumnParallelLinear(QuantizedWeight, ColumnParallelLinear):
     """ColumnParallelLinear with an 8-bit weight; ``weight_scale`` is [out] or [1]."""
 
-    @classmethod
-    def like(
-        cls, layer: ColumnParallelLinear, dtype: torch.dtype, row_scales: bool
-    ) -> QuantizedColumnParallelLinear:
-        """An unloaded quantized layer of ``layer``'s shape and sharding."""
-        quantized = cls(
-            layer.in_features,
-            layer.out_features,
-            bias=layer.bias is not None,
-            gather_output=layer.gather_output,
-            tp_degree=layer.tp_degree,
-            rank=layer.rank,
-            dtype=layer.weight.dtype,
-            partitions=layer.partitions,
-            group=layer.group,
-        )
-        quantized._hold_quantized(dtype, row_scales)
-        return quantized
-
 
 class QuantizedRowParallelLinear(QuantizedWeight, RowParallelLinear):
     """RowParallelLinear with an 8-bit weight; ``weight_scale`` ([out] or [1]) is whole on every
     rank, since each rank holds all the output rows."""
-
-    @classmethod
-    def like(
-        cls, layer: RowParallelLinear, dtype: torch.dtype, row_scales: bool
-    ) -> QuantizedRowParallelLinear:
-        """An unloaded quantized layer of ``layer``'s shape and sharding."""
-        quantized = cls(
-            layer.in_features,
-            layer.out_features,
-            bias=layer.bias is not None,
-            input_is_parallel=layer.input_is_parallel,
-            tp_degree=layer.tp_degree,
-            rank=layer.rank,
-            reduce_dtype=layer.reduce_dtype,
-            dtype=layer.weight.dtype,
-            group=layer.group,
-        )
-        quantized._hold_quantized(dtype, row_scales)
-        return quantized
 
 
 QUANTIZED_TWINS: dict[
@@ -177,13 +139,21 @@ def quantize_linear_layers(model: nn.Module, config: Any) -> None:
             for entry in unknown
         )
     for name, module in modules.items():
-        twin = quantized_twin(type(module))
-        if twin is None or not is_quantized_module(name, skip):
-            continue
-        # The class swapped in place, as torch.nn.utils.parametrize does: the layer keeps its
-        # shape, sharding and whatever another feature added to it; only the weight changes.
-        module.__class__ = twin
-        module._hold_quantized(dtype, has_row_scales(name, per_channel))
+        if quantized_twin(type(module)) is not None and is_quantized_module(name, skip):
+            hold_quantized(module, dtype, has_row_scales(name, per_channel))
+
+
+def hold_quantized(layer: nn.Module, dtype: torch.dtype, row_scales: bool) -> nn.Module:
+    """``layer`` (a parallel linear) turned into its quantized twin, unloaded: an empty 8-bit
+    weight and a scale per output row (``row_scales``) or one. The class is swapped in place,
+    as torch.nn.utils.parametrize does: the layer keeps its shape, sharding and whatever
+    another feature added to it; only the weight changes."""
+    twin = quantized_twin(type(layer))
+    if twin is None:
+        raise TypeError(f"{type(layer).__name__} is not a parallel linear layer to quantize")
+    layer.__class__ = twin
+    layer._hold_quantized(dtype, row_scales)
+    return layer
 
 
 def quantize_model(model: nn.Module, context: Any) -> None:
