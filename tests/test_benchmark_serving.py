@@ -71,6 +71,18 @@ def test_load_reports_a_refused_request(base_url: str) -> None:
         run_serving_load(base_url, "no-such-model", ["hello"], 4, 1, 1)
 
 
+def test_clients_without_the_aiohttp_transport_say_what_to_install(monkeypatch) -> None:
+    import openai
+
+    class Missing:
+        def __init__(self, **_: object) -> None:
+            raise RuntimeError("the aiohttp extra is not installed")
+
+    monkeypatch.setattr(openai, "DefaultAioHttpClient", Missing)
+    with pytest.raises(NxdPlugError, match=r"pip install 'openai\[aiohttp\]"):
+        run_serving_load("http://127.0.0.1:9/v1", "tiny", ["hello"], 4, 1, 1)
+
+
 def test_synthetic_prompts_are_seeded_and_of_the_length(checkpoint: Path) -> None:
     from transformers import AutoTokenizer
 

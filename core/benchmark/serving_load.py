@@ -159,9 +159,13 @@ async def _run_load(
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(
-        base_url=base_url, api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0
+        base_url=base_url,
+        api_key="unused",
+        timeout=REQUEST_TIMEOUT_S,
+        max_retries=0,
+        http_client=_aiohttp_client(),
     )
-    # The openai client's connection pool (httpx) allows 1000 connections: no queueing there.
+    # The openai client's connection pool allows 1000 connections: no queueing there.
     queue = iter(range(num_requests))
     times: list[RequestTimes] = []
 
@@ -175,6 +179,22 @@ async def _run_load(
         await asyncio.gather(*(client_loop() for _ in range(min(concurrency, num_requests))))
     duration = time.perf_counter() - start
     return ServingLoadResult.from_requests(times, concurrency, duration)
+
+
+def _aiohttp_client() -> Any:
+    """The openai client's aiohttp transport (``openai[aiohttp]``), in place of its default
+    httpx one: the clients read ~4000 chunks a second from nxdplug on the cores the server
+    uses, and aiohttp's HTTP parser (C) takes 53-63 us of CPU a chunk against httpx's 101-109
+    (2 cores, 2026-11-27), as vLLM's benchmark clients use aiohttp."""
+    from openai import DefaultAioHttpClient
+
+    try:
+        return DefaultAioHttpClient()
+    except RuntimeError as exc:
+        raise NxdPlugError(
+            "the benchmark's clients use the openai client's aiohttp transport, which is not "
+            "installed: pip install 'openai[aiohttp]>=1.89'"
+        ) from exc
 
 
 async def _timed_request(
@@ -225,8 +245,8 @@ async def sse_events(lines: AsyncIterator[str], server: str) -> AsyncIterator[di
 
     The clients parse the stream themselves, as vLLM's benchmark does, rather than through the
     ``openai`` package's chunk objects: those cost 165-205 us of CPU a chunk against 95-130
-    here (2 cores, 2026-11-27), on the cores the server under test shares with its clients
-    (see the README's Serving benchmark)."""
+    here (2 cores, 2026-11-27, over the httpx transport), on the cores the server under test
+    shares with its clients (see the README's Serving benchmark)."""
     data: list[str] = []
     async for line in lines:
         if line.startswith("data:"):
