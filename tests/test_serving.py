@@ -619,16 +619,19 @@ def test_without_a_folder_the_server_compiles_into_the_cache_once(
 
 
 @pytest.mark.slow
-def test_two_ranks_serve_hf_greedy_and_stop_together(checkpoint: Path, greedy) -> None:
-    """As ``torchrun --nproc-per-node 2 nxdplug serve ... --tp-degree 2`` launches it."""
+def test_two_ranks_serve_hf_greedy_and_stop_together(
+    checkpoint: Path, greedy, tmp_path: Path
+) -> None:
+    """As ``torchrun --nproc-per-node 2 nxdplug serve ... --tp-degree 2`` launches it, without a
+    folder: the ranks compile their graphs into one folder of the cache and serve from it."""
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    launch["OMP_NUM_THREADS"] = "1"
-    options = ("--seq-len", "128", "--batch-size", "2", "--tp-degree", "2")
-    follower, _ = start_server(checkpoint, *options, env=launch | {"RANK": "1", "LOCAL_RANK": "1"})
+    launch |= {"OMP_NUM_THREADS": "1", "NXDPLUG_CACHE_DIR": str(tmp_path)}
+    options = ("--seq-len", "64", "--batch-size", "2", "--tp-degree", "2")
+    rank = {"env": launch | {"RANK": "1", "LOCAL_RANK": "1"}, "eager": False}
+    follower, _ = start_server(checkpoint, *options, **rank)
     try:
-        first, base = start_server(
-            checkpoint, *options, env=launch | {"RANK": "0", "LOCAL_RANK": "0"}
-        )
+        rank["env"] = launch | {"RANK": "0", "LOCAL_RANK": "0"}
+        first, base = start_server(checkpoint, *options, **rank)
         try:
             assert_greedy_completion(base, greedy, 16)
             stop([first, follower], signal.SIGINT)
@@ -638,3 +641,6 @@ def test_two_ranks_serve_hf_greedy_and_stop_together(checkpoint: Path, greedy) -
     finally:
         if follower.poll() is None:
             follower.kill()
+    (folder,) = (tmp_path / "compiled").iterdir()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert {graph["rank"] for graph in manifest["graphs"]} == {0, 1}
