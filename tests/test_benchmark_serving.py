@@ -83,6 +83,15 @@ def test_clients_without_the_aiohttp_transport_say_what_to_install(monkeypatch) 
         run_serving_load("http://127.0.0.1:9/v1", "tiny", ["hello"], 4, 1, 1)
 
 
+def test_command_without_the_client_packages_says_what_to_install(
+    checkpoint: Path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # as if it were not installed
+    argv = ["benchmark-serving", "--model-path", str(checkpoint)]
+    assert main([*argv, "--base-url", "http://127.0.0.1:9/v1", "--quiet"]) == 1
+    assert "pip install 'openai[aiohttp]>=1.89'" in capsys.readouterr().err
+
+
 def test_synthetic_prompts_are_seeded_and_of_the_length(checkpoint: Path) -> None:
     from transformers import AutoTokenizer
 

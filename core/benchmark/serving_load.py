@@ -181,11 +181,28 @@ async def _run_load(
     return ServingLoadResult.from_requests(times, concurrency, duration)
 
 
+_INSTALL_CLIENTS = "pip install 'openai[aiohttp]>=1.89'"
+
+
+def require_client_packages() -> None:
+    """Refuse, saying what to install, when the clients' packages are missing: the ``openai``
+    client with its aiohttp transport."""
+    try:
+        import aiohttp  # noqa: F401
+        from openai import DefaultAioHttpClient  # noqa: F401
+    except ImportError as exc:
+        raise NxdPlugError(
+            f"the benchmark's clients need {exc.name or 'openai'}, which is not installed (or "
+            f"too old): {_INSTALL_CLIENTS}"
+        ) from exc
+
+
 def _aiohttp_client() -> Any:
     """The openai client's aiohttp transport (``openai[aiohttp]``), in place of its default
     httpx one: the clients read ~4000 chunks a second from nxdplug on the cores the server
     uses, and aiohttp's HTTP parser (C) takes 53-63 us of CPU a chunk against httpx's 101-109
     (2 cores, 2026-11-27), as vLLM's benchmark clients use aiohttp."""
+    require_client_packages()
     from openai import DefaultAioHttpClient
 
     try:
@@ -193,7 +210,7 @@ def _aiohttp_client() -> Any:
     except RuntimeError as exc:
         raise NxdPlugError(
             "the benchmark's clients use the openai client's aiohttp transport, which is not "
-            "installed: pip install 'openai[aiohttp]>=1.89'"
+            f"installed: {_INSTALL_CLIENTS}"
         ) from exc
 
 

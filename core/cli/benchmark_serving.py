@@ -157,6 +157,9 @@ def run_benchmark_serving(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"benchmark-serving: {message}", file=sys.stderr, flush=True)
 
+    from nxdplug.benchmark.serving_load import require_client_packages
+
+    require_client_packages()
     prompts = _prompts(args)
     runs: list[dict[str, dict[str, float]]] = []
     for run in range(1, args.runs + 1):
