@@ -314,18 +314,13 @@ def build_report(
 ) -> dict[str, Any]:
     """The medians over runs of each server's figures and of each run's ratios (a run's figures
     alone for one run); with several runs, each run's figures too."""
-    labels = list(runs[0])
-    for run in runs:
-        if "transformers" in run:
-            ours, theirs = run["nxdplug"], run["transformers"]
-            run["ratios"] = {key: ours[key] / theirs[key] for key in ours if theirs[key]}
+    runs = [run | _ratios(run) for run in runs]
     medians = {
         label: {
             key: statistics.median(run[label][key] for run in runs if key in run[label])
             for key in runs[0][label]
         }
-        for label in [*labels, "ratios"]
-        if label in runs[0]
+        for label in runs[0]
     }
     report: dict[str, Any] = {
         "config": {
@@ -344,6 +339,14 @@ def build_report(
     if len(runs) > 1:
         report["runs"] = runs
     return report
+
+
+def _ratios(run: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``{"ratios": nxdplug / transformers for each figure}`` when both servers ran, else {}."""
+    if "transformers" not in run:
+        return {}
+    ours, theirs = run["nxdplug"], run["transformers"]
+    return {"ratios": {key: ours[key] / theirs[key] for key in ours if theirs[key]}}
 
 
 def format_report(report: dict[str, Any]) -> str:
