@@ -291,7 +291,10 @@ def test_benchmark_prints_the_base_model_and_the_ratio_to_it(adapters, capsys) -
     assert header.split() == ["nxdplug", "base", "nxdplug/base"]
     decode = next(line for line in lines if line.startswith("decode (tok/s)")).split()[2:]
     ours, base, ratio = map(float, decode)
-    assert ratio == pytest.approx(ours / base, rel=0.01, abs=0.01)
+    # the speeds are printed to 0.1 and the ratio of the unrounded ones to 0.01: slow speeds
+    # (a loaded machine: 6.8 / 7.8 printed with 0.86) move the printed quotient by more than 1%
+    lowest, highest = (ours - 0.05) / (base + 0.05), (ours + 0.05) / (base - 0.05)
+    assert lowest - 0.005 <= ratio <= highest + 0.005
     assert any(line.startswith("nxdplug/base: decode tok/s x") for line in lines)
 
 
