@@ -276,11 +276,34 @@ def test_sampled_rows_on_the_engine_follow_the_global_seed(checkpoint, prompts, 
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], greedy)
 
 
+def test_generate_on_the_engine_applies_hfs_per_row_processors(checkpoint, prompts, solo):
+    """repetition_penalty, min_new_tokens and a one-token sequence_bias, each row in the engine
+    with its own: the same tokens as HF's generate() on the whole batch."""
+    ids, mask = left_padded(prompts)
+    eos = solo[0][3]
+    common = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": eos, "pad_token_id": 0}
+    processors = {
+        "repetition_penalty": 1.6,
+        "min_new_tokens": 6,
+        "sequence_bias": [[[solo[1][0]], -100.0]],
+    }
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.inference_mode():
+        plain = hf.generate(ids, attention_mask=mask, **common)
+        expected = hf.generate(ids, attention_mask=mask, **common, **processors)
+    assert not torch.equal(plain, expected)
+    adapter = HuggingFaceGenerationAdapter(app_for(checkpoint))
+    ours = adapter.generate(ids, attention_mask=mask, **common, **processors)
+    assert torch.equal(ours, expected)
+
+
 def test_generate_refuses_on_the_engine_what_it_would_ignore(checkpoint, prompts) -> None:
     ids, mask = left_padded(prompts)
     adapter = HuggingFaceGenerationAdapter(app_for(checkpoint))
-    with pytest.raises(NotSupportedError, match="RepetitionPenaltyLogitsProcessor need every row"):
-        adapter.generate(ids, attention_mask=mask, max_new_tokens=4, repetition_penalty=1.3)
+    with pytest.raises(NotSupportedError, match="NoRepeatNGramLogitsProcessor need every row"):
+        adapter.generate(ids, attention_mask=mask, max_new_tokens=4, no_repeat_ngram_size=2)
+    with pytest.raises(NotSupportedError, match="SequenceBiasLogitsProcessor need every row"):
+        adapter.generate(ids, attention_mask=mask, max_new_tokens=4, sequence_bias=[[[5, 6], 2.0]])
 
 
 @pytest.fixture(scope="module")

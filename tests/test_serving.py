@@ -119,13 +119,18 @@ def tokenizer(checkpoint: Path):
 
 
 @pytest.fixture(scope="module")
-def greedy(checkpoint: Path, tokenizer):
-    """HF transformers' greedy text for prompt ids, ignoring EOS (the oracle)."""
-    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    cache: dict[tuple[tuple[int, ...], int], str] = {}
+def hf_model(checkpoint: Path):
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
-    def decode(prompt_ids: list[int], max_tokens: int) -> str:
-        key = (tuple(prompt_ids), max_tokens)
+
+@pytest.fixture(scope="module")
+def greedy(hf_model, tokenizer):
+    """HF transformers' greedy text for prompt ids, ignoring EOS (the oracle), with HF's
+    ``processors`` (``repetition_penalty=1.5``, ...) when given."""
+    cache: dict[tuple[tuple[int, ...], int, str], str] = {}
+
+    def decode(prompt_ids: list[int], max_tokens: int, **processors) -> str:
+        key = (tuple(prompt_ids), max_tokens, repr(processors))
         if key not in cache:
             with torch.inference_mode():
                 out = hf_model.generate(
@@ -134,6 +139,7 @@ def greedy(checkpoint: Path, tokenizer):
                     min_new_tokens=max_tokens,
                     do_sample=False,
                     pad_token_id=0,
+                    **processors,
                 )
             cache[key] = tokenizer.decode(out[0, len(prompt_ids) :], skip_special_tokens=True)
         return cache[key]
@@ -269,6 +275,112 @@ def test_stop_string_ends_the_text_before_it(client, greedy, tokenizer) -> None:
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_penalties_and_logit_bias_are_hf_processors(client, hf_model, greedy) -> None:
+    prompt_ids = [386, 268, 400, 356]  # whose greedy output repeats tokens
+    plain = greedy(prompt_ids, 12)
+    with torch.inference_mode():
+        banned = int(hf_model(torch.tensor([prompt_ids])).logits[0, -1].argmax())
+    cases = [
+        ({"extra_body": {"repetition_penalty": 1.6}}, {"repetition_penalty": 1.6}),
+        ({"logit_bias": {str(banned): -100}}, {"sequence_bias": [[[banned], -100.0]]}),
+    ]
+    for ours, theirs in cases:
+        ours["extra_body"] = ours.get("extra_body", {}) | {"ignore_eos": True}
+        reply = client.completions.create(
+            model=MODEL, prompt=prompt_ids, max_tokens=12, temperature=0, **ours
+        )
+        expected = greedy(prompt_ids, 12, **theirs)
+        assert reply.choices[0].text == expected and expected != plain, ours
+
+
+def test_top_logprobs_list_the_likeliest_tokens(client) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "import sys"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 6
+    for item in content:
+        values = [top.logprob for top in item.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert item.top_logprobs[0].token == item.token  # greedy: the likeliest
+        assert values[0] == pytest.approx(item.logprob)
+        assert item.top_logprobs[0].bytes == list(item.token.encode())
+    reply = client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.top_logprobs) == 5
+    for token, logprob, top in zip(
+        logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+    ):
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(logprob)
+        assert max(top.values()) == pytest.approx(logprob)
+
+
+def test_n_choices_are_each_a_sample_and_seeded_apart(server: str, client, greedy) -> None:
+    prompt_ids = [11, 12, 13]
+    common = {"model": MODEL, "prompt": prompt_ids, "max_tokens": 8}
+    common["extra_body"] = {"ignore_eos": True}
+    reply = client.completions.create(**common, n=3, temperature=0)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert {c.text for c in reply.choices} == {greedy(prompt_ids, 8)}
+    assert reply.usage.prompt_tokens == 3 and reply.usage.completion_tokens == 24
+
+    sampled = client.completions.create(**common, n=4, temperature=1.0, seed=9)
+    texts = [c.text for c in sampled.choices]
+    assert len(set(texts)) > 1  # each choice samples on its own
+    again = client.completions.create(**common, n=4, temperature=1.0, seed=9)
+    assert [c.text for c in again.choices] == texts
+    # choice i is seeded seed + i, as vLLM seeds them
+    shifted = client.completions.create(**common, n=1, temperature=1.0, seed=10)
+    assert shifted.choices[0].text == texts[1]
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=6, n=2,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    texts = {0: "", 1: ""}
+    roles = []
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        roles += [choice.index] if choice.delta.role else []
+    assert roles == [0, 1] and texts[0] == texts[1] and texts[0]
+    assert chunks[-1].usage.completion_tokens == 12
+    wait_until_idle(server)
+
+
+def test_a_batch_of_prompts_gets_each_prompts_choices_in_order(client, greedy) -> None:
+    prompts = [[5, 6, 7], [8, 9], [30, 31, 32, 33]]
+    reply = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=5, n=2, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in reply.choices] == list(range(6))
+    assert [c.text for c in reply.choices] == [greedy(p, 5) for p in prompts for _ in range(2)]
+    assert reply.usage.prompt_tokens == 9 and reply.usage.completion_tokens == 30
+    texts = ["a = 1", "import os"]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=texts, max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    streamed = ["", ""]
+    for chunk in chunks[:-1]:
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    single = [client.completions.create(
+        model=MODEL, prompt=text, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    ) for text in texts]  # fmt: skip
+    assert streamed == [r.choices[0].text for r in single]
+    assert chunks[-1].usage.prompt_tokens == sum(r.usage.prompt_tokens for r in single)
+
+
 def test_models_health_and_metrics(server: str, client) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert get(f"{server}/health")[0] == 200
@@ -309,14 +421,19 @@ def post(base: str, path: str, body: str | dict) -> tuple[int, dict]:
         ({"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "prompt": "a b " * 400}, 400, "prompt"),
         ({"model": MODEL, "prompt": "a", "max_tokens": SEQ_LEN}, 400, "max_tokens"),
-        ({"model": MODEL, "prompt": "a", "n": 2}, 400, "n"),
-        ({"model": MODEL, "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
+        ({"model": MODEL, "prompt": "a", "n": 129}, 400, "n"),
+        ({"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
         ({"model": MODEL, "prompt": "a", "echo": True}, 400, "echo"),
-        ({"model": MODEL, "prompt": "a", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-        ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "a", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+        ({"model": MODEL, "prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ({"model": MODEL, "prompt": "a", "logit_bias": {"five": 10}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "a", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
         ({"model": MODEL, "prompt": "a", "best_of": 3}, 400, "best_of"),
         ({"model": MODEL, "prompt": "a", "made_up": 1}, 400, "made_up"),
-        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ["a"] * 129}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[1, 2], []]}, 400, "prompt"),
         ({"model": MODEL}, 400, "prompt"),
     ],
     ids=lambda v: str(v)[:40],
@@ -335,7 +452,8 @@ def test_bad_completion_requests(server: str, body, status: int, param) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
         (
             {"messages": [{"role": "user", "content": "a", "tool_calls": []}]},
@@ -354,10 +472,8 @@ def test_bad_chat_requests(server: str, extra: dict, param: str) -> None:
 def test_the_openai_client_sees_the_errors(client) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="a")
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "a"}], n=2
-        )
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="a", best_of=2)
     # ... and the server keeps serving
     assert (
         client.completions.create(model=MODEL, prompt="a", max_tokens=2).usage.completion_tokens
@@ -410,20 +526,21 @@ def test_concurrent_clients_get_their_solo_greedy_outputs(server: str, client, g
     wait_until_idle(server)
 
 
-def test_a_client_that_hangs_up_frees_its_line(server: str, client) -> None:
+@pytest.mark.parametrize("choices", [1, 3])
+def test_a_client_that_hangs_up_frees_its_line(server: str, client, choices: int) -> None:
     aborted = 'nxdplug:request_success_total{finished_reason="abort"}'
     text = get(f"{server}/metrics")[1]
     before = float(m.group(1)) if (m := re.search(re.escape(aborted) + r" (\S+)", text)) else 0.0
     stream = client.completions.create(
         model=MODEL, prompt=[1, 2, 3], max_tokens=SEQ_LEN - 3, temperature=0, stream=True,
-        extra_body={"ignore_eos": True},
+        n=choices, extra_body={"ignore_eos": True},
     )  # fmt: skip
     for count, _ in enumerate(stream):
         if count == 1:
             break
     stream.close()
     wait_until_idle(server)
-    assert metric(server, aborted) == before + 1
+    assert metric(server, aborted) == before + choices
 
 
 def test_a_client_that_hangs_up_before_a_whole_answer_frees_its_line(server: str) -> None:
@@ -499,7 +616,7 @@ def test_engine_loop_streams_and_a_closed_stream_aborts(application) -> None:
     settings = SamplingSettings(max_tokens=40, temperature=0, ignore_eos=True)
 
     async def scenario() -> tuple[int, str | None]:
-        whole = [o async for o in engine_loop.generate([1, 2, 3], settings)]
+        whole = [o async for _, o in engine_loop.generate([1, 2, 3], settings)]
         stream = engine_loop.generate([1, 2, 3], settings)
         async for _ in stream:
             break  # the consumer leaves: the request is aborted
@@ -544,7 +661,7 @@ def test_engine_loop_wakes_the_event_loop_once_a_step(application) -> None:
         loop.call_soon_threadsafe = lambda *args: wakeups.append(args) or wake(*args)
         streams = [engine_loop.generate([1, 2, 3 + row], settings) for row in range(2)]
         stepper = _running(engine_loop)  # both queued first: they decode side by side
-        tokens = [sum([len(o.token_ids) async for o in stream], 0) for stream in streams]
+        tokens = [sum([len(o.token_ids) async for _, o in stream], 0) for stream in streams]
         handed = len(wakeups)
         engine_loop.stop()
         await asyncio.to_thread(stepper.join, 10)

@@ -41,11 +41,9 @@ from nxdplug.engine.requests import (
     RequestOutput,
     SamplingSettings,
 )
-from nxdplug.engine.token_choice import TokenChoice
+from nxdplug.engine.token_choice import Chosen, TokenChoice
 from nxdplug.errors import ConfigError
 from nxdplug.runtime.step_ahead import HostOverlap
-
-StepOutputs = tuple[list[int], list[float] | None]
 
 
 def engine_problems(application: Any) -> list[str]:
@@ -102,11 +100,11 @@ class Engine:
         self.eos_token_ids = frozenset(
             model_eos_token_ids(application) if eos_token_ids is None else eos_token_ids
         )
-        self.choice = TokenChoice(application.context)
+        self.choice = TokenChoice(application.context, self.eos_token_ids)
         self.async_mode = bool(neuron_config.async_mode)
         self._overlap = HostOverlap(self.async_mode)
         # async mode: the last decode step's requests and result, not yet handled by the host
-        self._pending: tuple[list[Request], StepOutputs] | None = None
+        self._pending: tuple[list[Request], Chosen] | None = None
         self._lock = threading.Lock()
         self._waiting: deque[Request] = deque()
         self._running: dict[int, Request] = {}
@@ -174,6 +172,13 @@ class Engine:
                 f"the prompt holds token ids outside the vocabulary [0, {self.vocab_size})",
                 field="prompt",
             )
+        if self.vocab_size is not None and any(
+            token >= self.vocab_size for token, _ in request.settings.logit_bias
+        ):
+            raise RequestError(
+                f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size})",
+                field="logit_bias",
+            )
         if request.settings.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer", field="stop")
         self.choice.check(request.settings)
@@ -221,14 +226,12 @@ class Engine:
                 outputs += self._accept(decoding, self._run_decode(calls))
         return outputs
 
-    def _handle_and_step_ahead(
-        self, batch: list[Request], result: StepOutputs
-    ) -> list[RequestOutput]:
+    def _handle_and_step_ahead(self, batch: list[Request], result: Chosen) -> list[RequestOutput]:
         """Async mode: hand out the last decode step's tokens while the model decodes the next
         step from them; when requests are joining, only hand them out (the next step admits
         and decodes every running request)."""
         newcomers = any(r not in batch for r in self._running.values())
-        ahead = [(r, t) for r, t in zip(batch, result[0], strict=True) if not r.finished]
+        ahead = [(r, t) for r, t in zip(batch, result.tokens, strict=True) if not r.finished]
         if newcomers or self._can_admit() or not ahead:
             return self._accept(batch, result)
         rows = [r for r, _ in ahead]
@@ -275,7 +278,7 @@ class Engine:
                 admitted.append(request)
         return admitted
 
-    def _prefill(self, batch: list[Request]) -> StepOutputs:
+    def _prefill(self, batch: list[Request]) -> Chosen:
         """Encode the prompts of ``batch`` (left-padded) into their lines."""
         longest = max(len(r.prompt_ids) for r in batch)
         padding = [longest - len(r.prompt_ids) for r in batch]
@@ -312,16 +315,16 @@ class Engine:
             calls.append((rows, inputs))
         return calls
 
-    def _run_decode(
-        self, calls: list[tuple[list[Request], dict[str, torch.Tensor]]]
-    ) -> StepOutputs:
+    def _run_decode(self, calls: list[tuple[list[Request], dict[str, torch.Tensor]]]) -> Chosen:
         tokens: list[int] = []
         logprobs: list[float] = []
+        top: list[tuple[tuple[int, float], ...]] = []
         for rows, inputs in calls:
-            chosen, chosen_logprobs = self._choose(rows, self.runner(**inputs))
-            tokens += chosen
-            logprobs += chosen_logprobs or [float("nan")] * len(rows)
-        return tokens, logprobs
+            chosen = self._choose(rows, self.runner(**inputs))
+            tokens += chosen.tokens
+            logprobs += chosen.logprobs or [float("nan")] * len(rows)
+            top += chosen.top_logprobs or [()] * len(rows)
+        return Chosen(tokens, logprobs, top)
 
     def _cache_inputs(self, batch: Sequence[Request]) -> dict[str, torch.Tensor]:
         """Where the rows' keys and values are: their lines (``seq_ids``), and what else the
@@ -333,23 +336,24 @@ class Engine:
         """Token ids, positions or cache lines as a long tensor on the model's device."""
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _choose(self, batch: Sequence[Request], outputs: Any) -> StepOutputs:
+    def _choose(self, batch: Sequence[Request], outputs: Any) -> Chosen:
         tokens = outputs.tokens
         logits = None if outputs.logits is None else outputs.logits[:, -1]
         return self.choice.choose(
             batch, logits, None if tokens is None else tokens.view(-1)[: len(batch)]
         )
 
-    def _accept(self, batch: list[Request], result: StepOutputs) -> list[RequestOutput]:
+    def _accept(self, batch: list[Request], result: Chosen) -> list[RequestOutput]:
         """Add each request's new token, end those that stop, and report them."""
-        tokens, logprobs = result
         outputs = []
-        for index, (request, token) in enumerate(zip(batch, tokens, strict=True)):
+        for index, (request, token) in enumerate(zip(batch, result.tokens, strict=True)):
             if request.finished:
                 continue  # ended while this step ran (async mode): its token is dropped
             request.output_ids.append(token)
-            if request.settings.logprobs and logprobs is not None:
-                request.logprobs.append(logprobs[index])
+            if request.settings.logprobs and result.logprobs is not None:
+                request.logprobs.append(result.logprobs[index])
+                if result.top_logprobs is not None:
+                    request.top_logprobs.append(result.top_logprobs[index])
             reason = self._stop_reason(request, token)
             text, stopped = "", False
             incremental = self._texts.get(request.request_id)
@@ -387,12 +391,13 @@ class Engine:
         return self._output(request, text)
 
     def _output(self, request: Request, text: str) -> RequestOutput:
-        tokens, logprobs = request.new_tokens()
+        tokens, logprobs, top = request.new_tokens()
         return RequestOutput(
             request_id=request.request_id,
             token_ids=tuple(tokens),
             text=text,
             logprobs=tuple(logprobs) if request.settings.logprobs else None,
+            top_logprobs=tuple(top) if request.settings.top_logprobs else None,
             finished=request.finished,
             finish_reason=request.finish_reason,
             prompt_tokens=len(request.prompt_ids),

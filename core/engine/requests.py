@@ -17,6 +17,9 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 
+# The most alternatives a position's log-probabilities list (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
+
 
 class RequestError(NxdPlugError, ValueError):
     """A request the engine cannot take as it is (a bad setting, a prompt too long); the
@@ -38,7 +41,16 @@ class SamplingSettings:
     ``temperature`` 0 (or ``top_k`` 1) is greedy; ``top_k`` 0 and ``top_p`` 1 switch those
     filters off. ``seed`` makes a sampled request's tokens reproducible. ``stop`` strings end the
     text before them; ``stop_token_ids`` and the model's EOS (unless ``ignore_eos``) end it after
-    the token. ``logprobs``: return the log-probability of each chosen token.
+    the token, and ``min_tokens`` keeps those tokens from being chosen until that many tokens
+    are out (vLLM's meaning). ``logprobs``: return the log-probability of each chosen token, and
+    of the ``top_logprobs`` likeliest tokens at each position.
+
+    The logits are adjusted before a token is chosen, as vLLM does: ``logit_bias`` (token id,
+    bias) pairs are added; ``repetition_penalty`` divides the positive logits (multiplies the
+    negative ones) of every token of the prompt and the output so far (HF's and vLLM's
+    meaning; 1 is off); ``frequency_penalty`` times a token's count in the output, and
+    ``presence_penalty`` once for a token the output holds, are subtracted (OpenAI's meaning).
+    Log-probabilities are those of the model's own logits, before any adjustment.
     """
 
     max_tokens: int = 16
@@ -50,10 +62,29 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(
+        default=(), converter=lambda pairs: tuple(tuple(pair) for pair in pairs)
+    )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    def adjustments(self) -> list[str]:
+        """The settings that are on of those that adjust the logits before a token is chosen."""
+        on = {
+            "logit_bias": bool(self.logit_bias),
+            "min_tokens": bool(self.min_tokens),
+            "repetition_penalty": self.repetition_penalty != 1,
+            "presence_penalty": bool(self.presence_penalty),
+            "frequency_penalty": bool(self.frequency_penalty),
+        }
+        return [name for name, is_on in on.items() if is_on]
 
     def problems(self) -> list[tuple[str, str]]:
         """``(field, what is wrong)`` for every setting out of range; empty when usable."""
@@ -72,6 +103,27 @@ class SamplingSettings:
             found.append(("stop", "must be non-empty strings"))
         if any(not _is_whole(t) or t < 0 for t in self.stop_token_ids):
             found.append(("stop_token_ids", "must be token ids (whole numbers >= 0)"))
+        if not _is_whole(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            found.append(
+                ("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+            )
+        elif self.top_logprobs and not self.logprobs:
+            found.append(("top_logprobs", "needs logprobs"))
+        if not _is_whole(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            found.append(("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}"))
+        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            found.append(
+                ("repetition_penalty", f"must be > 0 (1: off), got {self.repetition_penalty!r}")
+            )
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            if not (_is_number(value) and -2 <= value <= 2):
+                found.append((field, f"must be in [-2, 2], got {value!r}"))
+        for token, bias in self.logit_bias:
+            if not _is_whole(token) or token < 0:
+                found.append(("logit_bias", f"keys must be token ids, got {token!r}"))
+            elif not (_is_number(bias) and -100 <= bias <= 100):
+                found.append(("logit_bias", f"token {token}: bias must be in [-100, 100]"))
         return found
 
 
@@ -87,7 +139,9 @@ def _is_number(value: object) -> bool:
 class RequestOutput:
     """What one step added to a request: new tokens, the text they complete, and whether the
     request ended (``finish_reason`` then says why). ``text`` holds back characters that may
-    still become a stop string or an incomplete UTF-8 sequence; the last output releases them."""
+    still become a stop string or an incomplete UTF-8 sequence; the last output releases them.
+    ``top_logprobs``, when asked: the likeliest ``(token, logprob)`` pairs at each new token's
+    position."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -97,6 +151,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 @attrs.define(eq=False)
@@ -110,6 +165,7 @@ class Request:
     line: int | None = None
     output_ids: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = attrs.field(factory=list)
     finish_reason: str | None = None
     abort_requested: bool = False
     generator: torch.Generator | None = None
@@ -124,7 +180,10 @@ class Request:
         """Tokens in its cache line once its last token is written: prompt and output."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def new_tokens(self) -> tuple[Sequence[int], Sequence[float]]:
-        """The tokens (and logprobs) not handed out yet; marks them handed out."""
+    def new_tokens(
+        self,
+    ) -> tuple[Sequence[int], Sequence[float], Sequence[tuple[tuple[int, float], ...]]]:
+        """The tokens (their logprobs and top logprobs) not handed out yet; marks them handed
+        out."""
         start, self.emitted_tokens = self.emitted_tokens, len(self.output_ids)
-        return self.output_ids[start:], self.logprobs[start:]
+        return self.output_ids[start:], self.logprobs[start:], self.top_logprobs[start:]

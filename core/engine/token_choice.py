@@ -1,18 +1,21 @@
 """How the engine gets each request's next token.
 
-On the host, from the logits, each request with its own settings and random generator. When the
-model samples in its graph, a plugin answering ``nxdplug_request_sampling`` says which settings
+On the host, from the logits, each request with its own settings and random generator, after its
+own adjustments (bias, penalties, ``min_tokens``: :mod:`~nxdplug.engine.logits_adjustment`). When
+the model samples in its graph, a plugin answering ``nxdplug_request_sampling`` says which settings
 the graph can honour and turns each step's requests into its per-row inputs; the engine then
 takes the model's tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
+import attrs
 import torch
 
+from nxdplug.engine.logits_adjustment import adjusted_logits
 from nxdplug.engine.requests import Request, RequestError, SamplingSettings
 from nxdplug.registry import get_registry
 from nxdplug.runtime.sampling import SamplingParams
@@ -30,10 +33,23 @@ class GraphSampling(Protocol):
         """The forward keywords carrying one row of settings per request of a step."""
 
 
-class TokenChoice:
-    """The engine's sampler for one application."""
+@attrs.frozen
+class Chosen:
+    """One step's tokens for its rows, with their log-probabilities when any row asks: the
+    chosen token's (``logprobs``) and each row's likeliest ``(token, logprob)`` pairs
+    (``top_logprobs``, as many as the row asks)."""
 
-    def __init__(self, context: Any) -> None:
+    tokens: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+
+
+class TokenChoice:
+    """The engine's sampler for one application; ``eos_token_ids`` are those ``min_tokens``
+    holds back."""
+
+    def __init__(self, context: Any, eos_token_ids: Collection[int] = ()) -> None:
+        self.eos_token_ids = eos_token_ids
         self.graph: GraphSampling | None = context.hook("nxdplug_request_sampling")(context=context)
         self.returns_logits = self.graph is None or self.graph.returns_logits
         self.greedy = get_registry().get("samplers", "greedy").load("implementation")()
@@ -51,6 +67,15 @@ class TokenChoice:
                 "returning them; serve it with output_logits=True",
                 field="logprobs",
             )
+        adjustments = settings.adjustments()
+        if adjustments and not self.samples_on_host:
+            field = adjustments[0]
+            raise RequestError(
+                f"{field} adjusts the logits before a token is chosen, but this model chooses "
+                "its tokens in its graph (on_device_sampling_config); serve it without "
+                "on-device sampling",
+                field=field,
+            )
         refusal = None if self.graph is None else self.graph.refusal(settings)
         if refusal is not None:
             field, why = refusal
@@ -63,20 +88,23 @@ class TokenChoice:
 
     def choose(
         self, requests: Sequence[Request], logits: torch.Tensor | None, tokens: torch.Tensor | None
-    ) -> tuple[list[int], list[float] | None]:
+    ) -> Chosen:
         """Each request's next token from one step's outputs (``logits`` [rows, vocab] or None,
-        the model's ``tokens`` [rows] or None), and their logprobs when any request asks."""
+        the model's ``tokens`` [rows] or None), with log-probabilities when any request asks."""
         if tokens is None:
-            tokens = self._draw(requests, logits)
-        logprobs = None
-        if logits is not None and any(r.settings.logprobs for r in requests):
-            logprobs = (
-                torch.log_softmax(logits.float(), dim=-1)
-                .gather(-1, tokens.view(-1, 1))
-                .view(-1)
-                .tolist()
-            )
-        return tokens.view(-1).tolist(), logprobs
+            tokens = self._draw(requests, adjusted_logits(requests, logits, self.eos_token_ids))
+        chosen = tokens.view(-1).tolist()
+        if logits is None or not any(r.settings.logprobs for r in requests):
+            return Chosen(chosen)
+        wanted = [r.settings.top_logprobs for r in requests]
+        log_softmax = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = log_softmax.gather(-1, tokens.view(-1, 1)).view(-1).tolist()
+        top = None
+        if max(wanted) > 0:
+            values, ids = log_softmax.topk(max(wanted), dim=-1)
+            rows = zip(ids.tolist(), values.tolist(), wanted, strict=True)
+            top = [tuple(zip(i[:k], v[:k], strict=True)) for i, v, k in rows]
+        return Chosen(chosen, logprobs, top)
 
     def _draw(self, requests: Sequence[Request], logits: torch.Tensor) -> torch.Tensor:
         """The greedy requests' tokens in one call of the greedy sampler (an argmax a row costs

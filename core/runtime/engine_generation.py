@@ -7,8 +7,10 @@ of a row that ended, and the step loop is the one ``nxdplug serve`` runs. What a
 :class:`~nxdplug.engine.SamplingSettings` carry is honoured (greedy, or temperature / top_k /
 top_p; on the host each sampled row has its own generator seeded from torch's global one, a
 model that samples in its graph draws from torch's global stream; the token budget;
-the end-of-sequence tokens); HF's other processors and criteria, streamers and the per-step
-scores need the rows in one batch, and are refused. The result has HF's shape: each row's prompt
+the end-of-sequence tokens; HF's ``repetition_penalty``, ``min_new_tokens`` and one-token
+``sequence_bias``, which the engine applies per request, each row's penalty over its own prompt
+and output); HF's other processors and criteria, streamers and the per-step scores need the
+rows in one batch, and are refused. The result has HF's shape: each row's prompt
 as given, then its tokens, then the pad token once it ended.
 """
 
@@ -16,7 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
+from transformers.generation.logits_process import (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+)
 
 from nxdplug.engine import Engine, SamplingSettings
 from nxdplug.errors import NotSupportedError
@@ -29,7 +38,7 @@ def refuse_what_the_engine_ignores(
     parts: GenerationParts, rows: int, step_keywords: dict[str, Any], streamer: Any
 ) -> None:
     """Raise, naming them, for the settings a row alone in the engine would not honour."""
-    given = [type(p).__name__ for p in parts.host_processors]
+    given = [type(p).__name__ for p in parts.host_processors if _engine_setting(p) is None]
     given += [type(c).__name__ for c in parts.extra_criteria]
     given += sorted(step_keywords)
     if streamer is not None:
@@ -40,8 +49,9 @@ def refuse_what_the_engine_ignores(
         raise NotSupportedError(
             f"{rows} rows are more than the KV cache holds (max_batch_size), so generate() runs "
             "them through the serving engine, which takes each row's temperature, top_k, top_p, "
-            f"token budget and end-of-sequence tokens only; {', '.join(given)} need every row "
-            "in one batch: give at most max_batch_size rows, or leave them out"
+            "token budget, end-of-sequence tokens, repetition_penalty, min_new_tokens and "
+            f"one-token sequence_bias only; {', '.join(given)} need every row in one batch: "
+            "give at most max_batch_size rows, or leave them out"
         )
 
 
@@ -59,9 +69,15 @@ def generate_on_engine(
     eos_ids = [] if eos is None else eos.view(-1).tolist()
     engine = Engine(application, eos_token_ids=eos_ids, max_waiting=len(input_ids))
     seeded = engine.choice.samples_on_host  # a graph that samples draws from torch's own stream
+    mapped = [_engine_setting(p, input_ids.shape[1]) or {} for p in parts.host_processors]
+    adjustments = {k: v for setting in mapped for k, v in setting.items() if k != "min_tokens"}
+    held = max((setting.get("min_tokens", 0) for setting in mapped), default=0)
+    adjustments["min_tokens"] = min(held, new_tokens)
     try:
         request_ids = [
-            engine.add_request(prompt, _settings(config, new_tokens, seeded))
+            engine.add_request(
+                prompt, attrs.evolve(_settings(config, new_tokens, seeded), **adjustments)
+            )
             for prompt in _prompts(input_ids, attention_mask)
         ]
         made: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
@@ -82,6 +98,24 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list
         [token for token, kept in zip(row, mask, strict=True) if kept]
         for row, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
     ]
+
+
+def _engine_setting(processor: Any, prompt_width: int = 0) -> dict[str, Any] | None:
+    """The engine's settings for one of HF's processors, or None where it has none.
+    ``prompt_width``: the padded prompts' width, from which HF counts ``min_length``."""
+    if isinstance(processor, RepetitionPenaltyLogitsProcessor):
+        # HF skips each row's padding (a tensor of its lengths); the engine sees no padding
+        if not isinstance(processor.prompt_ignore_length, int):
+            return {"repetition_penalty": processor.penalty}
+    elif isinstance(processor, MinNewTokensLengthLogitsProcessor):
+        return {"min_tokens": processor.min_new_tokens}
+    elif isinstance(processor, MinLengthLogitsProcessor):
+        return {"min_tokens": max(processor.min_length - prompt_width, 0)}
+    elif isinstance(processor, SequenceBiasLogitsProcessor):
+        biases = processor.sequence_bias
+        if all(len(tokens) == 1 for tokens in biases):
+            return {"logit_bias": [(tokens[0], bias) for tokens, bias in biases.items()]}
+    return None
 
 
 def _settings(config: Any, new_tokens: int, seeded: bool) -> SamplingSettings:

@@ -67,42 +67,53 @@ def build_app(
     async def completions(request: Request, body: CompletionRequest) -> Response:
         check_model(body.model)
         body.refuse_unsupported()
-        stream = engine_loop.generate(body.prompt_ids(tokenizer), body.settings())
+        prompts = body.prompts(tokenizer)
+        stream = engine_loop.generate_batch(prompts, body.settings(), body.choices)
         reply_id = "cmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         if body.stream:
-            chunks = _completion_chunks(stream, head, tokenizer, body.include_usage())
+            usage = body.include_usage()
+            chunks = _completion_chunks(stream, head, tokenizer, usage, body.choices)
             return _event_stream(chunks)
-        output = await _whole_answer(request, stream)
-        if output is None:
+        outputs = await _whole_answer(request, stream)
+        if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choice = CompletionChoice(
-            text=output.text,
-            logprobs=completion_logprobs(output, tokenizer),
-            finish_reason=output.finish_reason,
-        )
-        return _json(Completion(**head, choices=[choice], usage=Usage.of(output)))
+        choices = [
+            CompletionChoice(
+                index=index,
+                text=output.text,
+                logprobs=completion_logprobs(output, tokenizer),
+                finish_reason=output.finish_reason,
+            )
+            for index, output in enumerate(outputs)
+        ]
+        return _json(Completion(**head, choices=choices, usage=Usage.of(outputs, body.choices)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         check_model(body.model)
         body.refuse_unsupported()
         prompt_ids = body.prompt_ids(tokenizer)
-        stream = engine_loop.generate(prompt_ids, body.settings(len(prompt_ids), seq_len))
+        settings = body.settings(len(prompt_ids), seq_len)
+        stream = engine_loop.generate(prompt_ids, settings, body.choices)
         reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         if body.stream:
-            chunks = _chat_chunks(stream, head, tokenizer, body.include_usage())
+            chunks = _chat_chunks(stream, head, tokenizer, body.include_usage(), body.choices)
             return _event_stream(chunks)
-        output = await _whole_answer(request, stream)
-        if output is None:
+        outputs = await _whole_answer(request, stream)
+        if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choice = ChatChoice(
-            message=AssistantMessage(content=output.text),
-            logprobs=chat_logprobs(output, tokenizer),
-            finish_reason=output.finish_reason,
-        )
-        return _json(ChatCompletion(**head, choices=[choice], usage=Usage.of(output)))
+        choices = [
+            ChatChoice(
+                index=index,
+                message=AssistantMessage(content=output.text),
+                logprobs=chat_logprobs(output, tokenizer),
+                finish_reason=output.finish_reason,
+            )
+            for index, output in enumerate(outputs)
+        ]
+        return _json(ChatCompletion(**head, choices=choices, usage=Usage.of(outputs, body.choices)))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -134,18 +145,23 @@ CLIENT_CLOSED_REQUEST = 499
 
 
 async def _all(stream: OutputStream) -> list[RequestOutput]:
-    return [output async for output in stream]
+    """Each choice's outputs merged into one, in choice order."""
+    by_choice: dict[int, list[RequestOutput]] = {}
+    async for index, output in stream:
+        by_choice.setdefault(index, []).append(output)
+    return [merged(by_choice[index]) for index in sorted(by_choice)]
 
 
-async def _whole_answer(request: Request, stream: OutputStream) -> RequestOutput | None:
-    """The request's outputs merged into one, or None if the client closes the connection
-    first; then the awaiting task is cancelled, which aborts the request (see ``OutputStream``)."""
+async def _whole_answer(request: Request, stream: OutputStream) -> list[RequestOutput] | None:
+    """Each choice's outputs merged into one, or None if the client closes the connection
+    first; then the awaiting task is cancelled, which aborts the requests (see
+    ``OutputStream``)."""
     collect = asyncio.ensure_future(_all(stream))
     watch = asyncio.ensure_future(_client_leaves(request))
     done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
     if collect in done:
         watch.cancel()
-        return merged(collect.result())
+        return collect.result()
     collect.cancel()
     await asyncio.gather(collect, return_exceptions=True)
     return None
@@ -158,39 +174,48 @@ async def _client_leaves(request: Request) -> None:
 
 
 async def _completion_chunks(
-    stream: OutputStream, head: dict[str, Any], tokenizer: Any, include_usage: bool
+    stream: OutputStream, head: dict[str, Any], tokenizer: Any, include_usage: bool, n: int
 ) -> AsyncIterator[BaseModel]:
-    offset = 0
-    async for output in stream:
+    offsets = [0] * len(stream.request_ids)
+    last: dict[int, RequestOutput] = {}
+    async for index, output in stream:
+        last[index] = output
         if not (output.text or output.finished or output.logprobs):
             continue  # tokens whose text is held back (a possible stop string, a partial char)
         choice = CompletionChoice(
+            index=index,
             text=output.text,
-            logprobs=completion_logprobs(output, tokenizer, offset),
+            logprobs=completion_logprobs(output, tokenizer, offsets[index]),
             finish_reason=output.finish_reason,
         )
-        offset += len(output.text)
+        offsets[index] += len(output.text)
         yield Completion(**head, choices=[choice])
     if include_usage:
-        yield Completion(**head, choices=[], usage=Usage.of(output))
+        finals = [last[index] for index in sorted(last)]
+        yield Completion(**head, choices=[], usage=Usage.of(finals, n))
 
 
 async def _chat_chunks(
-    stream: OutputStream, head: dict[str, Any], tokenizer: Any, include_usage: bool
+    stream: OutputStream, head: dict[str, Any], tokenizer: Any, include_usage: bool, n: int
 ) -> AsyncIterator[BaseModel]:
-    first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-    yield ChatCompletionChunk(**head, choices=[first])
-    async for output in stream:
+    for index in range(len(stream.request_ids)):
+        first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
+        yield ChatCompletionChunk(**head, choices=[first])
+    last: dict[int, RequestOutput] = {}
+    async for index, output in stream:
+        last[index] = output
         if not (output.text or output.finished or output.logprobs):
             continue
         choice = ChatChunkChoice(
+            index=index,
             delta=ChatDelta(content=output.text or None),
             logprobs=chat_logprobs(output, tokenizer),
             finish_reason=output.finish_reason,
         )
         yield ChatCompletionChunk(**head, choices=[choice])
     if include_usage:
-        yield ChatCompletionChunk(**head, choices=[], usage=Usage.of(output))
+        finals = [last[index] for index in sorted(last)]
+        yield ChatCompletionChunk(**head, choices=[], usage=Usage.of(finals, n))
 
 
 def _event_stream(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:

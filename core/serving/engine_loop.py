@@ -52,37 +52,52 @@ class _Consumer:
 
 
 class OutputStream:
-    """One request's outputs, in order, for ``async for``; the last has ``finished`` set.
+    """The outputs of one prompt's requests (OpenAI's ``n`` choices, one by default) for
+    ``async for``, as ``(choice index, output)`` pairs: each request's in order, the requests'
+    interleaved as they come; a request's last output has ``finished`` set.
 
-    Leaving the loop early (``break``, an exception, a cancelled task) aborts the request.
+    Leaving the loop early (``break``, an exception, a cancelled task) aborts every request
+    that has not ended.
     """
 
-    def __init__(self, request_id: str, queue: asyncio.Queue, abort: Callable[[str], None]):
-        self.request_id = request_id
+    def __init__(
+        self, request_ids: Sequence[str], queue: asyncio.Queue, abort: Callable[[str], None]
+    ):
+        self.request_ids = list(request_ids)
         self._queue = queue
         self._abort = abort
-        self.finished = False
+        self._unfinished = set(range(len(self.request_ids)))
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+    @property
+    def request_id(self) -> str:
+        """The first request's id, which names the whole answer."""
+        return self.request_ids[0]
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self._outputs()
 
-    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
-            while not self.finished:
-                item = await self._queue.get()
+            while self._unfinished:
+                index, item = await self._queue.get()
                 if isinstance(item, BaseException):
-                    self.finished = True
+                    self._unfinished.clear()
                     raise item
-                self.finished = item.finished
-                yield item
+                if item.finished:
+                    self._unfinished.discard(index)
+                yield index, item
         finally:
             self.cancel()
 
     def cancel(self) -> None:
-        """Abort the request unless it ended (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self._abort(self.request_id)
+        """Abort the requests that have not ended (idempotent)."""
+        for index in sorted(self._unfinished):
+            self._abort(self.request_ids[index])
+        self._unfinished.clear()
 
 
 class EngineLoop:
@@ -104,17 +119,38 @@ class EngineLoop:
         """True until the loop is stopped or the engine failed."""
         return self._accepting
 
-    def generate(self, prompt_ids: Sequence[int], settings: SamplingSettings) -> OutputStream:
-        """Queue a request and return its outputs' stream; call from the event loop.
+    def generate(
+        self, prompt_ids: Sequence[int], settings: SamplingSettings, n: int = 1
+    ) -> OutputStream:
+        """Queue ``n`` requests for the prompt and return their outputs' stream; call from the
+        event loop. See :meth:`generate_batch`."""
+        return self.generate_batch([prompt_ids], settings, n)
+
+    def generate_batch(
+        self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, n: int = 1
+    ) -> OutputStream:
+        """Queue ``n`` requests for each prompt (choices, each its own sample; with a seed,
+        choice i of a prompt is seeded ``seed + i``, as vLLM does) and return their outputs'
+        stream, whose choice index is ``prompt index * n + i``; call from the event loop.
 
         Raises at once what ``engine.add_request`` raises (RequestError, EngineFullError), or
-        EngineStoppedError when the loop no longer takes requests.
+        EngineStoppedError when the loop no longer takes requests; the requests queued before
+        the one refused are aborted.
         """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        request_id = f"req-{uuid.uuid4().hex}"
-        self.submit(request_id, prompt_ids, settings, queue.put_nowait, loop)
-        return OutputStream(request_id, queue, self.abort)
+        request_ids = [f"req-{uuid.uuid4().hex}" for _ in range(len(prompts) * n)]
+        for index, request_id in enumerate(request_ids):
+            choice = settings
+            if settings.seed is not None and index % n:
+                choice = attrs.evolve(settings, seed=settings.seed + index % n)
+            try:
+                self.submit(request_id, prompts[index // n], choice, _tagged(queue, index), loop)
+            except BaseException:
+                for queued in request_ids[:index]:
+                    self.abort(queued)
+                raise
+        return OutputStream(request_ids, queue, self.abort)
 
     def submit(
         self,
@@ -194,6 +230,15 @@ class EngineLoop:
             if output.token_ids:
                 consumer.last_token = now
         _hand_over(handed)
+
+
+def _tagged(queue: asyncio.Queue, index: int) -> Callable[[Item], None]:
+    """Puts a choice's items into its prompt's queue, with the choice's index."""
+
+    def deliver(item: Item) -> None:
+        queue.put_nowait((index, item))
+
+    return deliver
 
 
 def _hand_over(items: list[tuple[_Consumer, Item]]) -> None:

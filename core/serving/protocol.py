@@ -1,8 +1,10 @@
 """OpenAI's request bodies, what this server honours of them, and its error body.
 
-A field that would change the result but is not implemented (``n`` > 1, penalties,
-``logit_bias``, ``best_of``, ``echo``, ``suffix``, alternatives in ``logprobs``, tools, and any
-field not declared here) is refused with a 400 naming it, never silently ignored.
+Besides OpenAI's fields, vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
+``stop_token_ids`` and ``ignore_eos`` are honoured. A field that would change the result but is
+not implemented (``best_of``, ``echo``, ``suffix``, tools, and any field not declared here) is
+refused with a 400 naming it, never silently ignored. ``n`` choices are ``n`` requests of the
+engine for the same prompt.
 """
 
 from __future__ import annotations
@@ -12,6 +14,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nxdplug.engine import SamplingSettings
+from nxdplug.engine.requests import MAX_TOP_LOGPROBS
+
+# OpenAI's bound on ``n``, and this server's on the prompts of one completion request.
+MAX_CHOICES = 128
+MAX_PROMPTS = 128
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -64,13 +71,16 @@ class _GenerationRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = Field(default=None, description="vLLM's extra: 0 or -1 is off")
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, description="vLLM's extra")
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, description="vLLM's extra")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(default=None, description="vLLM's extra")
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -79,20 +89,22 @@ class _GenerationRequest(BaseModel):
         for field, value, default in self._unsupported_fields():
             if value not in (None, default):
                 raise bad_request(field, f"{value!r} is not supported by this server")
-        if self.n not in (None, 1):
-            raise bad_request("n", f"only n=1 is supported (got {self.n}); send n requests")
+        if not 1 <= self.choices <= MAX_CHOICES:
+            raise bad_request("n", f"must be in [1, {MAX_CHOICES}], got {self.n}")
+
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     def _unsupported_fields(self) -> list[tuple[str, Any, Any]]:
-        return [
-            ("presence_penalty", self.presence_penalty, 0),
-            ("frequency_penalty", self.frequency_penalty, 0),
-            ("logit_bias", self.logit_bias, {}),
-        ]
+        return []
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_settings(self, max_tokens: int, logprobs: bool) -> SamplingSettings:
+    def sampling_settings(
+        self, max_tokens: int, logprobs: bool, top_logprobs: int = 0
+    ) -> SamplingSettings:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingSettings(
             max_tokens=max_tokens,
@@ -101,13 +113,32 @@ class _GenerationRequest(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
             stop=stop,
+            stop_token_ids=self.stop_token_ids or (),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            min_tokens=self.min_tokens,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> list[tuple[int, float]]:
+        """OpenAI's ``{"token id": bias}`` as (id, bias) pairs."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                pairs.append((int(key), bias))
+            except ValueError:
+                raise bad_request(
+                    "logit_bias", f"keys are token ids, as strings of digits; got {key!r}"
+                ) from None
+        return pairs
 
 
 class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt, as text or token ids."""
+    """``POST /v1/completions``: one prompt or a batch, as text or token ids."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
@@ -125,29 +156,29 @@ class CompletionRequest(_GenerationRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs is not None and not 0 <= self.logprobs <= 1:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(
                 "logprobs",
-                f"only the chosen token's log-probability is returned: logprobs must be 0 or 1 "
-                f"(got {self.logprobs})",
+                f"the likeliest tokens listed at each position: must be in "
+                f"[0, {MAX_TOP_LOGPROBS}] (got {self.logprobs})",
             )
 
-    def prompt_ids(self, tokenizer: Any) -> list[int]:
+    def prompts(self, tokenizer: Any) -> list[list[int]]:
+        """The prompts as token ids: one text or a list of texts, one list of token ids or a
+        list of them."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise bad_request(
-                    "prompt", f"one prompt per request is supported (got {len(prompt)})"
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return tokenizer(prompt).input_ids
-        return list(prompt)
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            prompt = [prompt]
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+        return [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompt]
 
     def settings(self) -> SamplingSettings:
         """16 tokens unless asked, OpenAI's default for completions."""
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        return self.sampling_settings(max_tokens, logprobs=self.logprobs is not None)
+        return self.sampling_settings(
+            max_tokens, logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
+        )
 
 
 class TextPart(BaseModel):
@@ -181,15 +212,6 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.top_logprobs:
-            raise bad_request(
-                "top_logprobs",
-                "only the chosen token's log-probability is returned: top_logprobs must be 0 "
-                f"(got {self.top_logprobs})",
-            )
-
     def prompt_ids(self, tokenizer: Any) -> list[int]:
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request(
@@ -213,4 +235,6 @@ class ChatCompletionRequest(_GenerationRequest):
             max_tokens = self.max_tokens
         if max_tokens is None:
             max_tokens = max(seq_len - prompt_tokens, 1)
-        return self.sampling_settings(max_tokens, logprobs=self.logprobs)
+        return self.sampling_settings(
+            max_tokens, logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0
+        )

@@ -17,22 +17,24 @@ class Usage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, output: RequestOutput) -> Usage:
-        total = output.prompt_tokens + output.completion_tokens
+    def of(cls, outputs: Sequence[RequestOutput], n: int = 1) -> Usage:
+        """The usage of a request's choices (each one's last output, prompt by prompt, ``n``
+        choices each): each prompt counted once, as OpenAI counts it."""
+        prompt = sum(output.prompt_tokens for output in outputs[::n])
+        completion = sum(output.completion_tokens for output in outputs)
         return cls(
-            prompt_tokens=output.prompt_tokens,
-            completion_tokens=output.completion_tokens,
-            total_tokens=total,
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy format; ``top_logprobs`` stays null: no alternatives are computed."""
+    """The legacy format; ``top_logprobs``: each position's likeliest tokens as text ->
+    logprob (null when ``logprobs`` was 0)."""
 
     tokens: list[str]
     token_logprobs: list[float]
     text_offset: list[int]
-    top_logprobs: None = None
+    top_logprobs: list[dict[str, float]] | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -53,11 +55,14 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
-class TokenLogprob(BaseModel):
+class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int]
-    top_logprobs: list[Any] = []
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
 
 
 class ChatLogprobs(BaseModel):
@@ -113,9 +118,11 @@ def now() -> int:
 def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
     """A request's outputs as one (all tokens, text and logprobs; the last's counts)."""
     last = outputs[-1]
-    logprobs = None
+    logprobs = top = None
     if last.logprobs is not None:
         logprobs = tuple(lp for o in outputs for lp in o.logprobs or ())
+    if last.top_logprobs is not None:
+        top = tuple(pairs for o in outputs for pairs in o.top_logprobs or ())
     return RequestOutput(
         request_id=last.request_id,
         token_ids=tuple(t for o in outputs for t in o.token_ids),
@@ -125,6 +132,7 @@ def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
         finish_reason=last.finish_reason,
         prompt_tokens=last.prompt_tokens,
         completion_tokens=last.completion_tokens,
+        top_logprobs=top,
     )
 
 
@@ -139,16 +147,29 @@ def completion_logprobs(
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
+    top = None
+    if output.top_logprobs is not None:
+        top = [
+            {tokenizer.decode([token]): logprob for token, logprob in pairs}
+            for pairs in output.top_logprobs
+        ]
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=list(output.logprobs), text_offset=offsets
+        tokens=tokens, token_logprobs=list(output.logprobs), text_offset=offsets, top_logprobs=top
     )
 
 
 def chat_logprobs(output: RequestOutput, tokenizer: Any) -> ChatLogprobs | None:
     if output.logprobs is None:
         return None
+    tops = output.top_logprobs or [()] * len(output.token_ids)
     content = []
-    for token_id, logprob in zip(output.token_ids, output.logprobs, strict=True):
-        token = tokenizer.decode([token_id])
-        content.append(TokenLogprob(token=token, logprob=logprob, bytes=list(token.encode())))
+    for token_id, logprob, top in zip(output.token_ids, output.logprobs, tops, strict=True):
+        alternatives = [_top_logprob(tokenizer, t, lp) for t, lp in top]
+        chosen = _top_logprob(tokenizer, token_id, logprob)
+        content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=alternatives))
     return ChatLogprobs(content=content)
+
+
+def _top_logprob(tokenizer: Any, token_id: int, logprob: float) -> TopLogprob:
+    token = tokenizer.decode([token_id])
+    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
