@@ -423,6 +423,7 @@ def post(base: str, path: str, body: str | dict) -> tuple[int, dict]:
         ({"model": MODEL, "prompt": "a", "max_tokens": SEQ_LEN}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),
         ({"model": MODEL, "prompt": "a", "n": 129}, 400, "n"),
+        ({"model": MODEL, "prompt": [[1]] * 9, "n": 128}, 400, "n"),  # > the 1024 queue
         ({"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
         ({"model": MODEL, "prompt": "a", "echo": True}, 400, "echo"),
         ({"model": MODEL, "prompt": "a", "frequency_penalty": 2.5}, 400, "frequency_penalty"),

@@ -24,13 +24,14 @@ import functools
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from nxdplug.engine.cache_space import CacheSpace
 from nxdplug.engine.detokenizer import IncrementalText
+from nxdplug.engine.request_inputs import RequestInputs
 from nxdplug.engine.requests import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -101,6 +102,7 @@ class Engine:
             model_eos_token_ids(application) if eos_token_ids is None else eos_token_ids
         )
         self.choice = TokenChoice(application.context, self.eos_token_ids)
+        self.inputs = RequestInputs(application.context)
         self.async_mode = bool(neuron_config.async_mode)
         self._overlap = HostOverlap(self.async_mode)
         # async mode: the last decode step's requests and result, not yet handled by the host
@@ -120,11 +122,15 @@ class Engine:
         prompt_ids: Sequence[int],
         settings: SamplingSettings | None = None,
         request_id: str | None = None,
+        step_keywords: Mapping[str, Any] | None = None,
     ) -> str:
         """Queue a request; returns its id. Refuses, with a RequestError naming the field, what
-        the model cannot do, and raises EngineFullError when ``max_waiting`` requests wait."""
+        the model cannot do, and raises EngineFullError when ``max_waiting`` requests wait.
+        ``step_keywords``: the request's values of step-input plugins' keywords (its adapter's
+        id, ...; see :mod:`~nxdplug.engine.request_inputs`)."""
         settings = settings or SamplingSettings()
         request = Request(request_id or "", list(prompt_ids), settings)
+        request.step_keywords = dict(step_keywords or {})
         self.check(request)
         if not settings.greedy and self.choice.samples_on_host:
             request.generator = torch.Generator(self.device)
@@ -182,6 +188,7 @@ class Engine:
         if request.settings.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer", field="stop")
         self.choice.check(request.settings)
+        self.inputs.check(request.step_keywords)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its line is freed at the next step, which reports it finished."""
@@ -265,6 +272,8 @@ class Engine:
         with self._lock:
             while self._waiting and self.lines.free > 0:
                 request = self._waiting[0]
+                if not self.inputs.fits([*self._running.values()], request):
+                    break  # it waits for running requests to end (too many adapters, ...)
                 line = self.lines.reserve(request.prompt_ids, request.settings.max_tokens)
                 if line is None:
                     break
@@ -288,6 +297,7 @@ class Engine:
             input_ids=self._long(ids),
             attention_mask=self._long(mask),
             **self._cache_inputs(batch),
+            **self.inputs.step_keywords(batch),
             **self.choice.step_keywords(batch),
         )
         return self._choose(batch, outputs)
@@ -311,7 +321,8 @@ class Engine:
                 "input_ids": self._long(last)[:, None],
                 "position_ids": self._long(positions)[:, None],
             }
-            inputs |= self._cache_inputs(rows) | self.choice.step_keywords(rows)
+            inputs |= self._cache_inputs(rows) | self.inputs.step_keywords(rows)
+            inputs |= self.choice.step_keywords(rows)
             calls.append((rows, inputs))
         return calls
 

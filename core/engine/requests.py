@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -156,7 +157,8 @@ class RequestOutput:
 
 @attrs.define(eq=False)
 class Request:
-    """A request in the engine: waiting for a line, running on one, or finished."""
+    """A request in the engine: waiting for a line, running on one, or finished.
+    ``step_keywords``: its values of step-input plugins' keywords (see ``request_inputs``)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -170,6 +172,7 @@ class Request:
     abort_requested: bool = False
     generator: torch.Generator | None = None
     emitted_tokens: int = 0
+    step_keywords: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def finished(self) -> bool:

@@ -9,9 +9,10 @@ top_p; on the host each sampled row has its own generator seeded from torch's gl
 model that samples in its graph draws from torch's global stream; the token budget;
 the end-of-sequence tokens; HF's ``repetition_penalty``, ``min_new_tokens`` and one-token
 ``sequence_bias``, which the engine applies per request, each row's penalty over its own prompt
-and output); HF's other processors and criteria, streamers and the per-step scores need the
-rows in one batch, and are refused. The result has HF's shape: each row's prompt
-as given, then its tokens, then the pad token once it ended.
+and output); step-input keywords given as one value per row (an adapter id each) go with each
+row's request. HF's other processors and criteria, streamers and the per-step scores need the
+rows in one batch, and are refused. The result has HF's shape: each row's prompt as given, then
+its tokens, then the pad token once it ended.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def refuse_what_the_engine_ignores(
     """Raise, naming them, for the settings a row alone in the engine would not honour."""
     given = [type(p).__name__ for p in parts.host_processors if _engine_setting(p) is None]
     given += [type(c).__name__ for c in parts.extra_criteria]
-    given += sorted(step_keywords)
+    given += sorted(set(step_keywords) - set(_per_row(step_keywords, rows)))
     if streamer is not None:
         given.append("streamer")
     if parts.config.return_dict_in_generate:
@@ -61,9 +62,12 @@ def generate_on_engine(
     attention_mask: torch.Tensor,
     parts: GenerationParts,
     new_tokens: int,
+    step_keywords: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Each row of ``input_ids`` (its prompt: the tokens ``attention_mask`` keeps) decoded as
-    its own engine request; [rows, prompt width + longest output], padded after a row ends."""
+    its own engine request; [rows, prompt width + longest output], padded after a row ends.
+    ``step_keywords`` given as one value per row (None: the row has none) go with each row's
+    request."""
     config = parts.config
     eos = config._eos_token_tensor
     eos_ids = [] if eos is None else eos.view(-1).tolist()
@@ -73,12 +77,16 @@ def generate_on_engine(
     adjustments = {k: v for setting in mapped for k, v in setting.items() if k != "min_tokens"}
     held = max((setting.get("min_tokens", 0) for setting in mapped), default=0)
     adjustments["min_tokens"] = min(held, new_tokens)
+    settings = attrs.evolve(_settings(config, new_tokens, seeded), **adjustments)
+    per_row = _per_row(step_keywords or {}, len(input_ids))
     try:
         request_ids = [
             engine.add_request(
-                prompt, attrs.evolve(_settings(config, new_tokens, seeded), **adjustments)
+                prompt,
+                settings,
+                step_keywords={k: v[row] for k, v in per_row.items() if v[row] is not None},
             )
-            for prompt in _prompts(input_ids, attention_mask)
+            for row, prompt in enumerate(_prompts(input_ids, attention_mask))
         ]
         made: dict[str, list[int]] = {request_id: [] for request_id in request_ids}
         while engine.has_unfinished():
@@ -98,6 +106,16 @@ def _prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list
         [token for token, kept in zip(row, mask, strict=True) if kept]
         for row, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
     ]
+
+
+def _per_row(step_keywords: dict[str, Any], rows: int) -> dict[str, list[Any]]:
+    """The step keywords given as a list of one value per row, which the engine's requests
+    carry one each (a tensor stays the batch's)."""
+    return {
+        keyword: list(values)
+        for keyword, values in step_keywords.items()
+        if isinstance(values, list | tuple) and len(values) == rows
+    }
 
 
 def _engine_setting(processor: Any, prompt_width: int = 0) -> dict[str, Any] | None:

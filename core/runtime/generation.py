@@ -329,7 +329,7 @@ class HuggingFaceGenerationAdapter:
         if self._rows_need_the_engine(input_ids.shape[0]):
             refuse_what_the_engine_ignores(parts, input_ids.shape[0], step_keywords, streamer)
             return generate_on_engine(
-                self.neuron_model, input_ids, attention_mask, parts, new_tokens
+                self.neuron_model, input_ids, attention_mask, parts, new_tokens, step_keywords
             )
         sampling = self._token_source(parts, input_ids.shape[0], step_keywords, kwargs)
         progress = GenerationProgress(input_ids, attention_mask, parts, streamer)

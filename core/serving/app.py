@@ -54,21 +54,34 @@ def build_app(
     seq_len = engine_loop.engine.max_positions
     _add_error_handlers(app)
 
-    def check_model(name: str) -> None:
-        if name != model_name:
+    def variants() -> dict[str, dict[str, Any]]:
+        """The names a plugin serves beside the base model (adapters), each with the
+        step keywords of a request naming it."""
+        served = engine_loop.engine.inputs.served_names()
+        served.pop(model_name, None)  # the base model's own name means the base model
+        return served
+
+    def step_keywords_of(name: str) -> dict[str, Any]:
+        """What a request naming ``name`` as its model carries to the engine."""
+        if name == model_name:
+            return {}
+        served = variants()
+        if name not in served:
+            names = ", ".join(f"`{n}`" for n in [model_name, *served])
             raise OpenAIError(
                 404,
-                f"The model `{name}` does not exist; this server serves `{model_name}`",
+                f"The model `{name}` does not exist; this server serves {names}",
                 param="model",
                 code="model_not_found",
             )
+        return served[name]
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        check_model(body.model)
+        keywords = step_keywords_of(body.model)
         body.refuse_unsupported()
         prompts = body.prompts(tokenizer)
-        stream = engine_loop.generate_batch(prompts, body.settings(), body.choices)
+        stream = engine_loop.generate_batch(prompts, body.settings(), body.choices, keywords)
         reply_id = "cmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         if body.stream:
@@ -91,11 +104,11 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        check_model(body.model)
+        keywords = step_keywords_of(body.model)
         body.refuse_unsupported()
         prompt_ids = body.prompt_ids(tokenizer)
         settings = body.settings(len(prompt_ids), seq_len)
-        stream = engine_loop.generate(prompt_ids, settings, body.choices)
+        stream = engine_loop.generate(prompt_ids, settings, body.choices, keywords)
         reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         if body.stream:
@@ -118,13 +131,14 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> Response:
         card = {
-            "id": model_name,
             "object": "model",
             "created": now(),
             "owned_by": "nxdplug",
             "max_model_len": seq_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [card | {"id": model_name}]
+        cards += [card | {"id": name, "parent": model_name} for name in variants()]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/health")
     async def health() -> Response:

@@ -18,12 +18,12 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from nxdplug.engine import RequestOutput, SamplingSettings
+from nxdplug.engine import RequestError, RequestOutput, SamplingSettings
 from nxdplug.errors import NxdPlugError
 
 if TYPE_CHECKING:
@@ -120,32 +120,50 @@ class EngineLoop:
         return self._accepting
 
     def generate(
-        self, prompt_ids: Sequence[int], settings: SamplingSettings, n: int = 1
+        self,
+        prompt_ids: Sequence[int],
+        settings: SamplingSettings,
+        n: int = 1,
+        step_keywords: Mapping[str, Any] | None = None,
     ) -> OutputStream:
         """Queue ``n`` requests for the prompt and return their outputs' stream; call from the
         event loop. See :meth:`generate_batch`."""
-        return self.generate_batch([prompt_ids], settings, n)
+        return self.generate_batch([prompt_ids], settings, n, step_keywords)
 
     def generate_batch(
-        self, prompts: Sequence[Sequence[int]], settings: SamplingSettings, n: int = 1
+        self,
+        prompts: Sequence[Sequence[int]],
+        settings: SamplingSettings,
+        n: int = 1,
+        step_keywords: Mapping[str, Any] | None = None,
     ) -> OutputStream:
         """Queue ``n`` requests for each prompt (choices, each its own sample; with a seed,
         choice i of a prompt is seeded ``seed + i``, as vLLM does) and return their outputs'
         stream, whose choice index is ``prompt index * n + i``; call from the event loop.
+        ``step_keywords`` go with every request (``Engine.add_request``).
 
         Raises at once what ``engine.add_request`` raises (RequestError, EngineFullError), or
         EngineStoppedError when the loop no longer takes requests; the requests queued before
-        the one refused are aborted.
+        the one refused are aborted. More requests than the engine's queue holds at all are a
+        RequestError.
         """
+        total = len(prompts) * n
+        if total > self.engine.max_waiting:
+            raise RequestError(
+                f"{len(prompts)} prompt(s) x n={n} make {total} requests, more than the "
+                f"server's queue holds ({self.engine.max_waiting}, --max-waiting)",
+                field="n",
+            )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        request_ids = [f"req-{uuid.uuid4().hex}" for _ in range(len(prompts) * n)]
+        request_ids = [f"req-{uuid.uuid4().hex}" for _ in range(total)]
         for index, request_id in enumerate(request_ids):
             choice = settings
             if settings.seed is not None and index % n:
                 choice = attrs.evolve(settings, seed=settings.seed + index % n)
+            deliver = _tagged(queue, index)
             try:
-                self.submit(request_id, prompts[index // n], choice, _tagged(queue, index), loop)
+                self.submit(request_id, prompts[index // n], choice, deliver, loop, step_keywords)
             except BaseException:
                 for queued in request_ids[:index]:
                     self.abort(queued)
@@ -159,6 +177,7 @@ class EngineLoop:
         settings: SamplingSettings,
         deliver: Callable[[Item], None],
         loop: asyncio.AbstractEventLoop | None = None,
+        step_keywords: Mapping[str, Any] | None = None,
     ) -> None:
         """Queue a request whose outputs (or the engine's failure) go to ``deliver``, which is
         called on ``loop``'s thread, or without a loop on the thread that steps the engine;
@@ -168,7 +187,7 @@ class EngineLoop:
                 raise EngineStoppedError("the server is shutting down; no new requests")
             self._consumers[request_id] = _Consumer(deliver, time.monotonic(), loop)
             try:
-                self.engine.add_request(prompt_ids, settings, request_id)
+                self.engine.add_request(prompt_ids, settings, request_id, step_keywords)
             except BaseException:
                 del self._consumers[request_id]
                 raise

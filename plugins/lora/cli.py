@@ -26,12 +26,16 @@ def _id_and_path(text: str) -> tuple[str, str]:
 class LoraCommandLine:
     def add_arguments(self, parser: argparse.ArgumentParser, command: str) -> None:
         group = parser.add_argument_group("multi-LoRA", "PEFT adapters served per prompt.")
+        # vLLM's name for the flag, where requests name an adapter as their model
+        aliases = ("--lora-modules",) if command == "serve" else ()
         group.add_argument(
             "--lora-ckpt-paths",
+            *aliases,
             nargs="+",
             type=_id_and_path,
             metavar="ID=PATH",
-            help="adapters to serve: an id and a PEFT adapter folder each",
+            help="adapters to serve: an id and a PEFT adapter folder each"
+            + (" (a request names one by its id as its model)" if aliases else ""),
         )
         group.add_argument("--lora-ckpt-json", metavar="FILE", help="adapters listed in a file")
         group.add_argument("--max-loras", type=positive_int, metavar="N")

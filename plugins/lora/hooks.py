@@ -63,8 +63,9 @@ def nxdplug_cli_extensions() -> Iterable[CliExtension]:
         name="multi-lora",
         implementation=f"{PACKAGE}.cli:LoraCommandLine",
         enabled_by=ENABLED_BY,
-        commands=("run", "benchmark", "compile", "check-config"),
-        description="--lora-ckpt-paths ID=PATH, --max-loras, --max-lora-rank, --adapter-ids",
+        commands=("run", "benchmark", "compile", "check-config", "serve"),
+        description="--lora-ckpt-paths ID=PATH (serve: also vLLM's --lora-modules), --max-loras, "
+        "--max-lora-rank, --adapter-ids",
     )
     yield CliExtension(
         name="multi-lora-inference-demo",

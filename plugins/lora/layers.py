@@ -226,5 +226,19 @@ class AdapterSlots:
             raise NxdPlugError("adapter_ids must be a list with an adapter id (or None) per row")
         return torch.tensor(self.store.slots_for(given), dtype=torch.long, device=device)
 
+    def row_problem(self, keyword: str, value: Any) -> str | None:
+        """The serving engine's check of one request's adapter id (None: the base model)."""
+        if value is not None and (not isinstance(value, str) or value not in self.store.paths):
+            return f"{keyword}={value!r} is not among the served adapters {list(self.store.paths)}"
+        return None
+
+    def rows_fit(self, keyword: str, values: Sequence[Any]) -> bool:
+        """Rows fit in one step while their adapters fit in the slots."""
+        return len({v for v in values if v is not None}) <= self.store.max_slots
+
+    def served_names(self) -> dict[str, dict[str, Any]]:
+        """Each served adapter as a model name of its own, as vLLM names them."""
+        return {adapter_id: {"adapter_ids": adapter_id} for adapter_id in self.store.paths}
+
     def reset(self) -> None:
         """Nothing carries over between generations (the slots stay as they are)."""

@@ -1,0 +1,186 @@
+"""Multi-LoRA in the serving engine and in ``nxdplug serve``: a request names its adapter (the
+server: as its model, as vLLM does), requests with different adapters decode side by side, and
+each gets the tokens PEFT gives its prompt alone with that adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import PeftModel
+from test_lora import hf_model, save_adapters
+from test_lora_dynamic import ADAPTERS
+from transformers import AutoTokenizer
+
+from nxdplug import (
+    HuggingFaceGenerationAdapter,
+    LoraServingConfig,
+    NeuronConfig,
+    from_pretrained,
+)
+from nxdplug.engine import Engine, RequestError, SamplingSettings
+
+PROMPTS = [[5, 9, 13, 2, 8], [7, 3, 11], [4, 4, 20, 6], [9, 1, 30]]
+ROWS = ["code", "chat", None, "math"]
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoint, tmp_path_factory):
+    checkpoint = tiny_checkpoint("llama", initializer_range=0.15)
+    folder = tmp_path_factory.mktemp("adapters")
+    return checkpoint, save_adapters(checkpoint, folder, ADAPTERS, first_seed=10)
+
+
+@pytest.fixture(scope="module")
+def peft_solo(adapters):
+    """PEFT's greedy tokens for one prompt alone with one adapter (None: the base model)."""
+    checkpoint, paths = adapters
+    model = PeftModel.from_pretrained(hf_model(checkpoint), paths["code"], adapter_name="code")
+    for name in ("chat", "math"):
+        model.load_adapter(paths[name], adapter_name=name)
+
+    def generate(prompt: list[int], adapter: str | None) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=torch.tensor([prompt]),
+                adapter_names=[adapter or "__base__"],
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out[0, len(prompt) :].tolist()
+
+    return generate
+
+
+def engine_for(checkpoint, paths, max_loras: int, **lora) -> Engine:
+    lora_config = LoraServingConfig(
+        max_loras=max_loras, max_lora_rank=8, lora_ckpt_paths=paths, **lora
+    )
+    config = NeuronConfig(
+        torch_dtype="float32",
+        is_continuous_batching=True,
+        batch_size=4,
+        seq_len=32,
+        lora_config=lora_config,
+    )
+    app = from_pretrained(checkpoint, config)
+    app.to_cpu()
+    return Engine(app, eos_token_ids=[])
+
+
+def serve(engine: Engine, rows) -> tuple[list[list[int]], int]:
+    """Every prompt with its adapter, queued at once; each one's tokens, and the most distinct
+    adapters that ever ran together."""
+    ids = [
+        engine.add_request(prompt, SamplingSettings(NEW_TOKENS, 0), step_keywords=keywords)
+        for prompt, keywords in zip(PROMPTS, rows, strict=True)
+    ]
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+    most = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens[output.request_id] += output.token_ids
+        running = {r.step_keywords.get("adapter_ids") for r in engine._running.values()}
+        most = max(most, len(running - {None}))
+    return [tokens[request_id] for request_id in ids], most
+
+
+def test_requests_with_different_adapters_get_peft_tokens(adapters, peft_solo) -> None:
+    checkpoint, paths = adapters
+    engine = engine_for(checkpoint, paths, max_loras=3)
+    rows = [{"adapter_ids": a} if a else {} for a in ROWS]
+    tokens, most = serve(engine, rows)
+    assert tokens == [peft_solo(p, a) for p, a in zip(PROMPTS, ROWS, strict=True)]
+    assert most == 3  # the three adapters decoded side by side
+    assert len({tuple(t) for t in tokens}) == len(tokens)
+    base = peft_solo(PROMPTS[0], None)
+    assert tokens[0] != base  # the adapter changed the output
+
+
+def test_a_request_waits_while_its_adapter_has_no_slot(adapters, peft_solo) -> None:
+    """Two slots, three adapters (dynamic): the third adapter's request waits until a running
+    adapter's requests end, then takes its slot."""
+    checkpoint, paths = adapters
+    engine = engine_for(
+        checkpoint, paths, max_loras=2, enable_dynamic_multi_lora=True, max_cpu_loras=3
+    )
+    tokens, most = serve(engine, [{"adapter_ids": a} for a in ("code", "chat", "math", "code")])
+    expected = [
+        peft_solo(p, a) for p, a in zip(PROMPTS, ("code", "chat", "math", "code"), strict=True)
+    ]
+    assert tokens == expected and most == 2
+    assert engine.lines.in_use == 0 and not engine.has_unfinished()
+
+
+def test_generate_with_more_rows_than_lines_gives_each_row_its_adapter(adapters) -> None:
+    """generate(adapter_ids=[...]) on 5 rows over 4 lines runs them through the engine, each
+    row's request with its adapter: PEFT's mixed batch gives the same tokens."""
+    checkpoint, paths = adapters
+    engine = engine_for(checkpoint, paths, max_loras=3)
+    rows = [*ROWS, "chat"]
+    prompts = [*PROMPTS, [2, 6, 8, 10, 12]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    common = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None}
+    ours = HuggingFaceGenerationAdapter(engine.application).generate(
+        ids, attention_mask=mask, adapter_ids=rows, pad_token_id=0, **common
+    )
+    oracle = PeftModel.from_pretrained(hf_model(checkpoint), paths["code"], adapter_name="code")
+    for name in ("chat", "math"):
+        oracle.load_adapter(paths[name], adapter_name=name)
+    with torch.no_grad():
+        expected = oracle.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            adapter_names=[row or "__base__" for row in rows],
+            pad_token_id=0,
+            **common,
+        )
+    assert torch.equal(ours, expected)
+
+
+def test_unknown_adapters_and_keywords_are_refused(adapters) -> None:
+    checkpoint, paths = adapters
+    engine = engine_for(checkpoint, paths, max_loras=3)
+    with pytest.raises(RequestError, match="not among the served adapters") as caught:
+        engine.add_request([1, 2], step_keywords={"adapter_ids": "poetry"})
+    assert caught.value.field == "adapter_ids"
+    with pytest.raises(RequestError, match="no enabled plugin takes it") as caught:
+        engine.add_request([1, 2], step_keywords={"banned_tokens": [3]})
+    assert caught.value.field == "banned_tokens"
+    assert not engine.has_unfinished()
+    assert set(engine.inputs.served_names()) == {"code", "chat", "math"}
+
+
+def test_serve_names_each_adapter_as_a_model(adapters, peft_solo) -> None:
+    """``nxdplug serve --lora-modules``: /v1/models lists the adapters beside the base model
+    (their parent); a request naming one gets PEFT's tokens with it, streamed or not."""
+    openai = pytest.importorskip("openai")
+    from test_serving import MODEL, start_server, stop
+
+    checkpoint, paths = adapters
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    modules = [f"{name}={path}" for name, path in paths.items()]
+    process, base = start_server(
+        checkpoint, "--seq-len", "32", "--batch-size", "4", "--lora-modules", *modules
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {MODEL, "code", "chat", "math"}
+        assert cards["chat"].parent == MODEL and getattr(cards[MODEL], "parent", None) is None
+        common = {"max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        for prompt, adapter in zip(PROMPTS, ROWS, strict=True):
+            expected = tokenizer.decode(peft_solo(prompt, adapter), skip_special_tokens=True)
+            reply = client.completions.create(model=adapter or MODEL, prompt=prompt, **common)
+            assert reply.choices[0].text == expected, adapter
+        chunks = client.completions.create(model="math", prompt=PROMPTS[3], stream=True, **common)
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert streamed == tokenizer.decode(peft_solo(PROMPTS[3], "math"), skip_special_tokens=True)
+        with pytest.raises(openai.NotFoundError, match="`code`, `chat`, `math`"):
+            client.completions.create(model="poetry", prompt=[1, 2], max_tokens=2)
+    finally:
+        stop([process])
