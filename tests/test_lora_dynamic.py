@@ -26,20 +26,31 @@ MASK = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
 NEW_TOKENS = 10
 
 
-@pytest.fixture(scope="module")
-def adapters(tiny_checkpoint, tmp_path_factory):
+def three_adapters(tiny_checkpoint, tmp_path_factory) -> tuple:
+    """A tiny checkpoint and the three PEFT adapters of ``ADAPTERS`` for it, by name."""
     checkpoint = tiny_checkpoint("llama", initializer_range=0.15)
     folder = tmp_path_factory.mktemp("adapters")
     return checkpoint, save_adapters(checkpoint, folder, ADAPTERS, first_seed=10)
 
 
 @pytest.fixture(scope="module")
+def adapters(tiny_checkpoint, tmp_path_factory):
+    return three_adapters(tiny_checkpoint, tmp_path_factory)
+
+
+def peft_with_adapters(checkpoint, paths) -> PeftModel:
+    """PEFT on HF transformers holding every adapter of ``paths`` (the oracle)."""
+    first, *others = paths
+    model = PeftModel.from_pretrained(hf_model(checkpoint), paths[first], adapter_name=first)
+    for name in others:
+        model.load_adapter(paths[name], adapter_name=name)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
 def peft_outputs(adapters):
     """PEFT's tokens for a request's adapters (None: the base model)."""
-    checkpoint, paths = adapters
-    model = PeftModel.from_pretrained(hf_model(checkpoint), paths["code"], adapter_name="code")
-    for name in ("chat", "math"):
-        model.load_adapter(paths[name], adapter_name=name)
+    model = peft_with_adapters(*adapters)
 
     def generate(rows):
         names = [row or "__base__" for row in rows]

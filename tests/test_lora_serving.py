@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import PeftModel
-from test_lora import hf_model, save_adapters
-from test_lora_dynamic import ADAPTERS
+from test_lora_dynamic import peft_with_adapters, three_adapters
 from transformers import AutoTokenizer
 
 from nxdplug import (
@@ -26,18 +24,13 @@ NEW_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def adapters(tiny_checkpoint, tmp_path_factory):
-    checkpoint = tiny_checkpoint("llama", initializer_range=0.15)
-    folder = tmp_path_factory.mktemp("adapters")
-    return checkpoint, save_adapters(checkpoint, folder, ADAPTERS, first_seed=10)
+    return three_adapters(tiny_checkpoint, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def peft_solo(adapters):
     """PEFT's greedy tokens for one prompt alone with one adapter (None: the base model)."""
-    checkpoint, paths = adapters
-    model = PeftModel.from_pretrained(hf_model(checkpoint), paths["code"], adapter_name="code")
-    for name in ("chat", "math"):
-        model.load_adapter(paths[name], adapter_name=name)
+    model = peft_with_adapters(*adapters)
 
     def generate(prompt: list[int], adapter: str | None) -> list[int]:
         with torch.no_grad():
@@ -128,11 +121,8 @@ def test_generate_with_more_rows_than_lines_gives_each_row_its_adapter(adapters)
     ours = HuggingFaceGenerationAdapter(engine.application).generate(
         ids, attention_mask=mask, adapter_ids=rows, pad_token_id=0, **common
     )
-    oracle = PeftModel.from_pretrained(hf_model(checkpoint), paths["code"], adapter_name="code")
-    for name in ("chat", "math"):
-        oracle.load_adapter(paths[name], adapter_name=name)
     with torch.no_grad():
-        expected = oracle.generate(
+        expected = peft_with_adapters(checkpoint, paths).generate(
             input_ids=ids,
             attention_mask=mask,
             adapter_names=[row or "__base__" for row in rows],
