@@ -26,6 +26,7 @@ from nxdplug.types import (
     ParallelGroup,
     QuantizationMethod,
     Sampler,
+    ServingRoute,
     SpeculationMode,
     StateDictConverter,
     StepInput,
@@ -255,6 +256,26 @@ class CommandLineSpecs:
         """
 
 
+class ServingSpecs:
+    """What plugins add to ``nxdplug serve``."""
+
+    @hookspec
+    def nxdplug_serving_routes(self) -> Iterable[ServingRoute]:
+        """Register HTTP routes of a feature, run between the engine's steps.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_serving_routes():
+                yield ServingRoute(
+                    name="load-my-adapter",
+                    path="/v1/load_my_adapter",
+                    handler="my_pkg.routes:load_my_adapter",
+                    enabled_by=("my_adapters",),
+                )
+        """
+
+
 class PipelineSpecs:
     """Hooks run by the pipeline, only for the plugins a config enables.
 
@@ -349,5 +370,6 @@ SPEC_CLASSES = (
     ExecutionSpecs,
     ParallelSpecs,
     CommandLineSpecs,
+    ServingSpecs,
     PipelineSpecs,
 )

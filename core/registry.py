@@ -29,6 +29,7 @@ from nxdplug.types import (
     PluginRecord,
     QuantizationMethod,
     Sampler,
+    ServingRoute,
     SpeculationMode,
     StateDictConverter,
     StepInput,
@@ -75,6 +76,7 @@ KINDS: dict[str, Kind] = {
         Kind("features", "nxdplug_features", Feature, "feature"),
         Kind("compile_backends", "nxdplug_compile_backends", CompileBackend, "compile backend"),
         Kind("cli_extensions", "nxdplug_cli_extensions", CliExtension, "command-line extension"),
+        Kind("serving_routes", "nxdplug_serving_routes", ServingRoute, "serving route"),
     )
 }
 

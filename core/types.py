@@ -246,6 +246,29 @@ class CliExtension(SelectableRecord):
     commands: tuple[str, ...] = attrs.field(default=("run", "benchmark"), converter=_str_tuple)
 
 
+def _check_path(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if not isinstance(value, str) or not re.match(r"^(/[A-Za-z0-9_.\-]+)+$", value):
+        raise ValueError(
+            f"{type(instance).__name__}.{attribute.name} must be a URL path such as "
+            f"'/v1/load_lora_adapter'; got {value!r}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class ServingRoute(SelectableRecord):
+    """A ``POST`` route a feature adds to ``nxdplug serve`` while the config enables it.
+
+    ``handler`` is a function ``(engine, body) -> Mapping`` (``body``: the request's JSON
+    object, ``engine``: the serving :class:`~nxdplug.engine.Engine`). It runs on the thread
+    that steps the engine, between two steps, so it may change what the model holds (write an
+    adapter into its weights) without racing a step; its result is answered as JSON, and an
+    ``NxdPlugError`` it raises as a 400 with its message.
+    """
+
+    path: str = attrs.field(validator=_check_path)
+    handler: str = _ref_field()
+
+
 @attrs.frozen(kw_only=True)
 class Feature(SelectableRecord):
     """A feature a config switches on, with what it needs and what it cannot be combined with.

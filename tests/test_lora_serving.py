@@ -4,6 +4,8 @@ each gets the tokens PEFT gives its prompt alone with that adapter."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from test_lora_dynamic import peft_with_adapters, three_adapters
@@ -149,7 +151,7 @@ def test_serve_names_each_adapter_as_a_model(adapters, peft_solo) -> None:
     """``nxdplug serve --lora-modules``: /v1/models lists the adapters beside the base model
     (their parent); a request naming one gets PEFT's tokens with it, streamed or not."""
     openai = pytest.importorskip("openai")
-    from test_serving import MODEL, start_server, stop
+    from test_serving import MODEL, post, start_server, stop
 
     checkpoint, paths = adapters
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -172,5 +174,58 @@ def test_serve_names_each_adapter_as_a_model(adapters, peft_solo) -> None:
         assert streamed == tokenizer.decode(peft_solo(PROMPTS[3], "math"), skip_special_tokens=True)
         with pytest.raises(openai.NotFoundError, match="`code`, `chat`, `math`"):
             client.completions.create(model="poetry", prompt=[1, 2], max_tokens=2)
+        status, error = post(base, "unload_lora_adapter", {"lora_name": "code"})
+        assert status == 400 and "enable_dynamic_multi_lora=True" in error["error"]["message"]
+    finally:
+        stop([process])
+
+
+def test_serve_loads_and_unloads_adapters_at_run_time(adapters, peft_solo) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter with dynamic multi-LoRA: a
+    loaded adapter is a model at once; one that a request uses is not unloaded under it."""
+    openai = pytest.importorskip("openai")
+    from test_serving import MODEL, post, start_server, stop
+
+    checkpoint, paths = adapters
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    process, base = start_server(
+        checkpoint, "--seq-len", "64", "--batch-size", "4", "--enable-dynamic-multi-lora",
+        "--lora-modules", f"code={paths['code']}", "--max-loras", "2", "--max-cpu-loras", "2",
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        common = {"max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        assert [m.id for m in client.models.list().data] == [MODEL, "code"]
+        body = {"lora_name": "math", "lora_path": paths["math"]}
+        assert post(base, "load_lora_adapter", body) == (
+            200,
+            {"object": "lora_adapter", "id": "math", "status": "loaded"},
+        )
+        assert [m.id for m in client.models.list().data] == [MODEL, "code", "math"]
+        reply = client.completions.create(model="math", prompt=PROMPTS[3], **common)
+        expected = peft_solo(PROMPTS[3], "math")
+        assert reply.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+        status, error = post(base, "load_lora_adapter", body)
+        assert status == 400 and "loaded already" in error["error"]["message"]
+        status, error = post(base, "load_lora_adapter", {"lora_name": "x"})
+        assert status == 400 and "lora_path" in error["error"]["message"]
+
+        stream = client.completions.create(
+            model="code", prompt=PROMPTS[0], stream=True, max_tokens=50, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(stream))  # the request runs
+        status, error = post(base, "unload_lora_adapter", {"lora_name": "code"})
+        assert status == 400 and "used by 1 waiting or running" in error["error"]["message"]
+        stream.close()
+        for _ in range(100):
+            status, reply = post(base, "unload_lora_adapter", {"lora_name": "code"})
+            if status == 200:
+                break
+            time.sleep(0.05)  # the closed stream's request ends at the next step
+        assert reply == {"object": "lora_adapter", "id": "code", "status": "unloaded"}
+        assert [m.id for m in client.models.list().data] == [MODEL, "math"]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="code", prompt=[1, 2], max_tokens=2)
     finally:
         stop([process])

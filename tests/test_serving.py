@@ -675,6 +675,35 @@ def test_engine_loop_wakes_the_event_loop_once_a_step(application) -> None:
     assert wakeups == with_outputs
 
 
+@pytest.mark.filterwarnings("ignore:the model runs on thread:RuntimeWarning")  # the loop's thread
+def test_work_between_steps_runs_on_the_stepping_thread(application) -> None:
+    from nxdplug.engine import Engine, SamplingSettings
+    from nxdplug.serving.engine_loop import EngineLoop
+
+    engine = Engine(application)
+    engine_loop = EngineLoop(engine)
+    stepper = _running(engine_loop)
+    settings = SamplingSettings(max_tokens=30, temperature=0, ignore_eos=True)
+
+    def fails() -> None:
+        raise ValueError("no such adapter")
+
+    async def scenario() -> tuple[int, int, int]:
+        idle = await engine_loop.between_steps(threading.get_ident)
+        outputs = aiter(engine_loop.generate([1, 2, 3], settings))
+        _, first = await anext(outputs)  # a request runs: the work waits for a step's end
+        busy = await engine_loop.between_steps(lambda: engine.num_running)
+        with pytest.raises(ValueError, match="no such adapter"):
+            await engine_loop.between_steps(fails)
+        tokens = len(first.token_ids) + sum([len(o.token_ids) async for _, o in outputs], 0)
+        return idle, busy, tokens
+
+    idle, busy, tokens = asyncio.run(scenario())
+    engine_loop.stop()
+    stepper.join(timeout=10)
+    assert idle == stepper.ident and busy == 1 and tokens == 30
+
+
 def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
     from nxdplug.engine import Engine, SamplingSettings
     from nxdplug.serving.engine_loop import EngineLoop

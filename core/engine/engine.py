@@ -207,6 +207,11 @@ class Engine:
     def num_running(self) -> int:
         return len(self._running)
 
+    def unfinished_requests(self) -> list[Request]:
+        """The requests waiting or running, in that order (a snapshot)."""
+        with self._lock:
+            return [*self._waiting, *self._running.values()]
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._pending)
 

@@ -21,6 +21,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from nxdplug.engine import EngineFullError, RequestError, RequestOutput
+from nxdplug.errors import NxdPlugError
+from nxdplug.registry import get_registry
 from nxdplug.serving.engine_loop import EngineLoop, EngineStoppedError, OutputStream
 from nxdplug.serving.metrics import ServingMetrics
 from nxdplug.serving.protocol import (
@@ -140,6 +142,8 @@ def build_app(
         cards += [card | {"id": name, "parent": model_name} for name in variants()]
         return JSONResponse({"object": "list", "data": cards})
 
+    _add_plugin_routes(app, engine_loop)
+
     @app.get("/health")
     async def health() -> Response:
         if engine_loop.is_serving():
@@ -245,6 +249,37 @@ def _event_stream(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _add_plugin_routes(app: FastAPI, engine_loop: EngineLoop) -> None:
+    """The ``POST`` routes of the enabled plugins (``nxdplug_serving_routes``): each handler
+    runs between the engine's steps with the request's JSON object."""
+    engine = engine_loop.engine
+    neuron_config = engine.application.neuron_config
+    for record in get_registry().records("serving_routes"):
+        if record.is_enabled_by(neuron_config):
+            app.add_api_route(
+                record.path, _route(engine_loop, record.load("handler")), methods=["POST"]
+            )
+
+
+def _route(engine_loop: EngineLoop, handler: Any) -> Any:
+    async def route(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise OpenAIError(400, f"malformed JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the body must be a JSON object")
+        try:
+            result = await engine_loop.between_steps(lambda: handler(engine_loop.engine, body))
+        except EngineStoppedError:
+            raise
+        except NxdPlugError as exc:
+            raise OpenAIError(400, str(exc)) from None
+        return JSONResponse(dict(result))
+
+    return route
 
 
 def _json(body: BaseModel) -> JSONResponse:

@@ -38,6 +38,8 @@ class EngineStoppedError(NxdPlugError):
 
 
 Item = RequestOutput | BaseException
+# How work run between steps reports back: its result, or the exception it raised.
+Report = Callable[[Any, BaseException | None], None]
 
 
 @attrs.define
@@ -112,6 +114,7 @@ class EngineLoop:
         self.metrics = metrics
         self._wake = threading.Condition()
         self._consumers: dict[str, _Consumer] = {}
+        self._between_steps: list[tuple[Callable[[], Any], Report]] = []
         self._accepting = True
         self._stopping = False
 
@@ -193,6 +196,32 @@ class EngineLoop:
                 raise
             self._wake.notify()
 
+    async def between_steps(self, work: Callable[[], Any]) -> Any:
+        """Run ``work`` on the thread that steps the engine, between two steps (at once when
+        it is idle), and return what it returns or raise what it raises; call from the event
+        loop. For work that changes what the model holds while requests run."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def settle(result: Any, failure: BaseException | None) -> None:
+            if done.cancelled():
+                return
+            if failure is None:
+                done.set_result(result)
+            else:
+                done.set_exception(failure)
+
+        def report(result: Any, failure: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop closed: nobody waits
+                loop.call_soon_threadsafe(settle, result, failure)
+
+        with self._wake:
+            if not self._accepting:
+                raise EngineStoppedError("the server is shutting down")
+            self._between_steps.append((work, report))
+            self._wake.notify()
+        return await done
+
     def abort(self, request_id: str) -> None:
         """Cancel a request; thread-safe. Its last output (finish_reason "abort") still comes."""
         self.engine.abort(request_id)
@@ -214,25 +243,41 @@ class EngineLoop:
         engine fails (the server then answers 503); closes the engine."""
         try:
             while self._wait_for_work():
-                outputs = self.engine.step()
-                self._deliver(outputs, time.monotonic())
+                self._run_between_steps()
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    self._deliver(outputs, time.monotonic())
         except Exception as exc:
             logger.exception("the engine failed; the server stops taking requests")
             with self._wake:
                 self._accepting = False
                 consumers, self._consumers = list(self._consumers.values()), {}
+                calls, self._between_steps = self._between_steps, []
             _hand_over([(consumer, exc) for consumer in consumers])
+            for _, report in calls:
+                report(None, EngineStoppedError(f"the engine failed: {exc}"))
         finally:
             self.engine.close()
 
     def _wait_for_work(self) -> bool:
-        """Sleep until the engine has work; False once stopping and nothing is left."""
+        """Sleep until the engine or :meth:`between_steps` has work; False once stopping and
+        nothing is left."""
         with self._wake:
-            while not self.engine.has_unfinished():
+            while not (self.engine.has_unfinished() or self._between_steps):
                 if self._stopping:
                     return False
                 self._wake.wait()
             return True
+
+    def _run_between_steps(self) -> None:
+        with self._wake:
+            calls, self._between_steps = self._between_steps, []
+        for work, report in calls:
+            try:
+                result, failure = work(), None
+            except Exception as exc:
+                result, failure = None, exc
+            report(result, failure)
 
     def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
         handed: list[tuple[_Consumer, Item]] = []

@@ -1,5 +1,6 @@
 """Multi-LoRA on the command line, with inference_demo's flags: ``--lora-ckpt-paths ID=PATH``
-(or ``--lora-ckpt-json``), ``--max-loras``, ``--max-lora-rank`` make the ``lora_config``;
+(or ``--lora-ckpt-json``), ``--max-loras``, ``--max-lora-rank``, ``--enable-dynamic-multi-lora``,
+``--max-cpu-loras`` make the ``lora_config``;
 ``--adapter-ids`` gives each prompt's adapter (``none`` for the base model)."""
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class LoraCommandLine:
         group.add_argument("--lora-ckpt-json", metavar="FILE", help="adapters listed in a file")
         group.add_argument("--max-loras", type=positive_int, metavar="N")
         group.add_argument("--max-lora-rank", type=positive_int, metavar="N")
+        group.add_argument(
+            "--enable-dynamic-multi-lora",
+            action="store_true",
+            help="adapters loaded and unloaded at run time (serve: /v1/load_lora_adapter), "
+            "taking turns in the --max-loras slots",
+        )
+        group.add_argument(
+            "--max-cpu-loras", type=positive_int, metavar="N", help="adapters held on the host"
+        )
         if command in ("run", "benchmark"):
             group.add_argument(
                 "--adapter-ids",
@@ -51,7 +61,8 @@ class LoraCommandLine:
     def neuron_config_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
         paths = getattr(args, "lora_ckpt_paths", None)
         listing = getattr(args, "lora_ckpt_json", None)
-        if paths is None and listing is None:
+        dynamic = getattr(args, "enable_dynamic_multi_lora", False)
+        if paths is None and listing is None and not dynamic:
             return {}
         from nxdplug.config import LoraServingConfig
 
@@ -60,6 +71,10 @@ class LoraCommandLine:
         settings["max_loras"] = args.max_loras or len(paths or ()) or 1
         if args.max_lora_rank is not None:
             settings["max_lora_rank"] = args.max_lora_rank
+        if dynamic:
+            settings["enable_dynamic_multi_lora"] = True
+        if args.max_cpu_loras is not None:
+            settings["max_cpu_loras"] = args.max_cpu_loras
         # As inference_demo: the adapters are served on a quantized base when it is quantized.
         given = dict(getattr(args, GENERIC_NEURON_CONFIG_DEST, None) or ())
         settings["base_model_quantized"] = given.get("quantized") is True

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CliExtension, Feature, StateDictConverter, StepInput
+from nxdplug.types import CliExtension, Feature, ServingRoute, StateDictConverter, StepInput
 
 NXDPLUG_API_VERSION = 1
 
@@ -72,4 +72,22 @@ def nxdplug_cli_extensions() -> Iterable[CliExtension]:
         implementation="nxdplug.plugins.lora.demo_flags:LoraDemoFlags",
         commands=("inference_demo",),
         description="inference_demo's LoRA flags (--enable-lora, --lora-ckpt-path, ...)",
+    )
+
+
+@hookimpl
+def nxdplug_serving_routes() -> Iterable[ServingRoute]:
+    yield ServingRoute(
+        name="load-lora-adapter",
+        path="/v1/load_lora_adapter",
+        handler=f"{PACKAGE}.routes:load_lora_adapter",
+        enabled_by=ENABLED_BY,
+        description="vLLM's runtime adapter loading (dynamic multi-LoRA)",
+    )
+    yield ServingRoute(
+        name="unload-lora-adapter",
+        path="/v1/unload_lora_adapter",
+        handler=f"{PACKAGE}.routes:unload_lora_adapter",
+        enabled_by=ENABLED_BY,
+        description="vLLM's runtime adapter unloading (dynamic multi-LoRA)",
     )
