@@ -196,3 +196,8 @@ def test_a_model_sampling_in_its_graph_refuses_adjustments(checkpoint) -> None:
         with pytest.raises(RequestError, match="on_device_sampling_config") as caught:
             engine.add_request([1, 2], SamplingSettings(10, 0, **settings))
         assert caught.value.field == field
+
+
+def test_a_bad_max_tokens_is_reported_alone_beside_min_tokens() -> None:
+    settings = SamplingSettings(max_tokens=None, min_tokens=2)
+    assert [field for field, _ in settings.problems()] == ["max_tokens"]

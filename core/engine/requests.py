@@ -110,7 +110,8 @@ class SamplingSettings:
             )
         elif self.top_logprobs and not self.logprobs:
             found.append(("top_logprobs", "needs logprobs"))
-        if not _is_whole(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        ceiling = self.max_tokens if _is_whole(self.max_tokens) else math.inf
+        if not _is_whole(self.min_tokens) or not 0 <= self.min_tokens <= ceiling:
             found.append(("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}"))
         if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
             found.append(
