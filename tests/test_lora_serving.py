@@ -49,7 +49,7 @@ def peft_solo(adapters):
     return generate
 
 
-def engine_for(checkpoint, paths, max_loras: int, **lora) -> Engine:
+def engine_for(checkpoint, paths, max_loras: int, scored: bool = False, **lora) -> Engine:
     lora_config = LoraServingConfig(
         max_loras=max_loras, max_lora_rank=8, lora_ckpt_paths=paths, **lora
     )
@@ -59,6 +59,7 @@ def engine_for(checkpoint, paths, max_loras: int, **lora) -> Engine:
         batch_size=4,
         seq_len=32,
         lora_config=lora_config,
+        enable_prompt_logprobs=scored,
     )
     app = from_pretrained(checkpoint, config)
     app.to_cpu()
@@ -92,6 +93,34 @@ def test_requests_with_different_adapters_get_peft_tokens(adapters, peft_solo) -
     assert len({tuple(t) for t in tokens}) == len(tokens)
     base = peft_solo(PROMPTS[0], None)
     assert tokens[0] != base  # the adapter changed the output
+
+
+def test_prompt_logprobs_are_those_of_the_requests_adapter(adapters) -> None:
+    """The scoring phase takes the adapter rows as the core's context encoding does: each
+    prompt scored with its own adapter, as PEFT's log-softmax of it."""
+    checkpoint, paths = adapters
+    engine = engine_for(checkpoint, paths, max_loras=3, scored=True)
+    ids = [
+        engine.add_request(
+            prompt, SamplingSettings(2, 0, prompt_logprobs=0), step_keywords=keywords
+        )
+        for prompt, keywords in zip(
+            PROMPTS, [{"adapter_ids": a} if a else {} for a in ROWS], strict=True
+        )
+    ]
+    scores = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            if output.prompt_logprobs is not None:
+                scores[output.request_id] = [s.logprob for s in output.prompt_logprobs[1:]]
+    model = peft_with_adapters(checkpoint, paths)
+    with torch.no_grad():
+        for request_id, prompt, adapter in zip(ids, PROMPTS, ROWS, strict=True):
+            logits = model(
+                input_ids=torch.tensor([prompt]), adapter_names=[adapter or "__base__"]
+            ).logits
+            expected = logits[0, :-1].log_softmax(-1).gather(-1, torch.tensor(prompt[1:])[:, None])
+            assert scores[request_id] == pytest.approx(expected[:, 0].tolist(), abs=1e-4)
 
 
 def test_a_request_waits_while_its_adapter_has_no_slot(adapters, peft_solo) -> None:

@@ -98,7 +98,9 @@ def stop(processes: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[str]:
     """A running ``nxdplug serve``; its base URL. Stopped with SIGTERM, which must exit 0."""
-    process, base = start_server(checkpoint, "--seq-len", str(SEQ_LEN), "--batch-size", "4")
+    process, base = start_server(
+        checkpoint, "--seq-len", str(SEQ_LEN), "--batch-size", "4", "--enable-prompt-logprobs"
+    )
     try:
         yield base
         stop([process])
@@ -319,6 +321,92 @@ def test_top_logprobs_list_the_likeliest_tokens(client) -> None:
         assert max(top.values()) == pytest.approx(logprob)
 
 
+def hf_prompt_scores(hf_model, prompt_ids: list[int]) -> tuple[list[float], torch.Tensor]:
+    """HF's log-probability of each prompt token after the ones before it (from the second
+    on), and the [tokens - 1, vocab] log-softmax predicting them."""
+    with torch.inference_mode():
+        logprobs = hf_model(torch.tensor([prompt_ids])).logits[0, :-1].float().log_softmax(-1)
+    chosen = logprobs.gather(-1, torch.tensor(prompt_ids[1:])[:, None])[:, 0]
+    return chosen.tolist(), logprobs
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf(client, tokenizer, hf_model, greedy) -> None:
+    """lm-evaluation-harness's loglikelihood request: the prompt's tokens, with HF's
+    log-probabilities, before the completion's, which are those of a request without echo."""
+    prompt = "def add(a, b):\n    return"
+    prompt_ids = tokenizer(prompt).input_ids
+    asked = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    asked["extra_body"] = {"ignore_eos": True}
+    echoed = client.completions.create(**asked, echo=True).choices[0]
+    plain = client.completions.create(**asked).choices[0]
+    assert echoed.text == prompt + greedy(prompt_ids, 4) == prompt + plain.text
+    logprobs, n = echoed.logprobs, len(prompt_ids)
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in prompt_ids] + plain.logprobs.tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected, hf_logprobs = hf_prompt_scores(hf_model, prompt_ids)
+    assert logprobs.token_logprobs[1:n] == pytest.approx(expected, abs=1e-4)
+    for top, row in zip(logprobs.top_logprobs[1:n], hf_logprobs, strict=True):
+        assert sorted(top.values(), reverse=True) == pytest.approx(row.topk(2).values.tolist())
+    assert logprobs.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs)
+    for top, plain_top in zip(logprobs.top_logprobs[n:], plain.logprobs.top_logprobs, strict=True):
+        assert top == pytest.approx(plain_top)
+    assert logprobs.text_offset[n:] == [len(prompt) + o for o in plain.logprobs.text_offset]
+
+
+def test_echo_streams_the_prompt_first(client, tokenizer, greedy) -> None:
+    """Echo without logprobs needs no scores; token-id prompts echo as their text; two prompts
+    with two choices each echo their own prompt."""
+    prompts = [[5, 17, 300, 42], [9, 120, 7]]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2, echo=True,
+            stream=True, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    texts = ["", "", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if not texts[choice.index]:
+                assert choice.text.startswith(tokenizer.decode(prompts[choice.index // 2]))
+            texts[choice.index] += choice.text
+    assert texts == [tokenizer.decode(p) + greedy(p, 5) for p in prompts for _ in range(2)]
+
+
+def test_vllm_prompt_logprobs_in_a_chat(client, tokenizer, hf_model, greedy) -> None:
+    """vLLM's prompt_logprobs: at each prompt position the prompt's token (its rank among the
+    vocabulary) and the k likeliest, by token id, as HF scores them."""
+    messages = [{"role": "user", "content": "import os"}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0,
+        extra_body={"ignore_eos": True, "prompt_logprobs": 3},
+    )  # fmt: skip
+    prompt_ids = chat_prompt_ids(tokenizer, messages)
+    assert reply.choices[0].message.content == greedy(prompt_ids, 3)
+    positions = reply.choices[0].model_extra["prompt_logprobs"]
+    expected, hf_logprobs = hf_prompt_scores(hf_model, prompt_ids)
+    assert positions[0] is None and len(positions) == len(prompt_ids)
+    for j, (entries, want, row) in enumerate(
+        zip(positions[1:], expected, hf_logprobs, strict=True), start=1
+    ):
+        token = entries[str(prompt_ids[j])]
+        assert token["logprob"] == pytest.approx(want, abs=1e-4)
+        assert token["rank"] == int((row > row[prompt_ids[j]]).sum()) + 1
+        assert token["decoded_token"] == tokenizer.decode([prompt_ids[j]])
+        top = row.topk(3)
+        for rank, (t, lp) in enumerate(
+            zip(top.indices.tolist(), top.values.tolist(), strict=True), start=1
+        ):
+            assert entries[str(t)]["logprob"] == pytest.approx(lp, abs=1e-4)
+            assert entries[str(t)]["rank"] == rank
+        assert len(entries) in (3, 4)
+    completion = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=1, temperature=0,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    positions = completion.choices[0].model_extra["prompt_logprobs"]
+    assert [list(p) for p in positions[1:]] == [[str(t)] for t in prompt_ids[1:]]
+
+
 def test_n_choices_are_each_a_sample_and_seeded_apart(server: str, client, greedy) -> None:
     prompt_ids = [11, 12, 13]
     common = {"model": MODEL, "prompt": prompt_ids, "max_tokens": 8}
@@ -425,7 +513,12 @@ def post(base: str, path: str, body: str | dict) -> tuple[int, dict]:
         ({"model": MODEL, "prompt": "a", "n": 129}, 400, "n"),
         ({"model": MODEL, "prompt": [[1]] * 9, "n": 128}, 400, "n"),  # > the 1024 queue
         ({"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
-        ({"model": MODEL, "prompt": "a", "echo": True}, 400, "echo"),
+        ({"model": MODEL, "prompt": "a", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        (
+            {"model": MODEL, "prompt": "a", "prompt_logprobs": 1, "stream": True},
+            400,
+            "prompt_logprobs",
+        ),
         ({"model": MODEL, "prompt": "a", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
         ({"model": MODEL, "prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"model": MODEL, "prompt": "a", "logit_bias": {"five": 10}}, 400, "logit_bias"),
@@ -738,6 +831,9 @@ def assert_greedy_completion(base: str, greedy, max_tokens: int) -> None:
     assert reply.choices[0].text == greedy(prompt_ids, max_tokens)
 
 
+SCORED = {"model": MODEL, "prompt": "a b", "echo": True, "logprobs": 1, "max_tokens": 1}
+
+
 def test_without_a_folder_the_server_compiles_into_the_cache_once(
     checkpoint: Path, greedy, tmp_path: Path
 ) -> None:
@@ -750,6 +846,10 @@ def test_without_a_folder_the_server_compiles_into_the_cache_once(
         process, base = start_server(checkpoint, *options, env=env, eager=False)
         try:
             assert_greedy_completion(base, greedy, 12)
+            if start == "first":  # a server without --enable-prompt-logprobs says what to add
+                code, reply = post(base, "completions", SCORED)
+                assert code == 400 and reply["error"]["param"] == "prompt_logprobs", reply
+                assert "--enable-prompt-logprobs" in reply["error"]["message"]
             process.send_signal(signal.SIGTERM)
             _, stderr = process.communicate(timeout=60)
             assert process.returncode == 0, stderr

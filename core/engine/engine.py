@@ -37,6 +37,7 @@ from nxdplug.engine.requests import (
     FINISH_LENGTH,
     FINISH_STOP,
     EngineFullError,
+    PromptLogprob,
     Request,
     RequestError,
     RequestOutput,
@@ -44,6 +45,7 @@ from nxdplug.engine.requests import (
 )
 from nxdplug.engine.token_choice import Chosen, TokenChoice
 from nxdplug.errors import ConfigError
+from nxdplug.runtime.outputs import PROMPT_LOGPROBS
 from nxdplug.runtime.step_ahead import HostOverlap
 
 
@@ -187,6 +189,16 @@ class Engine:
             )
         if request.settings.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer", field="stop")
+        if (
+            request.settings.prompt_logprobs is not None
+            and PROMPT_LOGPROBS not in self.application.selecting_keywords()
+        ):
+            raise RequestError(
+                "prompt log-probabilities need a model that scores prompts: load it with "
+                "NeuronConfig(enable_prompt_logprobs=True) (nxdplug serve "
+                "--enable-prompt-logprobs)",
+                field="prompt_logprobs",
+            )
         self.choice.check(request.settings)
         self.inputs.check(request.step_keywords)
 
@@ -226,9 +238,11 @@ class Engine:
             self._pending = None
             return outputs + self._handle_and_step_ahead(batch, result)
         admitted = self._admit()
-        for start in range(0, len(admitted), self.ctx_rows):
-            batch = admitted[start : start + self.ctx_rows]
-            outputs += self._accept(batch, self._prefill(batch))
+        for scored in (False, True):
+            group = [r for r in admitted if (r.settings.prompt_logprobs is not None) == scored]
+            for start in range(0, len(group), self.ctx_rows):
+                batch = group[start : start + self.ctx_rows]
+                outputs += self._accept(batch, self._prefill(batch, scored))
         decoding = [r for r in self._running.values() if r not in admitted and not r.finished]
         if decoding:
             calls = self._decode_calls(decoding)
@@ -292,8 +306,9 @@ class Engine:
                 admitted.append(request)
         return admitted
 
-    def _prefill(self, batch: list[Request]) -> Chosen:
-        """Encode the prompts of ``batch`` (left-padded) into their lines."""
+    def _prefill(self, batch: list[Request], scored: bool = False) -> Chosen:
+        """Encode the prompts of ``batch`` (left-padded) into their lines; ``scored``: by the
+        phase that scores them too (prompt logprobs)."""
         longest = max(len(r.prompt_ids) for r in batch)
         padding = [longest - len(r.prompt_ids) for r in batch]
         ids = [[0] * pad + r.prompt_ids for r, pad in zip(batch, padding, strict=True)]
@@ -304,7 +319,11 @@ class Engine:
             **self._cache_inputs(batch),
             **self.inputs.step_keywords(batch),
             **self.choice.step_keywords(batch),
+            **({PROMPT_LOGPROBS: True} if scored else {}),
         )
+        if scored:
+            for row, request in enumerate(batch):
+                request.prompt_scores = prompt_scores(outputs, row, request)
         return self._choose(batch, outputs)
 
     def _decode_calls(
@@ -408,6 +427,7 @@ class Engine:
 
     def _output(self, request: Request, text: str) -> RequestOutput:
         tokens, logprobs, top = request.new_tokens()
+        scores, request.prompt_scores = request.prompt_scores, None
         return RequestOutput(
             request_id=request.request_id,
             token_ids=tuple(tokens),
@@ -418,7 +438,23 @@ class Engine:
             finish_reason=request.finish_reason,
             prompt_tokens=len(request.prompt_ids),
             completion_tokens=len(request.output_ids),
+            prompt_logprobs=scores,
         )
+
+
+def prompt_scores(outputs: Any, row: int, request: Request) -> tuple[PromptLogprob | None, ...]:
+    """Row ``row``'s prompt scores from a scoring phase's outputs, with as many alternatives
+    as the request asks for."""
+    length, alternatives = len(request.prompt_ids), request.settings.prompt_logprobs or 0
+    logprobs = outputs.prompt_logprobs[row, :length].tolist()
+    ranks = outputs.prompt_ranks[row, :length].tolist()
+    top_logprobs = outputs.prompt_top_logprobs[row, :length, :alternatives].tolist()
+    top_ids = outputs.prompt_top_ids[row, :length, :alternatives].tolist()
+    scores: list[PromptLogprob | None] = [None]
+    for j in range(1, length):
+        top = tuple(zip(top_ids[j], top_logprobs[j], strict=True))
+        scores.append(PromptLogprob(request.prompt_ids[j], logprobs[j], ranks[j], top))
+    return tuple(scores)
 
 
 def model_eos_token_ids(application: Any) -> list[int]:

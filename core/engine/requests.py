@@ -44,7 +44,9 @@ class SamplingSettings:
     text before them; ``stop_token_ids`` and the model's EOS (unless ``ignore_eos``) end it after
     the token, and ``min_tokens`` keeps those tokens from being chosen until that many tokens
     are out (vLLM's meaning). ``logprobs``: return the log-probability of each chosen token, and
-    of the ``top_logprobs`` likeliest tokens at each position.
+    of the ``top_logprobs`` likeliest tokens at each position. ``prompt_logprobs`` (vLLM's): the
+    log-probability of each prompt token and of that many likeliest tokens at its position
+    (None: off), from a model that scores prompts (``enable_prompt_logprobs``).
 
     The logits are adjusted before a token is chosen, as vLLM does: ``logit_bias`` (token id,
     bias) pairs are added; ``repetition_penalty`` divides the positive logits (multiplies the
@@ -71,6 +73,7 @@ class SamplingSettings:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(
         default=(), converter=lambda pairs: tuple(tuple(pair) for pair in pairs)
     )
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +113,15 @@ class SamplingSettings:
             )
         elif self.top_logprobs and not self.logprobs:
             found.append(("top_logprobs", "needs logprobs"))
+        if self.prompt_logprobs is not None and not (
+            _is_whole(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            found.append(
+                (
+                    "prompt_logprobs",
+                    f"must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.prompt_logprobs!r}",
+                )
+            )
         ceiling = self.max_tokens if _is_whole(self.max_tokens) else math.inf
         if not _is_whole(self.min_tokens) or not 0 <= self.min_tokens <= ceiling:
             found.append(("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}"))
@@ -138,12 +150,25 @@ def _is_number(value: object) -> bool:
 
 
 @attrs.frozen
+class PromptLogprob:
+    """One prompt token's score: its log-probability after the tokens before it, its rank
+    among the vocabulary (1: the likeliest) and the likeliest ``(token, logprob)`` pairs at its
+    position."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+@attrs.frozen
 class RequestOutput:
     """What one step added to a request: new tokens, the text they complete, and whether the
     request ended (``finish_reason`` then says why). ``text`` holds back characters that may
     still become a stop string or an incomplete UTF-8 sequence; the last output releases them.
     ``top_logprobs``, when asked: the likeliest ``(token, logprob)`` pairs at each new token's
-    position."""
+    position. ``prompt_logprobs``, when asked, on a request's first output only: each prompt
+    token's score, None for the first token (nothing predicts it)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -154,6 +179,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
 
 
 @attrs.define(eq=False)
@@ -174,6 +200,8 @@ class Request:
     generator: torch.Generator | None = None
     emitted_tokens: int = 0
     step_keywords: dict[str, Any] = attrs.field(factory=dict)
+    # The prompt's scores until its first output hands them out.
+    prompt_scores: tuple[PromptLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

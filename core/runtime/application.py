@@ -8,13 +8,11 @@ positions, cache masks) so the sub-models see fixed shapes only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nxdplug.checkpoint.state_dict import (
     PICKLE_SUFFIXES,
@@ -47,6 +45,7 @@ from nxdplug.runtime.model_wrapper import (
     TOKEN_GENERATION_MODEL_TAG,
     ModelWrapper,
 )
+from nxdplug.runtime.outputs import PROMPT_LOGPROBS, CausalLMOutputWithTokens
 from nxdplug.runtime.speculation import AcceptanceStats
 from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
@@ -56,18 +55,6 @@ _SAVE_IT_FIRST = (
     "write it first with save_quantized_state_dict(model_path, config), before to_cpu(), "
     "compile() or load() read the weights"
 )
-
-
-@dataclass
-class CausalLMOutputWithTokens(CausalLMOutputWithPast):
-    """What NeuronBaseForCausalLM.forward returns.
-
-    ``logits`` [batch, 1, vocab]: each row's last-token logits; None with on-device sampling
-    unless ``output_logits`` is set. ``tokens`` [batch, 1]: the token the model sampled for
-    each row, with on-device sampling; None otherwise.
-    """
-
-    tokens: torch.LongTensor | None = None
 
 
 class NeuronApplicationBase(nn.Module):
@@ -400,6 +387,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         ``sampling_params``, ``adapter_ids`` and any further keyword are per-row inputs of
         step-input plugins (``sampling_params`` [batch, 3] of on-device sampling, ...): each is
         handed to the enabled plugin that takes it, and refused when none does.
+        ``prompt_logprobs=True`` encodes the prompt with the phase that also scores it (a
+        plugin's, ``enable_prompt_logprobs``), filling the outputs' ``prompt_*`` fields.
         """
         unsupported = {
             "inputs_embeds": inputs_embeds,
@@ -419,6 +408,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             input_capture_hook(self, [input_ids, attention_mask, position_ids, seq_ids])
         keywords = {"sampling_params": sampling_params, "adapter_ids": adapter_ids}
         keywords = {k: v for k, v in (keywords | step_keywords).items() if v is not None}
+        selected = self._phase_selected_by(keywords)
         refuse_untaken_keywords(self.context, keywords)
         batch = input_ids.shape[0]
         input_ids = input_ids.to(self.device)
@@ -431,9 +421,15 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         attention_mask, position_ids, seq_ids = (
             t.to(self.device) for t in (attention_mask, position_ids, seq_ids)
         )
-        if self._is_prefill(position_ids, attention_mask, input_ids):
+        prefill = self._is_prefill(position_ids, attention_mask, input_ids)
+        if selected is not None and not prefill:
+            raise NxdPlugError(
+                f"{selected.selected_by}=True is for a prompt's context encoding (positions "
+                "from 0); this call continues sequences"
+            )
+        if prefill:
             tokens, mask, positions = compact_left(input_ids, attention_mask, position_ids)
-            wrapper = self.context_encoding_model
+            wrapper = selected or self.context_encoding_model
             outputs = wrapper(self._step(wrapper, tokens, mask, positions, seq_ids, keywords))
             self.kv_cache_populated = True
         else:
@@ -444,10 +440,27 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             outputs = wrapper(
                 self._step(wrapper, input_ids, cache_mask, position_ids, seq_ids, keywords)
             )
-        if isinstance(outputs, torch.Tensor):
-            return CausalLMOutputWithTokens(logits=outputs)
-        tokens, *logits = outputs
-        return CausalLMOutputWithTokens(logits=logits[0] if logits else None, tokens=tokens)
+        return wrapper.output_of(outputs)
+
+    def selecting_keywords(self) -> frozenset[str]:
+        """The forward() keywords that route a prompt to a plugin's context-encoding phase
+        (``prompt_logprobs`` when a plugin scores prompts)."""
+        return frozenset(w.selected_by for w in self.models if w.selected_by)
+
+    def _phase_selected_by(self, keywords: dict[str, Any]) -> ModelWrapper | None:
+        """Take the selecting keywords out of ``keywords``; the phase a true one selects."""
+        chosen = [w for w in self.models if w.selected_by and keywords.pop(w.selected_by, False)]
+        if keywords.get(PROMPT_LOGPROBS):
+            raise NotSupportedError(
+                f"forward({PROMPT_LOGPROBS}=True) needs a context-encoding phase that scores "
+                "the prompt, which no enabled plugin adds: set "
+                "NeuronConfig(enable_prompt_logprobs=True) (the built-in prompt-logprobs plugin)"
+            )
+        keywords.pop(PROMPT_LOGPROBS, None)
+        if len(chosen) > 1:
+            names = ", ".join(w.selected_by or "" for w in chosen)
+            raise NxdPlugError(f"forward() was given {names}: at most one of them at a time")
+        return chosen[0] if chosen else None
 
     def _step(
         self,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
+from nxdplug.runtime.outputs import CausalLMOutputWithTokens
 from nxdplug.runtime.step import Phase, StepInputs, in_phase
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
@@ -23,6 +24,9 @@ class ModelWrapper(nn.Module):
     # Whether the phase takes the step inputs that name no phase (sampling, ...); a plugin's
     # phase with inputs of its own may say no (it still gets those naming its tag).
     takes_step_inputs = True
+    # A forward() keyword that routes a prompt here instead of to the core's context encoding
+    # (a plugin's context-encoding phase with outputs of its own, e.g. ``prompt_logprobs``).
+    selected_by: str | None = None
 
     def __init__(
         self,
@@ -194,6 +198,16 @@ class ModelWrapper(nn.Module):
         if isinstance(outputs, torch.Tensor):
             return outputs[:rows]
         return tuple(output[:rows] for output in outputs)
+
+    def output_of(
+        self, outputs: torch.Tensor | tuple[torch.Tensor, ...]
+    ) -> CausalLMOutputWithTokens:
+        """What ``application.forward`` returns for this phase's outputs: the logits, or the
+        tokens an output stage chose (and the logits, when it returns them too)."""
+        if isinstance(outputs, torch.Tensor):
+            return CausalLMOutputWithTokens(logits=outputs)
+        tokens, *logits = outputs
+        return CausalLMOutputWithTokens(logits=logits[0] if logits else None, tokens=tokens)
 
     def check_ready(self, rows: int) -> None:
         """Refuse a call before the model is loaded, or with more rows than the batch size

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,12 +39,14 @@ from nxdplug.serving.responses import (
     ChatCompletionChunk,
     ChatDelta,
     Completion,
-    CompletionChoice,
+    CompletionResult,
+    CompletionResultChoice,
     Usage,
     chat_logprobs,
-    completion_logprobs,
+    completion_choice,
     merged,
     now,
+    vllm_prompt_logprobs,
 )
 
 
@@ -86,23 +88,31 @@ def build_app(
         stream = engine_loop.generate_batch(prompts, body.settings(), body.choices, keywords)
         reply_id = "cmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
+        echoes = body.echoed_texts(tokenizer, prompts)
+
+        def echo(index: int) -> tuple[str, list[int], int | None] | None:
+            """What choice ``index`` echoes (its prompt is ``index // n``)."""
+            if echoes is None:
+                return None
+            prompt = index // body.choices
+            return echoes[prompt], prompts[prompt], body.logprobs
+
         if body.stream:
             usage = body.include_usage()
-            chunks = _completion_chunks(stream, head, tokenizer, usage, body.choices)
+            chunks = _completion_chunks(stream, head, tokenizer, usage, body.choices, echo)
             return _event_stream(chunks)
         outputs = await _whole_answer(request, stream)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = [
-            CompletionChoice(
-                index=index,
-                text=output.text,
-                logprobs=completion_logprobs(output, tokenizer),
-                finish_reason=output.finish_reason,
+            CompletionResultChoice(
+                **completion_choice(index, output, tokenizer, echo=echo(index)).model_dump(),
+                prompt_logprobs=vllm_prompt_logprobs(output, tokenizer, body.prompt_logprobs),
             )
             for index, output in enumerate(outputs)
         ]
-        return _json(Completion(**head, choices=choices, usage=Usage.of(outputs, body.choices)))
+        usage = Usage.of(outputs, body.choices)
+        return _json(CompletionResult(**head, choices=choices, usage=usage))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
@@ -125,6 +135,7 @@ def build_app(
                 message=AssistantMessage(content=output.text),
                 logprobs=chat_logprobs(output, tokenizer),
                 finish_reason=output.finish_reason,
+                prompt_logprobs=vllm_prompt_logprobs(output, tokenizer, body.prompt_logprobs),
             )
             for index, output in enumerate(outputs)
         ]
@@ -192,21 +203,23 @@ async def _client_leaves(request: Request) -> None:
 
 
 async def _completion_chunks(
-    stream: OutputStream, head: dict[str, Any], tokenizer: Any, include_usage: bool, n: int
+    stream: OutputStream,
+    head: dict[str, Any],
+    tokenizer: Any,
+    include_usage: bool,
+    n: int,
+    echo: Callable[[int], tuple[str, list[int], int | None] | None],
 ) -> AsyncIterator[BaseModel]:
+    """A chunk per output with text; a choice's first chunk starts with what it echoes."""
     offsets = [0] * len(stream.request_ids)
     last: dict[int, RequestOutput] = {}
     async for index, output in stream:
+        echoed = echo(index) if index not in last else None
         last[index] = output
-        if not (output.text or output.finished or output.logprobs):
+        if not (output.text or output.finished or output.logprobs or echoed):
             continue  # tokens whose text is held back (a possible stop string, a partial char)
-        choice = CompletionChoice(
-            index=index,
-            text=output.text,
-            logprobs=completion_logprobs(output, tokenizer, offsets[index]),
-            finish_reason=output.finish_reason,
-        )
-        offsets[index] += len(output.text)
+        choice = completion_choice(index, output, tokenizer, offsets[index], echoed)
+        offsets[index] += len(choice.text)
         yield Completion(**head, choices=[choice])
     if include_usage:
         finals = [last[index] for index in sorted(last)]

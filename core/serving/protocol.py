@@ -1,10 +1,12 @@
 """OpenAI's request bodies, what this server honours of them, and its error body.
 
 Besides OpenAI's fields, vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
-``stop_token_ids`` and ``ignore_eos`` are honoured. A field that would change the result but is
-not implemented (``best_of``, ``echo``, ``suffix``, tools, and any field not declared here) is
-refused with a 400 naming it, never silently ignored. ``n`` choices are ``n`` requests of the
-engine for the same prompt.
+``stop_token_ids``, ``ignore_eos`` and ``prompt_logprobs`` are honoured. A field that would
+change the result but is not implemented (``best_of``, ``suffix``, tools, and any field not
+declared here) is refused with a 400 naming it, never silently ignored. ``n`` choices are ``n``
+requests of the engine for the same prompt. ``echo`` with ``logprobs`` and ``prompt_logprobs``
+need a model that scores prompts (``--enable-prompt-logprobs``); the engine refuses them
+otherwise.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = Field(default=None, description="vLLM's extra")
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = Field(default=None, description="vLLM's extra")
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
@@ -91,6 +94,12 @@ class _GenerationRequest(BaseModel):
                 raise bad_request(field, f"{value!r} is not supported by this server")
         if not 1 <= self.choices <= MAX_CHOICES:
             raise bad_request("n", f"must be in [1, {MAX_CHOICES}], got {self.n}")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request(
+                "prompt_logprobs",
+                "is not supported with stream=true; ask without streaming (or, for "
+                "completions, use echo with logprobs, which streams the prompt first)",
+            )
 
     @property
     def choices(self) -> int:
@@ -103,7 +112,11 @@ class _GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_settings(
-        self, max_tokens: int, logprobs: bool, top_logprobs: int = 0
+        self,
+        max_tokens: int,
+        logprobs: bool,
+        top_logprobs: int = 0,
+        prompt_logprobs: int | None = None,
     ) -> SamplingSettings:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingSettings(
@@ -122,6 +135,7 @@ class _GenerationRequest(BaseModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(),
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _logit_bias(self) -> list[tuple[int, float]]:
@@ -149,7 +163,6 @@ class CompletionRequest(_GenerationRequest):
     def _unsupported_fields(self) -> list[tuple[str, Any, Any]]:
         return [
             *super()._unsupported_fields(),
-            ("echo", self.echo, False),
             ("suffix", self.suffix, None),
             ("best_of", self.best_of, 1),
         ]
@@ -166,18 +179,40 @@ class CompletionRequest(_GenerationRequest):
     def prompts(self, tokenizer: Any) -> list[list[int]]:
         """The prompts as token ids: one text or a list of texts, one list of token ids or a
         list of them."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            prompt = [prompt]
+        prompt = self._prompt_list()
         if len(prompt) > MAX_PROMPTS:
             raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts, got {len(prompt)}")
         return [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompt]
 
+    def echoed_texts(self, tokenizer: Any, prompts: list[list[int]]) -> list[str] | None:
+        """With ``echo``, the text each prompt's choices begin with: the prompt as given, or
+        its token ids decoded."""
+        if not self.echo:
+            return None
+        return [
+            p if isinstance(p, str) else tokenizer.decode(ids)
+            for p, ids in zip(self._prompt_list(), prompts, strict=True)
+        ]
+
+    def _prompt_list(self) -> list[Any]:
+        """The prompts, each a text or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
     def settings(self) -> SamplingSettings:
-        """16 tokens unless asked, OpenAI's default for completions."""
+        """16 tokens unless asked, OpenAI's default for completions. ``echo`` with ``logprobs``
+        scores the prompt with as many alternatives a position."""
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         return self.sampling_settings(
-            max_tokens, logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0
+            max_tokens,
+            logprobs=self.logprobs is not None,
+            top_logprobs=self.logprobs or 0,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -236,5 +271,8 @@ class ChatCompletionRequest(_GenerationRequest):
         if max_tokens is None:
             max_tokens = max(seq_len - prompt_tokens, 1)
         return self.sampling_settings(
-            max_tokens, logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0
+            max_tokens,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from nxdplug.engine import RequestOutput
+from nxdplug.engine.requests import PromptLogprob
 
 
 class Usage(BaseModel):
@@ -29,12 +30,37 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     """The legacy format; ``top_logprobs``: each position's likeliest tokens as text ->
-    logprob (null when ``logprobs`` was 0)."""
+    logprob (null when ``logprobs`` was 0). With ``echo`` the prompt's tokens come first, the
+    first one's entries null (nothing predicts it)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None]
     text_offset: list[int]
-    top_logprobs: list[dict[str, float]] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+    def then(self, later: CompletionLogprobs) -> CompletionLogprobs:
+        """These positions followed by ``later``'s."""
+        top = None
+        if self.top_logprobs is not None and later.top_logprobs is not None:
+            top = self.top_logprobs + later.top_logprobs
+        return CompletionLogprobs(
+            tokens=self.tokens + later.tokens,
+            token_logprobs=self.token_logprobs + later.token_logprobs,
+            text_offset=self.text_offset + later.text_offset,
+            top_logprobs=top,
+        )
+
+
+class PromptTokenLogprob(BaseModel):
+    """vLLM's entry of a prompt position: a token's logprob, rank (1: the likeliest) and text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt position (null for the first), token id -> its entry
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -42,6 +68,12 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+
+
+class CompletionResultChoice(CompletionChoice):
+    """A whole response's choice (not a stream chunk's): with vLLM's ``prompt_logprobs``."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -53,6 +85,12 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class CompletionResult(Completion):
+    """A whole ``text_completion`` response, whose choices may carry ``prompt_logprobs``."""
+
+    choices: list[CompletionResultChoice]  # type: ignore[assignment]
 
 
 class TopLogprob(BaseModel):
@@ -79,6 +117,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -133,7 +172,88 @@ def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
         prompt_tokens=last.prompt_tokens,
         completion_tokens=last.completion_tokens,
         top_logprobs=top,
+        prompt_logprobs=outputs[0].prompt_logprobs,
     )
+
+
+def completion_choice(
+    index: int,
+    output: RequestOutput,
+    tokenizer: Any,
+    offset: int = 0,
+    echo: tuple[str, Sequence[int], int | None] | None = None,
+) -> CompletionChoice:
+    """A completion choice (or its stream chunk) from ``output``; ``offset``: characters of
+    the choice before it. ``echo`` (the prompt's text, its ids, and the alternatives each
+    position lists, None without logprobs) puts the prompt and its scores before the output's,
+    for a choice's first output."""
+    logprobs = completion_logprobs(output, tokenizer, offset + (len(echo[0]) if echo else 0))
+    text = output.text
+    if echo is not None:
+        prompt_text, prompt_ids, alternatives = echo
+        text = prompt_text + text
+        if logprobs is not None and output.prompt_logprobs is not None:
+            scored = prompt_completion_logprobs(
+                output.prompt_logprobs, prompt_ids, tokenizer, offset, alternatives or 0
+            )
+            logprobs = scored.then(logprobs)
+    return CompletionChoice(
+        index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason
+    )
+
+
+def prompt_completion_logprobs(
+    scores: Sequence[PromptLogprob | None],
+    prompt_ids: Sequence[int],
+    tokenizer: Any,
+    offset: int,
+    alternatives: int,
+) -> CompletionLogprobs:
+    """The prompt's positions in the legacy format (``echo``), ``alternatives`` a position."""
+    tokens = [tokenizer.decode([t]) for t in prompt_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    top = None
+    if alternatives:
+        top = [
+            None
+            if score is None
+            else {tokenizer.decode([t]): lp for t, lp in score.top[:alternatives]}
+            for score in scores
+        ]
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None if score is None else score.logprob for score in scores],
+        text_offset=offsets,
+        top_logprobs=top,
+    )
+
+
+def vllm_prompt_logprobs(
+    output: RequestOutput, tokenizer: Any, alternatives: int | None
+) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs``: at each position the prompt's token and the
+    ``alternatives`` likeliest, by token id; None when not asked."""
+    if alternatives is None or output.prompt_logprobs is None:
+        return None
+    positions: PromptLogprobs = []
+    for score in output.prompt_logprobs:
+        if score is None:
+            positions.append(None)
+            continue
+        entries = {
+            str(score.token): _prompt_entry(tokenizer, score.token, score.logprob, score.rank)
+        }
+        for rank, (token, logprob) in enumerate(score.top[:alternatives], start=1):
+            entries.setdefault(str(token), _prompt_entry(tokenizer, token, logprob, rank))
+        positions.append(entries)
+    return positions
+
+
+def _prompt_entry(tokenizer: Any, token: int, logprob: float, rank: int) -> PromptTokenLogprob:
+    return PromptTokenLogprob(logprob=logprob, rank=rank, decoded_token=tokenizer.decode([token]))
 
 
 def completion_logprobs(
