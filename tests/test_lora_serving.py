@@ -138,6 +138,25 @@ def test_a_request_waits_while_its_adapter_has_no_slot(adapters, peft_solo) -> N
     assert engine.lines.in_use == 0 and not engine.has_unfinished()
 
 
+def test_a_request_whose_adapter_fits_goes_ahead_of_one_that_waits(adapters) -> None:
+    """As vLLM's scheduler: the math request waits for a slot, the code request queued after
+    it runs beside the running code and chat ones at once; math stays first in line."""
+    checkpoint, paths = adapters
+    engine = engine_for(
+        checkpoint, paths, max_loras=2, enable_dynamic_multi_lora=True, max_cpu_loras=3
+    )
+    adapters_in_order = ("code", "chat", "math", "code")
+    for prompt, adapter in zip(PROMPTS, adapters_in_order, strict=True):
+        engine.add_request(prompt, SamplingSettings(3, 0), step_keywords={"adapter_ids": adapter})
+    engine.step()
+    running = sorted(r.step_keywords["adapter_ids"] for r in engine.unfinished_requests()[1:])
+    assert running == ["chat", "code", "code"] and engine.num_waiting == 1
+    assert engine.unfinished_requests()[0].step_keywords["adapter_ids"] == "math"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.lines.in_use == 0
+
+
 def test_generate_with_more_rows_than_lines_gives_each_row_its_adapter(adapters) -> None:
     """generate(adapter_ids=[...]) on 5 rows over 4 lines runs them through the engine, each
     row's request with its adapter: PEFT's mixed batch gives the same tokens."""

@@ -287,12 +287,18 @@ class Engine:
         return bool(self._waiting) and self.lines.free > 0
 
     def _admit(self) -> list[Request]:
-        admitted = []
+        """Waiting requests into free lines, in arrival order. One that cannot run beside the
+        running ones (an adapter with no free slot, ...) stays at the front of the queue while
+        later ones that can run go ahead, as vLLM's scheduler skips it; one that finds no room
+        in the cache stops admission (it is first in line for the next free room)."""
+        admitted: list[Request] = []
+        passed_over: list[Request] = []
         with self._lock:
             while self._waiting and self.lines.free > 0:
                 request = self._waiting[0]
                 if not self.inputs.fits([*self._running.values()], request):
-                    break  # it waits for running requests to end (too many adapters, ...)
+                    passed_over.append(self._waiting.popleft())
+                    continue
                 line = self.lines.reserve(request.prompt_ids, request.settings.max_tokens)
                 if line is None:
                     break
@@ -304,6 +310,7 @@ class Engine:
                         self.tokenizer, request.settings.stop
                     )
                 admitted.append(request)
+            self._waiting.extendleft(reversed(passed_over))
         return admitted
 
     def _prefill(self, batch: list[Request], scored: bool = False) -> Chosen:
