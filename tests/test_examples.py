@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from fresh_process import needs_avx512_bf16
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -159,3 +162,35 @@ def test_bf16_linear_example_times_onednn_and_panels() -> None:
     line = r" +{} rows: oneDNN [\d.]+ ms \(\d+ GFLOP/s\), panels [\d.]+ ms \(\d+ GFLOP/s\); "
     line += r"panels x[\d.]+ faster\n"
     assert re.fullmatch(line.format(1) + line.format(9), result.stdout), result.stdout
+
+
+def test_served_perplexity_is_hf_perplexity(tiny_checkpoint, tmp_path: Path) -> None:
+    """The lm-evaluation-harness way (echo + logprobs through a running ``nxdplug serve``)
+    gives the perplexity HF transformers computes on the same token ids."""
+    from test_serving import MODEL, start_server, stop
+
+    path = tiny_checkpoint("llama", seed=5, initializer_range=0.15)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (9, 14, 5)]
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    options = ("--enable-prompt-logprobs", "--seq-len", "32", "--batch-size", "2")
+    process, base = start_server(path, *options)
+    try:
+        result = subprocess.run(
+            [
+                sys.executable, str(EXAMPLES / "served_perplexity.py"), "--base-url",
+                f"{base}/v1", "--model", MODEL, "--prompts", str(prompt_file),
+            ],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    finally:
+        stop([process])
+    served = float(re.search(r"served: 25 tokens, perplexity ([\d.]+)", result.stdout).group(1))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    nll = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            logprobs = hf(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+            nll += (-logprobs.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]).tolist()
+    assert served == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-4)
