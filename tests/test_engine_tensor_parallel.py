@@ -1,5 +1,6 @@
 """The serving engine over two tensor-parallel ranks: the first schedules and broadcasts each
-step, the second follows; every request gets HF transformers' greedy tokens."""
+step, the second follows; every request gets HF transformers' greedy tokens, and the one that
+asks for its prompt's log-probabilities gets HF's."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ SETTINGS = {
     "batch_size": 2,
     "seq_len": 48,
     "max_context_length": 16,
+    "enable_prompt_logprobs": True,
 }
 PROMPTS = [[5, 17, 42, 9], [8, 250, 31, 99, 7, 3, 11], [60, 61, 62]]
 MAX_TOKENS = [12, 6, 9]
+SCORED_PROMPT = 2  # the second prompt's request asks for its log-probabilities, 2 alternatives
 
 
 def _rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> None:
@@ -41,15 +44,22 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> None:
     runner = StepBroadcaster(app, heartbeat_seconds=0.05)
     engine = Engine(app, eos_token_ids=[], runner=runner)
     tokens: dict[str, list[int]] = {}
+    scores: list[float] = []
+
+    def take(outputs) -> None:
+        for output in outputs:
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+            if output.prompt_logprobs is not None:
+                scores.extend(s.logprob for s in output.prompt_logprobs[1:])
+
     order = []
-    for prompt, count in zip(PROMPTS, MAX_TOKENS, strict=True):
-        order.append(engine.add_request(prompt, SamplingSettings(count, 0)))
-        for output in engine.step():
-            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+    for index, (prompt, count) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
+        scored = SCORED_PROMPT if index == 1 else None
+        order.append(engine.add_request(prompt, SamplingSettings(count, 0, prompt_logprobs=scored)))
+        take(engine.step())
     while engine.has_unfinished():
-        for output in engine.step():
-            tokens.setdefault(output.request_id, []).extend(output.token_ids)
-    torch.save([tokens[r] for r in order], Path(out) / "tokens.pt")
+        take(engine.step())
+    torch.save(([tokens[r] for r in order], scores), Path(out) / "tokens.pt")
     runner.stop()
     end_rank_process()
 
@@ -65,4 +75,9 @@ def test_two_ranks_serve_hf_greedy_tokens(tiny_checkpoint, tmp_path) -> None:
                 torch.tensor([prompt]), max_new_tokens=count, do_sample=False, eos_token_id=None
             )
             expected.append(ids[0, len(prompt) :].tolist())
-    assert torch.load(tmp_path / "tokens.pt") == expected
+        prompt = torch.tensor([PROMPTS[1]])
+        logprobs = hf(prompt).logits[0, :-1].log_softmax(-1)
+        expected_scores = logprobs.gather(-1, prompt[0, 1:, None])[:, 0].tolist()
+    tokens, scores = torch.load(tmp_path / "tokens.pt")
+    assert tokens == expected
+    assert scores == pytest.approx(expected_scores, abs=1e-4)
