@@ -40,6 +40,22 @@ class CommandLineExtension(Protocol):
         loads a checkpoint in the model's dtype."""
 
 
+class OptionsOnly:
+    """Defaults for an extension whose options only make NeuronConfig settings: nothing to
+    prepare once the config exists, no ``generate()`` keywords, no HF run of its own."""
+
+    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
+        """The settings are complete once made."""
+
+    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
+        return {}
+
+    def hf_comparison(
+        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
+    ) -> None:
+        return None
+
+
 def add_extension_arguments(parser: argparse.ArgumentParser, command: str) -> None:
     for record in get_registry().records("cli_extensions"):
         if command in record.commands:

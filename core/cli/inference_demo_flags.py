@@ -254,7 +254,7 @@ class RefusedFlag(argparse.Action):
         raise argparse.ArgumentError(self, f"not supported by nxdplug: {self.help}")
 
 
-class FeatureDemoFlags:
+class FeatureDemoFlags(extensions.OptionsOnly):
     """A feature plugin's inference_demo flags, as the implementation of its ``CliExtension``
     record (``commands=("inference_demo",)``): one argument group titled ``TITLE``, whose flags
     :meth:`add_flags` adds and :meth:`settings` turns into NeuronConfig settings. ``DEST`` is a
@@ -276,17 +276,6 @@ class FeatureDemoFlags:
         if not hasattr(args, self.DEST):  # another command's arguments
             return {}
         return self.settings(args)
-
-    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
-        """The settings are complete once made."""
-
-    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
-        return {}
-
-    def hf_comparison(
-        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
-    ) -> None:
-        return None
 
 
 def add_run_flags(parser: argparse.ArgumentParser) -> None:

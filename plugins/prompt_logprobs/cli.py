@@ -5,13 +5,13 @@ build the same phases): compiles the scoring phase, so that requests may ask for
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
+from nxdplug.cli.extensions import OptionsOnly
 from nxdplug.plugins.prompt_logprobs.hooks import SETTING
 
 
-class PromptLogprobsCommandLine:
+class PromptLogprobsCommandLine(OptionsOnly):
     def add_arguments(self, parser: argparse.ArgumentParser, command: str) -> None:
         parser.add_argument_group("prompt log-probabilities").add_argument(
             "--enable-prompt-logprobs",
@@ -25,14 +25,3 @@ class PromptLogprobsCommandLine:
         if getattr(args, SETTING, None) is None:
             return {}
         return {SETTING: True}
-
-    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
-        """The setting is all the phase needs."""
-
-    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
-        return {}
-
-    def hf_comparison(
-        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
-    ) -> None:
-        """Nothing to compare: generation is what it would be without the phase."""
