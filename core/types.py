@@ -261,8 +261,9 @@ class ServingRoute(SelectableRecord):
     ``handler`` is a function ``(engine, body) -> Mapping`` (``body``: the request's JSON
     object, ``engine``: the serving :class:`~nxdplug.engine.Engine`). It runs on the thread
     that steps the engine, between two steps, so it may change what the model holds (write an
-    adapter into its weights) without racing a step; its result is answered as JSON, and an
-    ``NxdPlugError`` it raises as a 400 with its message.
+    adapter into its weights) without racing a step: through ``engine.apply_to_model``, so that
+    every tensor-parallel rank makes the change to its shard. Its result is answered as JSON,
+    and an ``NxdPlugError`` it raises as a 400 with its message.
     """
 
     path: str = attrs.field(validator=_check_path)

@@ -45,6 +45,7 @@ from nxdplug.engine.requests import (
 )
 from nxdplug.engine.token_choice import Chosen, TokenChoice
 from nxdplug.errors import ConfigError
+from nxdplug.lazy import resolve_ref
 from nxdplug.runtime.outputs import PROMPT_LOGPROBS
 from nxdplug.runtime.step_ahead import HostOverlap
 
@@ -201,6 +202,18 @@ class Engine:
             )
         self.choice.check(request.settings)
         self.inputs.check(request.step_keywords)
+
+    def apply_to_model(self, function: str, *args: Any) -> Any:
+        """Run ``function`` (a ``"module:function"`` reference) with the application and
+        ``args``, and return what it returns; with a tensor-parallel runner, every other rank
+        then runs it on its own shard too (only once it succeeded here). For a change to what
+        the model holds between two steps (an adapter loaded at run time), from the thread that
+        steps the engine."""
+        result = resolve_ref(function)(self.application, *args)
+        call_on_followers = getattr(self.runner, "call_on_followers", None)
+        if call_on_followers is not None:
+            call_on_followers(function, args)
+        return result
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: its line is freed at the next step, which reports it finished."""

@@ -5,7 +5,9 @@ happen on all ranks with the same inputs (the layers' collectives pair them up).
 runs the engine with a :class:`StepBroadcaster` as its runner: each call's inputs are broadcast
 before it runs; the other ranks sit in :func:`follow_steps`, running what they receive. While the
 engine is idle the broadcaster sends a heartbeat now and then, so that the followers' waiting
-broadcast does not reach the process group's timeout.
+broadcast does not reach the process group's timeout. A change to what the model holds (an
+adapter loaded at run time) is sent the same way, between two steps, as a function reference
+each rank runs on its own application.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nxdplug.lazy import resolve_ref
+
 HEARTBEAT = "heartbeat"
 STOP = "stop"
+CALL = "call"
 HEARTBEAT_SECONDS = 60.0
 
 
@@ -37,6 +42,12 @@ class StepBroadcaster:
         with self._lock:
             _send(inputs)
             return self.application(**inputs)
+
+    def call_on_followers(self, function: str, args: tuple[Any, ...]) -> None:
+        """Have every other rank run ``function`` (a ``"module:function"`` reference) with its
+        application and ``args``, before the next step."""
+        with self._lock:
+            _send((CALL, function, args))
 
     def stop(self) -> None:
         """Tell the followers to return; the broadcaster cannot be used after."""
@@ -63,6 +74,10 @@ def follow_steps(application: Any) -> None:
         if message == STOP:
             return
         if message == HEARTBEAT:
+            continue
+        if isinstance(message, tuple) and message[0] == CALL:
+            _, function, args = message
+            resolve_ref(function)(application, *args)
             continue
         with torch.inference_mode():
             application(**message)

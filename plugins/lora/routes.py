@@ -2,7 +2,8 @@
 /v1/load_lora_adapter`` with ``{"lora_name", "lora_path"}`` registers a PEFT adapter (it takes a
 slot when a request first names it as its model), ``POST /v1/unload_lora_adapter`` with
 ``{"lora_name"}`` forgets one that no waiting or running request uses. Both run between the
-engine's steps (``ServingRoute``), so a step never sees an adapter half written."""
+engine's steps (``ServingRoute``), so a step never sees an adapter half written, and through
+``Engine.apply_to_model``, so that every tensor-parallel rank loads (or forgets) its part."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from nxdplug.errors import NxdPlugError
-from nxdplug.plugins.lora.store import load_adapter, unload_adapter
 
 KEYWORD = "adapter_ids"
+STORE = "nxdplug.plugins.lora.store"
 
 
 def load_lora_adapter(engine: Any, body: Mapping[str, Any]) -> dict[str, Any]:
     name, path = _text(body, "lora_name"), _text(body, "lora_path")
-    load_adapter(engine.application, name, path)
+    engine.apply_to_model(f"{STORE}:load_adapter", name, path)
     return {"object": "lora_adapter", "id": name, "status": "loaded"}
 
 
@@ -29,7 +30,7 @@ def unload_lora_adapter(engine: Any, body: Mapping[str, Any]) -> dict[str, Any]:
             f"adapter {name!r} is used by {len(users)} waiting or running request(s); unload "
             "it once they end"
         )
-    unload_adapter(engine.application, name)
+    engine.apply_to_model(f"{STORE}:unload_adapter", name)
     return {"object": "lora_adapter", "id": name, "status": "unloaded"}
 
 
