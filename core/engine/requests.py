@@ -11,6 +11,7 @@ import attrs
 import torch
 
 from nxdplug.errors import NxdPlugError
+from nxdplug.runtime.outputs import PROMPT_TOP_LOGPROBS
 
 # OpenAI's finish reasons: a stop condition (EOS, a stop token or string), the token budget, or
 # the caller gave up (a cancelled request, a client gone).
@@ -18,8 +19,9 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 
-# The most alternatives a position's log-probabilities list (OpenAI's top_logprobs bound).
-MAX_TOP_LOGPROBS = 20
+# The most alternatives a position's log-probabilities list (OpenAI's top_logprobs bound), for
+# the chosen tokens and for the prompt's (which a scoring phase lists that many of).
+MAX_TOP_LOGPROBS = PROMPT_TOP_LOGPROBS
 
 
 class RequestError(NxdPlugError, ValueError):

@@ -211,10 +211,6 @@ def prompt_completion_logprobs(
 ) -> CompletionLogprobs:
     """The prompt's positions in the legacy format (``echo``), ``alternatives`` a position."""
     tokens = [tokenizer.decode([t]) for t in prompt_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
     top = None
     if alternatives:
         top = [
@@ -226,7 +222,7 @@ def prompt_completion_logprobs(
     return CompletionLogprobs(
         tokens=tokens,
         token_logprobs=[None if score is None else score.logprob for score in scores],
-        text_offset=offsets,
+        text_offset=_offsets(tokens, offset),
         top_logprobs=top,
     )
 
@@ -252,6 +248,15 @@ def vllm_prompt_logprobs(
     return positions
 
 
+def _offsets(tokens: Sequence[str], start: int) -> list[int]:
+    """Where each token's text starts in the choice's text, the first at ``start``."""
+    offsets = []
+    for token in tokens:
+        offsets.append(start)
+        start += len(token)
+    return offsets
+
+
 def _prompt_entry(tokenizer: Any, token: int, logprob: float, rank: int) -> PromptTokenLogprob:
     return PromptTokenLogprob(logprob=logprob, rank=rank, decoded_token=tokenizer.decode([token]))
 
@@ -263,10 +268,6 @@ def completion_logprobs(
     if output.logprobs is None:
         return None
     tokens = [tokenizer.decode([t]) for t in output.token_ids]
-    offsets = []
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
     top = None
     if output.top_logprobs is not None:
         top = [
@@ -274,7 +275,10 @@ def completion_logprobs(
             for pairs in output.top_logprobs
         ]
     return CompletionLogprobs(
-        tokens=tokens, token_logprobs=list(output.logprobs), text_offset=offsets, top_logprobs=top
+        tokens=tokens,
+        token_logprobs=list(output.logprobs),
+        text_offset=_offsets(tokens, offset),
+        top_logprobs=top,
     )
 
 
