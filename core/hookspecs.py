@@ -30,6 +30,7 @@ from nxdplug.types import (
     SpeculationMode,
     StateDictConverter,
     StepInput,
+    StructuredOutputBackend,
 )
 
 if TYPE_CHECKING:
@@ -276,6 +277,25 @@ class ServingSpecs:
         """
 
 
+class DecodingSpecs:
+    """What plugins add to how the serving engine chooses a request's tokens."""
+
+    @hookspec
+    def nxdplug_structured_output_backends(self) -> Iterable[StructuredOutputBackend]:
+        """Register a library that constrains tokens to a JSON schema, regex, choice or grammar.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_structured_output_backends():
+                yield StructuredOutputBackend(
+                    name="my-grammars",
+                    implementation="my_pkg.grammars:MyCompiler",
+                    kinds=("json", "regex"),
+                )
+        """
+
+
 class PipelineSpecs:
     """Hooks run by the pipeline, only for the plugins a config enables.
 
@@ -371,5 +391,6 @@ SPEC_CLASSES = (
     ParallelSpecs,
     CommandLineSpecs,
     ServingSpecs,
+    DecodingSpecs,
     PipelineSpecs,
 )

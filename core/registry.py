@@ -33,6 +33,7 @@ from nxdplug.types import (
     SpeculationMode,
     StateDictConverter,
     StepInput,
+    StructuredOutputBackend,
 )
 
 
@@ -77,6 +78,12 @@ KINDS: dict[str, Kind] = {
         Kind("compile_backends", "nxdplug_compile_backends", CompileBackend, "compile backend"),
         Kind("cli_extensions", "nxdplug_cli_extensions", CliExtension, "command-line extension"),
         Kind("serving_routes", "nxdplug_serving_routes", ServingRoute, "serving route"),
+        Kind(
+            "structured_output_backends",
+            "nxdplug_structured_output_backends",
+            StructuredOutputBackend,
+            "structured-output backend",
+        ),
     )
 }
 

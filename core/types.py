@@ -255,6 +255,22 @@ def _check_path(instance: object, attribute: attrs.Attribute, value: str) -> Non
 
 
 @attrs.frozen(kw_only=True)
+class StructuredOutputBackend(PluginRecord):
+    """Constrains a request's tokens to a JSON schema, a regular expression, a list of choices
+    or a grammar (OpenAI's ``response_format``, vLLM's ``structured_outputs``), for the engine.
+
+    ``implementation`` is a class built with ``(tokenizer, vocab_size)`` that follows
+    :class:`nxdplug.engine.structured_output.ConstraintCompiler`; ``kinds`` are the
+    constraints it compiles, of ``json``, ``regex``, ``choice`` and ``grammar``; ``priority``
+    orders the choice when several are installed (the highest wins).
+    """
+
+    implementation: str = _ref_field()
+    kinds: tuple[str, ...] = _names_field()
+    priority: int = 0
+
+
+@attrs.frozen(kw_only=True)
 class ServingRoute(SelectableRecord):
     """A ``POST`` route a feature adds to ``nxdplug serve`` while the config enables it.
 

@@ -407,6 +407,49 @@ def test_vllm_prompt_logprobs_in_a_chat(client, tokenizer, hf_model, greedy) -> 
     assert [list(p) for p in positions[1:]] == [[str(t)] for t in prompt_ids[1:]]
 
 
+THING = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "maximum": 30}},
+    "required": ["kind", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_through_the_openai_client(client) -> None:
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs and
+    guided_* fields, streamed and not."""
+    messages = [{"role": "user", "content": "a pet"}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": THING}}
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, response_format=schema_format
+    )
+    pet = json.loads(reply.choices[0].message.content)
+    assert pet["kind"] in ("cat", "dog") and 0 <= pet["age"] <= 30 and set(pet) == {"kind", "age"}
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, stream=True,
+        response_format=schema_format,
+    )  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content
+    reply = client.completions.create(
+        model=MODEL, prompt="colour:", max_tokens=10, temperature=0,
+        extra_body={"structured_outputs": {"choice": ["red", "blue", "dark green"]}},
+    )  # fmt: skip
+    assert reply.choices[0].text in ("red", "blue", "dark green")
+    assert reply.choices[0].finish_reason == "stop"
+    reply = client.completions.create(
+        model=MODEL, prompt="year:", max_tokens=10, temperature=0.9, seed=1,
+        extra_body={"guided_regex": "(19|20)[0-9]{2}"},
+    )  # fmt: skip
+    assert re.fullmatch("(19|20)[0-9]{2}", reply.choices[0].text)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert text.startswith("{") and (finish == "length" or isinstance(json.loads(text), dict))
+
+
 def test_n_choices_are_each_a_sample_and_seeded_apart(server: str, client, greedy) -> None:
     prompt_ids = [11, 12, 13]
     common = {"model": MODEL, "prompt": prompt_ids, "max_tokens": 8}
@@ -514,6 +557,30 @@ def post(base: str, path: str, body: str | dict) -> tuple[int, dict]:
         ({"model": MODEL, "prompt": [[1]] * 9, "n": 128}, 400, "n"),  # > the 1024 queue
         ({"model": MODEL, "prompt": "a", "logprobs": 21}, 400, "logprobs"),
         ({"model": MODEL, "prompt": "a", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+        (
+            {
+                "model": MODEL,
+                "prompt": "a",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x"}},
+            },
+            400,
+            "response_format",
+        ),
+        (
+            {"model": MODEL, "prompt": "a", "response_format": {"type": "xml"}},
+            400,
+            "response_format.type",
+        ),
+        (
+            {"model": MODEL, "prompt": "a", "structured_outputs": {"regex": "("}},
+            400,
+            "structured_outputs",
+        ),
+        (
+            {"model": MODEL, "prompt": "a", "guided_regex": "a", "guided_choice": ["a"]},
+            400,
+            "guided_choice",
+        ),
         (
             {"model": MODEL, "prompt": "a", "prompt_logprobs": 1, "stream": True},
             400,

@@ -43,8 +43,9 @@ from nxdplug.engine.requests import (
     RequestOutput,
     SamplingSettings,
 )
+from nxdplug.engine.structured_output import Constraints, TokenConstraint
 from nxdplug.engine.token_choice import Chosen, TokenChoice
-from nxdplug.errors import ConfigError
+from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.lazy import resolve_ref
 from nxdplug.runtime.outputs import PROMPT_LOGPROBS
 from nxdplug.runtime.step_ahead import HostOverlap
@@ -116,6 +117,7 @@ class Engine:
         self._texts: dict[str, IncrementalText] = {}
         self._ids = itertools.count()
         self._known: set[str] = set()
+        self._constraints: Constraints | None = None
         application.reset()
 
     # --- requests, from any thread -------------------------------------------------------
@@ -202,6 +204,26 @@ class Engine:
             )
         self.choice.check(request.settings)
         self.inputs.check(request.step_keywords)
+        if request.settings.structured_output is not None:
+            request.constraint = self._constraint(*request.settings.structured_output)
+
+    def _constraint(self, kind: str, spec: str) -> TokenConstraint:
+        """A request's structured output, compiled; a RequestError saying why it cannot be."""
+        field = "structured_output"
+        if self.tokenizer is None:
+            raise RequestError("structured outputs need the engine's tokenizer", field=field)
+        if self._constraints is None:
+            self._constraints = Constraints(self.tokenizer, self.vocab_size or len(self.tokenizer))
+        try:
+            return self._constraints.compile(kind, spec)
+        except LookupError:
+            raise RequestError(
+                f"no installed plugin compiles {kind} constraints (a "
+                "nxdplug_structured_output_backends record; `nxdplug plugins list` shows them)",
+                field=field,
+            ) from None
+        except (ValueError, NxdPlugError) as exc:
+            raise RequestError(f"the {kind} constraint: {exc}", field=field) from None
 
     def apply_to_model(self, function: str, *args: Any) -> Any:
         """Run ``function`` (a ``"module:function"`` reference) with the application and
@@ -410,6 +432,10 @@ class Engine:
                 if result.top_logprobs is not None:
                     request.top_logprobs.append(result.top_logprobs[index])
             reason = self._stop_reason(request, token)
+            if request.constraint is not None:
+                request.constraint.accept(token)
+                if request.constraint.finished:
+                    reason = FINISH_STOP
             text, stopped = "", False
             incremental = self._texts.get(request.request_id)
             if incremental is not None:

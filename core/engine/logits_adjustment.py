@@ -1,7 +1,7 @@
 """A request's logits adjusted before its token is chosen: ``logit_bias``, ``min_tokens`` and
 the repetition, frequency and presence penalties, in vLLM's order (bias and the ``min_tokens``
-mask first, then the penalties). :class:`~nxdplug.engine.requests.SamplingSettings` says what
-each one means."""
+mask first, then the penalties), and last the structured output's mask.
+:class:`~nxdplug.engine.requests.SamplingSettings` says what each one means."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def adjust_row(row: torch.Tensor, request: Request, eos_token_ids: Collection[in
     if (settings.frequency_penalty or settings.presence_penalty) and request.output_ids:
         ids, counts = _ids(request.output_ids, row).unique(return_counts=True)
         row[ids] -= settings.frequency_penalty * counts + settings.presence_penalty
+    if request.constraint is not None:
+        request.constraint.mask(row)
 
 
 def _ids(ids: Sequence[int], row: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import torch
 
+from nxdplug.engine.structured_output import KINDS
 from nxdplug.errors import NxdPlugError
 from nxdplug.runtime.outputs import PROMPT_TOP_LOGPROBS
 
@@ -49,6 +50,8 @@ class SamplingSettings:
     of the ``top_logprobs`` likeliest tokens at each position. ``prompt_logprobs`` (vLLM's): the
     log-probability of each prompt token and of that many likeliest tokens at its position
     (None: off), from a model that scores prompts (``enable_prompt_logprobs``).
+    ``structured_output``: ``(kind, spec)``, the output held to a JSON schema, a regular
+    expression, a list of choices or a grammar (see :mod:`~nxdplug.engine.structured_output`).
 
     The logits are adjusted before a token is chosen, as vLLM does: ``logit_bias`` (token id,
     bias) pairs are added; ``repetition_penalty`` divides the positive logits (multiplies the
@@ -76,6 +79,9 @@ class SamplingSettings:
         default=(), converter=lambda pairs: tuple(tuple(pair) for pair in pairs)
     )
     prompt_logprobs: int | None = None
+    structured_output: tuple[str, str] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple)
+    )
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +95,7 @@ class SamplingSettings:
             "repetition_penalty": self.repetition_penalty != 1,
             "presence_penalty": bool(self.presence_penalty),
             "frequency_penalty": bool(self.frequency_penalty),
+            "structured_output": self.structured_output is not None,
         }
         return [name for name, is_on in on.items() if is_on]
 
@@ -124,6 +131,16 @@ class SamplingSettings:
                     f"must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.prompt_logprobs!r}",
                 )
             )
+        if self.structured_output is not None:
+            kind, *spec = self.structured_output
+            if kind not in KINDS or len(spec) != 1 or not isinstance(spec[0], str):
+                found.append(
+                    (
+                        "structured_output",
+                        f"must be (kind, spec text) with a kind of {', '.join(KINDS)}; got "
+                        f"{self.structured_output!r}",
+                    )
+                )
         ceiling = self.max_tokens if _is_whole(self.max_tokens) else math.inf
         if not _is_whole(self.min_tokens) or not 0 <= self.min_tokens <= ceiling:
             found.append(("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}"))
@@ -204,6 +221,8 @@ class Request:
     step_keywords: dict[str, Any] = attrs.field(factory=dict)
     # The prompt's scores until its first output hands them out.
     prompt_scores: tuple[PromptLogprob | None, ...] | None = None
+    # Its structured output's state (compiled when it arrives), stepped with each token.
+    constraint: Any = None
 
     @property
     def finished(self) -> bool:

@@ -10,8 +10,9 @@ the server sees the connection close while it waits for the whole answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -85,7 +86,8 @@ def build_app(
         keywords = step_keywords_of(body.model)
         body.refuse_unsupported()
         prompts = body.prompts(tokenizer)
-        stream = engine_loop.generate_batch(prompts, body.settings(), body.choices, keywords)
+        with _named_as_asked(body):
+            stream = engine_loop.generate_batch(prompts, body.settings(), body.choices, keywords)
         reply_id = "cmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         echoes = body.echoed_texts(tokenizer, prompts)
@@ -120,7 +122,8 @@ def build_app(
         body.refuse_unsupported()
         prompt_ids = body.prompt_ids(tokenizer)
         settings = body.settings(len(prompt_ids), seq_len)
-        stream = engine_loop.generate(prompt_ids, settings, body.choices, keywords)
+        with _named_as_asked(body):
+            stream = engine_loop.generate(prompt_ids, settings, body.choices, keywords)
         reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         if body.stream:
@@ -171,6 +174,18 @@ def build_app(
 
 # The status a request gets when its client left before the answer (nginx's; nobody reads it).
 CLIENT_CLOSED_REQUEST = 499
+
+
+@contextlib.contextmanager
+def _named_as_asked(body: CompletionRequest | ChatCompletionRequest) -> Iterator[None]:
+    """A refused structured output as an error of the request field that asked for it."""
+    try:
+        yield
+    except RequestError as exc:
+        asked = body.structured_output()
+        if exc.field != "structured_output" or asked is None:
+            raise
+        raise OpenAIError(400, f"{asked[0]}: {exc}", param=asked[0]) from None
 
 
 async def _all(stream: OutputStream) -> list[RequestOutput]:

@@ -1,9 +1,11 @@
 """OpenAI's request bodies, what this server honours of them, and its error body.
 
 Besides OpenAI's fields, vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos`` and ``prompt_logprobs`` are honoured. A field that would
-change the result but is not implemented (``best_of``, ``suffix``, tools, and any field not
-declared here) is refused with a 400 naming it, never silently ignored. ``n`` choices are ``n``
+``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs`` and ``structured_outputs`` (and the older
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) are honoured, as is
+OpenAI's ``response_format``. A field that would change the result but is not implemented
+(``best_of``, ``suffix``, tools, and any field not declared here) is refused with a 400 naming
+it, never silently ignored. ``n`` choices are ``n``
 requests of the engine for the same prompt. ``echo`` with ``logprobs`` and ``prompt_logprobs``
 need a model that scores prompts (``--enable-prompt-logprobs``); the engine refuses them
 otherwise.
@@ -11,6 +13,7 @@ otherwise.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +24,8 @@ from nxdplug.engine.requests import MAX_TOP_LOGPROBS
 # OpenAI's bound on ``n``, and this server's on the prompts of one completion request.
 MAX_CHOICES = 128
 MAX_PROMPTS = 128
+# The JSON schema of ``response_format: {"type": "json_object"}``: any object.
+ANY_OBJECT = '{"type": "object"}'
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -62,6 +67,36 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON of a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of a JSON schema, a regex, choices or a grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _GenerationRequest(BaseModel):
     """The fields both endpoints share."""
 
@@ -85,6 +120,12 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, description="vLLM's extra")
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = Field(default=None, description="vLLM's extra")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(default=None, description="vLLM's")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="vLLM's, older")
+    guided_regex: str | None = Field(default=None, description="vLLM's, older")
+    guided_choice: list[str] | None = Field(default=None, description="vLLM's, older")
+    guided_grammar: str | None = Field(default=None, description="vLLM's, older")
     user: str | None = None
 
     def refuse_unsupported(self) -> None:
@@ -119,6 +160,7 @@ class _GenerationRequest(BaseModel):
         prompt_logprobs: int | None = None,
     ) -> SamplingSettings:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        structured = self.structured_output()
         return SamplingSettings(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -136,7 +178,39 @@ class _GenerationRequest(BaseModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             logit_bias=self._logit_bias(),
             prompt_logprobs=prompt_logprobs,
+            structured_output=None if structured is None else structured[1],
         )
+
+    def structured_output(self) -> tuple[str, tuple[str, str]] | None:
+        """The field that asks for a structured output, and its ``(kind, spec)``; None when
+        none does. Two at once are a 400."""
+        asked = []
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            asked.append(("response_format", ("json", ANY_OBJECT)))
+        elif response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None or response_format.json_schema.schema_ is None:
+                raise bad_request(
+                    "response_format", "type json_schema needs json_schema.schema, the schema"
+                )
+            schema = json.dumps(response_format.json_schema.schema_)
+            asked.append(("response_format", ("json", schema)))
+        given = self.structured_outputs
+        if given is not None:
+            kinds = _kinds(given.json_, given.regex, given.choice, given.grammar)
+            asked += [("structured_outputs", kind) for kind in kinds]
+            if given.json_object:
+                asked.append(("structured_outputs", ("json", ANY_OBJECT)))
+        legacy = _kinds(
+            self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+        )
+        asked += [(f"guided_{kind}", (kind, spec)) for kind, spec in legacy]
+        if len(asked) > 1:
+            names = ", ".join(dict.fromkeys(field for field, _ in asked))
+            raise bad_request(
+                asked[1][0], f"one structured output at a time; this request asks in {names}"
+            )
+        return asked[0] if asked else None
 
     def _logit_bias(self) -> list[tuple[int, float]]:
         """OpenAI's ``{"token id": bias}`` as (id, bias) pairs."""
@@ -149,6 +223,26 @@ class _GenerationRequest(BaseModel):
                     "logit_bias", f"keys are token ids, as strings of digits; got {key!r}"
                 ) from None
         return pairs
+
+
+def _kinds(
+    json_schema: dict[str, Any] | str | None,
+    regex: str | None,
+    choice: list[str] | None,
+    grammar: str | None,
+) -> list[tuple[str, str]]:
+    """The ``(kind, spec)`` of each constraint given (a schema may come as JSON text)."""
+    found = []
+    if json_schema is not None:
+        spec = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        found.append(("json", spec))
+    if regex is not None:
+        found.append(("regex", regex))
+    if choice is not None:
+        found.append(("choice", json.dumps(choice)))
+    if grammar is not None:
+        found.append(("grammar", grammar))
+    return found
 
 
 class CompletionRequest(_GenerationRequest):

@@ -1,0 +1,2 @@
+"""Structured outputs with llguidance: JSON schemas, regular expressions, choices and Lark
+grammars as token masks for the serving engine."""
