@@ -25,8 +25,7 @@ class GuidanceCompiler:
             import llguidance.hf
         except ImportError:
             raise NxdPlugError(
-                "structured outputs need llguidance: pip install llguidance (in "
-                "'nxdplug[serve]')"
+                "structured outputs need llguidance: pip install llguidance (in 'nxdplug[serve]')"
             ) from None
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
