@@ -8,8 +8,10 @@ server's own metrics (every KV-cache line free afterwards).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
+import platform
 import re
 import signal
 import socket
@@ -45,6 +47,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 STARTED = re.compile(r"at (http://\S+)/v1 ")
+SYS_TGKILL = 234  # Linux on x86-64: a signal to one thread of a process
 
 
 @pytest.fixture(scope="module")
@@ -649,6 +652,28 @@ def test_a_tokenizer_without_chat_template_is_a_clear_400(checkpoint: Path) -> N
     with pytest.raises(OpenAIError, match="no chat template") as raised:
         request.prompt_ids(tokenizer)
     assert raised.value.status == 400
+
+
+@pytest.mark.skipif(
+    (sys.platform, platform.machine()) != ("linux", "x86_64"),
+    reason="SYS_TGKILL is the x86-64 Linux system call number",
+)
+def test_a_stop_signal_to_any_thread_stops_the_server(checkpoint: Path) -> None:
+    """The kernel may hand SIGTERM to any thread of the process (an HTTP or OpenMP one, under
+    load), while Python's handler runs on the main thread, which an idle server keeps waiting:
+    it must still stop (it waited forever, 2026-11-28)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    process, _ = start_server(checkpoint, "--seq-len", "64", "--batch-size", "2")
+    try:
+        time.sleep(0.5)  # idle
+        others = [int(t) for t in os.listdir(f"/proc/{process.pid}/task") if int(t) != process.pid]
+        assert others and libc.syscall(SYS_TGKILL, process.pid, others[-1], signal.SIGTERM) == 0
+        _, stderr = process.communicate(timeout=30)
+        assert process.returncode == 0 and "Traceback" not in stderr, stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_a_busy_port_is_a_one_line_error(server: str, checkpoint: Path, capsys) -> None:

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from nxdplug.serving.metrics import ServingMetrics
 
 logger = logging.getLogger("nxdplug.serving")
+# How long the idle loop sleeps at most between looks at its work. The loop runs on the main
+# thread, where Python runs signal handlers, but only between bytecodes: Ctrl-C or SIGTERM that
+# the kernel hands to another thread (an HTTP or OpenMP thread) leaves an untimed wait asleep,
+# and the server would not stop until a request came.
+IDLE_WAKE_SECONDS = 0.25
 
 
 class EngineStoppedError(NxdPlugError):
@@ -266,7 +271,7 @@ class EngineLoop:
             while not (self.engine.has_unfinished() or self._between_steps):
                 if self._stopping:
                     return False
-                self._wake.wait()
+                self._wake.wait(IDLE_WAKE_SECONDS)
             return True
 
     def _run_between_steps(self) -> None:
