@@ -4,7 +4,6 @@ each gets the tokens PEFT gives its prompt alone with that adapter."""
 
 from __future__ import annotations
 
-import signal
 import time
 
 import pytest
@@ -286,46 +285,27 @@ def test_two_ranks_load_and_unload_adapters_on_every_rank(adapters, peft_solo) -
     adapter loaded through the first rank's route is loaded into every rank's shard, so a
     request naming it runs on both; unloading forgets it on both."""
     openai = pytest.importorskip("openai")
-    from test_serving import post, start_server, stop
-    from test_tensor_parallel import free_port
+    from test_serving import post, two_rank_servers
 
     checkpoint, paths = adapters
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    launch |= {"OMP_NUM_THREADS": "1"}
     options = (
         "--seq-len", "64", "--batch-size", "2", "--tp-degree", "2",
         "--enable-dynamic-multi-lora", "--max-loras", "2", "--max-cpu-loras", "2",
         "--max-lora-rank", "8",
     )  # fmt: skip
-    follower, _ = start_server(checkpoint, *options, env=launch | {"RANK": "1", "LOCAL_RANK": "1"})
-    try:
-        first, base = start_server(
-            checkpoint, *options, env=launch | {"RANK": "0", "LOCAL_RANK": "0"}
-        )
-        try:
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
-            common = {
-                "max_tokens": NEW_TOKENS,
-                "temperature": 0,
-                "extra_body": {"ignore_eos": True},
-            }
-            for name in ("math", "chat"):
-                body = {"lora_name": name, "lora_path": paths[name]}
-                assert post(base, "load_lora_adapter", body)[0] == 200
-            for prompt, name in ((PROMPTS[3], "math"), (PROMPTS[1], "chat")):
-                reply = client.completions.create(model=name, prompt=prompt, **common)
-                expected = tokenizer.decode(peft_solo(prompt, name), skip_special_tokens=True)
-                assert reply.choices[0].text == expected
-            assert post(base, "unload_lora_adapter", {"lora_name": "math"})[0] == 200
-            with pytest.raises(openai.NotFoundError):
-                client.completions.create(model="math", prompt=[1, 2], max_tokens=2)
-            reply = client.completions.create(model="chat", prompt=PROMPTS[1], **common)
+    with two_rank_servers(checkpoint, *options) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        common = {"max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        for name in ("math", "chat"):
+            body = {"lora_name": name, "lora_path": paths[name]}
+            assert post(base, "load_lora_adapter", body)[0] == 200
+        for prompt, name in ((PROMPTS[3], "math"), (PROMPTS[1], "chat")):
+            reply = client.completions.create(model=name, prompt=prompt, **common)
+            expected = tokenizer.decode(peft_solo(prompt, name), skip_special_tokens=True)
             assert reply.choices[0].text == expected
-            stop([first, follower], signal.SIGINT)
-        finally:
-            if first.poll() is None:
-                first.kill()
-    finally:
-        if follower.poll() is None:
-            follower.kill()
+        assert post(base, "unload_lora_adapter", {"lora_name": "math"})[0] == 200
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="math", prompt=[1, 2], max_tokens=2)
+        reply = client.completions.create(model="chat", prompt=PROMPTS[1], **common)
+        assert reply.choices[0].text == expected

@@ -8,6 +8,7 @@ server's own metrics (every KV-cache line free afterwards).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -957,22 +958,23 @@ def test_without_a_folder_the_server_compiles_into_the_cache_once(
 # --- tensor parallelism ------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_two_ranks_serve_hf_greedy_and_stop_together(
-    checkpoint: Path, greedy, tmp_path: Path
-) -> None:
-    """As ``torchrun --nproc-per-node 2 nxdplug serve ... --tp-degree 2`` launches it, without a
-    folder: the ranks compile their graphs into one folder of the cache and serve from it."""
+@contextlib.contextmanager
+def two_rank_servers(
+    checkpoint: Path, *options: str, env: dict[str, str] | None = None, eager: bool = True
+) -> Iterator[str]:
+    """The two processes ``torchrun --nproc-per-node 2 nxdplug serve ...`` starts (one OpenMP
+    thread each); the first rank's base URL. Both must exit 0 on Ctrl-C, as from a terminal."""
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    launch |= {"OMP_NUM_THREADS": "1", "NXDPLUG_CACHE_DIR": str(tmp_path)}
-    options = ("--seq-len", "64", "--batch-size", "2", "--tp-degree", "2")
-    rank = {"env": launch | {"RANK": "1", "LOCAL_RANK": "1"}, "eager": False}
-    follower, _ = start_server(checkpoint, *options, **rank)
+    launch |= {"OMP_NUM_THREADS": "1"} | (env or {})
+    follower, _ = start_server(
+        checkpoint, *options, env=launch | {"RANK": "1", "LOCAL_RANK": "1"}, eager=eager
+    )
     try:
-        rank["env"] = launch | {"RANK": "0", "LOCAL_RANK": "0"}
-        first, base = start_server(checkpoint, *options, **rank)
+        first, base = start_server(
+            checkpoint, *options, env=launch | {"RANK": "0", "LOCAL_RANK": "0"}, eager=eager
+        )
         try:
-            assert_greedy_completion(base, greedy, 16)
+            yield base
             stop([first, follower], signal.SIGINT)
         finally:
             if first.poll() is None:
@@ -980,6 +982,18 @@ def test_two_ranks_serve_hf_greedy_and_stop_together(
     finally:
         if follower.poll() is None:
             follower.kill()
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_hf_greedy_and_stop_together(
+    checkpoint: Path, greedy, tmp_path: Path
+) -> None:
+    """As ``torchrun --nproc-per-node 2 nxdplug serve ... --tp-degree 2`` launches it, without a
+    folder: the ranks compile their graphs into one folder of the cache and serve from it."""
+    options = ("--seq-len", "64", "--batch-size", "2", "--tp-degree", "2")
+    cache = {"NXDPLUG_CACHE_DIR": str(tmp_path)}
+    with two_rank_servers(checkpoint, *options, env=cache, eager=False) as base:
+        assert_greedy_completion(base, greedy, 16)
     (folder,) = (tmp_path / "compiled").iterdir()
     manifest = json.loads((folder / "manifest.json").read_text())
     assert {graph["rank"] for graph in manifest["graphs"]} == {0, 1}
