@@ -131,16 +131,16 @@ class SamplingSettings:
                     f"must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.prompt_logprobs!r}",
                 )
             )
-        if self.structured_output is not None:
-            kind, *spec = self.structured_output
-            if kind not in KINDS or len(spec) != 1 or not isinstance(spec[0], str):
-                found.append(
-                    (
-                        "structured_output",
-                        f"must be (kind, spec text) with a kind of {', '.join(KINDS)}; got "
-                        f"{self.structured_output!r}",
-                    )
+        given = self.structured_output
+        if given is not None and not (
+            len(given) == 2 and given[0] in KINDS and isinstance(given[1], str)
+        ):
+            found.append(
+                (
+                    "structured_output",
+                    f"must be (kind, spec text) with a kind of {', '.join(KINDS)}; got {given!r}",
                 )
+            )
         ceiling = self.max_tokens if _is_whole(self.max_tokens) else math.inf
         if not _is_whole(self.min_tokens) or not 0 <= self.min_tokens <= ceiling:
             found.append(("min_tokens", f"must be in [0, max_tokens], got {self.min_tokens!r}"))
