@@ -47,7 +47,7 @@ from nxdplug.engine.structured_output import Constraints, TokenConstraint
 from nxdplug.engine.token_choice import Chosen, TokenChoice
 from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.lazy import resolve_ref
-from nxdplug.runtime.outputs import PROMPT_LOGPROBS
+from nxdplug.runtime.outputs import NO_SCORING_PHASE, PROMPT_LOGPROBS
 from nxdplug.runtime.step_ahead import HostOverlap
 
 
@@ -196,12 +196,7 @@ class Engine:
             request.settings.prompt_logprobs is not None
             and PROMPT_LOGPROBS not in self.application.selecting_keywords()
         ):
-            raise RequestError(
-                "prompt log-probabilities need a model that scores prompts: load it with "
-                "NeuronConfig(enable_prompt_logprobs=True) (nxdplug serve "
-                "--enable-prompt-logprobs)",
-                field="prompt_logprobs",
-            )
+            raise RequestError(NO_SCORING_PHASE, field="prompt_logprobs")
         self.choice.check(request.settings)
         self.inputs.check(request.step_keywords)
         if request.settings.structured_output is not None:

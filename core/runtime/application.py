@@ -45,7 +45,11 @@ from nxdplug.runtime.model_wrapper import (
     TOKEN_GENERATION_MODEL_TAG,
     ModelWrapper,
 )
-from nxdplug.runtime.outputs import PROMPT_LOGPROBS, CausalLMOutputWithTokens
+from nxdplug.runtime.outputs import (
+    NO_SCORING_PHASE,
+    PROMPT_LOGPROBS,
+    CausalLMOutputWithTokens,
+)
 from nxdplug.runtime.speculation import AcceptanceStats
 from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
@@ -451,11 +455,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         """Take the selecting keywords out of ``keywords``; the phase a true one selects."""
         chosen = [w for w in self.models if w.selected_by and keywords.pop(w.selected_by, False)]
         if keywords.get(PROMPT_LOGPROBS):
-            raise NotSupportedError(
-                f"forward({PROMPT_LOGPROBS}=True) needs a context-encoding phase that scores "
-                "the prompt, which no enabled plugin adds: set "
-                "NeuronConfig(enable_prompt_logprobs=True) (the built-in prompt-logprobs plugin)"
-            )
+            raise NotSupportedError(f"forward({PROMPT_LOGPROBS}=True): {NO_SCORING_PHASE}")
         keywords.pop(PROMPT_LOGPROBS, None)
         if len(chosen) > 1:
             names = ", ".join(w.selected_by or "" for w in chosen)

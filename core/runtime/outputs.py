@@ -11,6 +11,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 # it routes the prompt to the context-encoding phase a plugin selects by it
 # (``ModelWrapper.selected_by``), which fills the ``prompt_*`` outputs below.
 PROMPT_LOGPROBS = "prompt_logprobs"
+# What to do when asked for prompt log-probabilities by a model without a scoring phase.
+NO_SCORING_PHASE = (
+    "prompt log-probabilities need a model that scores prompts: load it with "
+    "NeuronConfig(enable_prompt_logprobs=True) (nxdplug serve --enable-prompt-logprobs)"
+)
 # The alternatives a scoring phase lists at each prompt position (OpenAI's top_logprobs bound).
 PROMPT_TOP_LOGPROBS = 20
 

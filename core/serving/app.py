@@ -108,7 +108,7 @@ def build_app(
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = [
             CompletionResultChoice(
-                **completion_choice(index, output, tokenizer, echo=echo(index)).model_dump(),
+                **dict(completion_choice(index, output, tokenizer, echo=echo(index))),
                 prompt_logprobs=vllm_prompt_logprobs(output, tokenizer, body.prompt_logprobs),
             )
             for index, output in enumerate(outputs)

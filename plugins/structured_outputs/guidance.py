@@ -69,13 +69,12 @@ class GuidanceConstraint:
         import llguidance.torch
 
         self.matcher = matcher
+        self._bitmasks = llguidance.torch
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
     def mask(self, logits: torch.Tensor) -> None:
-        import llguidance.torch
-
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        llguidance.torch.apply_token_bitmask_inplace(logits[None], self._bitmask)
+        self._bitmasks.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        self._bitmasks.apply_token_bitmask_inplace(logits[None], self._bitmask)
 
     def accept(self, token: int) -> None:
         self.matcher.consume_token(token)
