@@ -31,6 +31,7 @@ from nxdplug.types import (
     StateDictConverter,
     StepInput,
     StructuredOutputBackend,
+    ToolParser,
 )
 
 if TYPE_CHECKING:
@@ -273,6 +274,21 @@ class ServingSpecs:
                     path="/v1/load_my_adapter",
                     handler="my_pkg.routes:load_my_adapter",
                     enabled_by=("my_adapters",),
+                )
+        """
+
+    @hookspec
+    def nxdplug_tool_parsers(self) -> Iterable[ToolParser]:
+        """Register a parser of the tool calls a model family writes, for chat completions'
+        ``tool_choice: "auto"`` (``nxdplug serve --tool-call-parser NAME``).
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_tool_parsers():
+                yield ToolParser(
+                    name="my-format",
+                    implementation="my_pkg.tool_calls:MyFormatParser",
                 )
         """
 

@@ -34,6 +34,7 @@ from nxdplug.types import (
     StateDictConverter,
     StepInput,
     StructuredOutputBackend,
+    ToolParser,
 )
 
 
@@ -78,6 +79,7 @@ KINDS: dict[str, Kind] = {
         Kind("compile_backends", "nxdplug_compile_backends", CompileBackend, "compile backend"),
         Kind("cli_extensions", "nxdplug_cli_extensions", CliExtension, "command-line extension"),
         Kind("serving_routes", "nxdplug_serving_routes", ServingRoute, "serving route"),
+        Kind("tool_parsers", "nxdplug_tool_parsers", ToolParser, "tool-call parser"),
         Kind(
             "structured_output_backends",
             "nxdplug_structured_output_backends",

@@ -271,6 +271,20 @@ class StructuredOutputBackend(PluginRecord):
 
 
 @attrs.frozen(kw_only=True)
+class ToolParser(PluginRecord):
+    """Finds the tool calls a model writes in its reply, in the format its chat template taught
+    it (Hermes' ``<tool_call>`` tags, Llama 3's bare JSON, ...), for ``nxdplug serve
+    --enable-auto-tool-choice --tool-call-parser NAME`` (vLLM's flags).
+
+    ``implementation`` is a class built with ``(tools)``, the request's tool definitions in
+    OpenAI's form, once per reply; it follows
+    :class:`nxdplug.serving.tool_calls.ToolCallParser`.
+    """
+
+    implementation: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
 class ServingRoute(SelectableRecord):
     """A ``POST`` route a feature adds to ``nxdplug serve`` while the config enables it.
 

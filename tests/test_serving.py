@@ -57,10 +57,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "llama", tmp_path_factory.mktemp("serve") / "ckpt", seed=1,
         overrides={"initializer_range": 0.15},
     )  # fmt: skip
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
-    return path
+    return with_chat_template(path, CHAT_TEMPLATE)
 
 
 def start_server(
@@ -99,12 +96,11 @@ def stop(processes: list[subprocess.Popen], sig: int = signal.SIGTERM) -> None:
         assert "Traceback" not in stderr, stderr
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint: Path) -> Iterator[str]:
-    """A running ``nxdplug serve``; its base URL. Stopped with SIGTERM, which must exit 0."""
-    process, base = start_server(
-        checkpoint, "--seq-len", str(SEQ_LEN), "--batch-size", "4", "--enable-prompt-logprobs"
-    )
+@contextlib.contextmanager
+def running_server(checkpoint: Path, *options: str) -> Iterator[str]:
+    """A ``nxdplug serve`` for the block; its base URL. Stopped with SIGTERM, which must exit
+    0 (killed if the block fails)."""
+    process, base = start_server(checkpoint, *options)
     try:
         yield base
         stop([process])
@@ -112,6 +108,22 @@ def server(checkpoint: Path) -> Iterator[str]:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def with_chat_template(checkpoint: Path, template: str) -> Path:
+    """The checkpoint, its tokenizer given ``template`` as its chat template."""
+    config_file = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps(config | {"chat_template": template}))
+    return checkpoint
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Iterator[str]:
+    """A running ``nxdplug serve``; its base URL."""
+    options = ("--seq-len", str(SEQ_LEN), "--batch-size", "4", "--enable-prompt-logprobs")
+    with running_server(checkpoint, *options) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -619,7 +631,7 @@ def test_bad_completion_requests(server: str, body, status: int, param) -> None:
     [
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function"),
         (
             {"messages": [{"role": "user", "content": "a", "tool_calls": []}]},
             "messages.0.tool_calls",

@@ -64,6 +64,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="info and debug log each request"
     )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let chat requests leave the choice of calling tools to the model "
+        "(tool_choice 'auto'); needs --tool-call-parser",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="the format the model writes tool calls in: a tool-call parser plugin "
+        "(hermes, llama3_json; `nxdplug plugins list` shows them)",
+    )
     add_compiled_model_options(
         parser,
         required=False,
@@ -86,6 +98,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     _require_serving_packages()
+    tool_parser = _tool_parser(args)
     sock = _listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     config = inference_config(args.model_path, SERVE_DEFAULTS | neuron_config_kwargs(args))
     extensions.prepare_config(args, config)
@@ -107,7 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         broadcaster = StepBroadcaster(model)
     try:
-        _serve(args, sock, model, tokenizer, broadcaster)
+        _serve(args, sock, model, tokenizer, broadcaster, tool_parser)
     finally:
         if broadcaster is not None:
             broadcaster.stop()
@@ -115,7 +128,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(
-    args: argparse.Namespace, sock: socket.socket, model: Any, tokenizer: Any, runner: Any
+    args: argparse.Namespace,
+    sock: socket.socket,
+    model: Any,
+    tokenizer: Any,
+    runner: Any,
+    tool_parser: type | None,
 ) -> None:
     import uvicorn
 
@@ -128,7 +146,7 @@ def _serve(
     metrics = ServingMetrics(engine)
     engine_loop = EngineLoop(engine, metrics)
     name = args.served_model_name or str(args.model_path)
-    app = build_app(engine_loop, tokenizer, name, metrics)
+    app = build_app(engine_loop, tokenizer, name, metrics, tool_parser)
     server_config = uvicorn.Config(
         app,
         log_level=args.log_level,
@@ -165,6 +183,21 @@ def _serve(
             http.join()
     if http_failures:
         raise http_failures[0]
+
+
+def _tool_parser(args: argparse.Namespace) -> type | None:
+    """The parser of ``--tool-call-parser``, which ``--enable-auto-tool-choice`` needs (and
+    which does nothing without it): both or neither, as vLLM takes them."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise NxdPlugError(
+            "--enable-auto-tool-choice and --tool-call-parser NAME go together: the parser "
+            "finds the calls a model chooses to make; give both, or neither"
+        )
+    if args.tool_call_parser is None:
+        return None
+    from nxdplug.registry import get_registry
+
+    return get_registry().get("tool_parsers", args.tool_call_parser).load("implementation")
 
 
 @contextlib.contextmanager

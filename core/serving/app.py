@@ -30,10 +30,10 @@ from nxdplug.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    bad_request,
     error_body,
 )
 from nxdplug.serving.responses import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -49,12 +49,19 @@ from nxdplug.serving.responses import (
     now,
     vllm_prompt_logprobs,
 )
+from nxdplug.serving.tool_calls import ToolCallReader
 
 
 def build_app(
-    engine_loop: EngineLoop, tokenizer: Any, model_name: str, metrics: ServingMetrics
+    engine_loop: EngineLoop,
+    tokenizer: Any,
+    model_name: str,
+    metrics: ServingMetrics,
+    tool_parser: type | None = None,
 ) -> FastAPI:
-    """The server's app; ``model_name`` is the one name requests may give as ``model``."""
+    """The server's app; ``model_name`` is the one name requests may give as ``model``;
+    ``tool_parser`` finds the calls of ``tool_choice: "auto"`` (a ``ToolParser`` record's
+    implementation), which is refused without one."""
     app = FastAPI(title="nxdplug")
     seq_len = engine_loop.engine.max_positions
     _add_error_handlers(app)
@@ -120,28 +127,39 @@ def build_app(
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         keywords = step_keywords_of(body.model)
         body.refuse_unsupported()
+        use = body.tool_use()
+        if use.choice == "auto" and tool_parser is None:
+            raise bad_request(
+                "tool_choice",
+                "'auto' (the default when tools are given) needs a server started with "
+                "--enable-auto-tool-choice --tool-call-parser NAME; or ask for 'none', "
+                "'required' or a named function",
+            )
         prompt_ids = body.prompt_ids(tokenizer)
         settings = body.settings(len(prompt_ids), seq_len)
         with _named_as_asked(body):
             stream = engine_loop.generate(prompt_ids, settings, body.choices, keywords)
         reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
+        readers = [ToolCallReader(use, tool_parser) for _ in range(body.choices)]
         if body.stream:
-            chunks = _chat_chunks(stream, head, tokenizer, body.include_usage(), body.choices)
+            chunks = _chat_chunks(stream, head, tokenizer, body.include_usage(), readers)
             return _event_stream(chunks)
         outputs = await _whole_answer(request, stream)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choices = [
-            ChatChoice(
+        choices = []
+        for index, (output, reader) in enumerate(zip(outputs, readers, strict=True)):
+            reader.read(output.text)
+            reader.finish()
+            choice = ChatChoice(
                 index=index,
-                message=AssistantMessage(content=output.text),
+                message=reader.message(),
                 logprobs=chat_logprobs(output, tokenizer),
-                finish_reason=output.finish_reason,
+                finish_reason=reader.finish_reason(output.finish_reason),
                 prompt_logprobs=vllm_prompt_logprobs(output, tokenizer, body.prompt_logprobs),
             )
-            for index, output in enumerate(outputs)
-        ]
+            choices.append(choice)
         return _json(ChatCompletion(**head, choices=choices, usage=Usage.of(outputs, body.choices)))
 
     @app.get("/v1/models")
@@ -242,26 +260,37 @@ async def _completion_chunks(
 
 
 async def _chat_chunks(
-    stream: OutputStream, head: dict[str, Any], tokenizer: Any, include_usage: bool, n: int
+    stream: OutputStream,
+    head: dict[str, Any],
+    tokenizer: Any,
+    include_usage: bool,
+    readers: list[ToolCallReader],
 ) -> AsyncIterator[BaseModel]:
+    """A chunk per output that tells something: content, a call's piece, logprobs or the
+    end; each choice's reader says what its text is."""
     for index in range(len(stream.request_ids)):
         first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
         yield ChatCompletionChunk(**head, choices=[first])
     last: dict[int, RequestOutput] = {}
     async for index, output in stream:
         last[index] = output
-        if not (output.text or output.finished or output.logprobs):
+        reader = readers[index]
+        content, calls = reader.read(output.text) if output.text else ("", [])
+        if output.finished:
+            held_content, held_calls = reader.finish()
+            content, calls = content + held_content, calls + held_calls
+        if not (content or calls or output.finished or output.logprobs):
             continue
         choice = ChatChunkChoice(
             index=index,
-            delta=ChatDelta(content=output.text or None),
+            delta=ChatDelta(content=content or None, tool_calls=calls or None),
             logprobs=chat_logprobs(output, tokenizer),
-            finish_reason=output.finish_reason,
+            finish_reason=reader.finish_reason(output.finish_reason),
         )
         yield ChatCompletionChunk(**head, choices=[choice])
     if include_usage:
         finals = [last[index] for index in sorted(last)]
-        yield ChatCompletionChunk(**head, choices=[], usage=Usage.of(finals, n))
+        yield ChatCompletionChunk(**head, choices=[], usage=Usage.of(finals, len(readers)))
 
 
 def _event_stream(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:

@@ -4,8 +4,9 @@ Besides OpenAI's fields, vLLM's extras ``top_k``, ``min_tokens``, ``repetition_p
 ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs`` and ``structured_outputs`` (and the older
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) are honoured, as is
 OpenAI's ``response_format``. A field that would change the result but is not implemented
-(``best_of``, ``suffix``, tools, and any field not declared here) is refused with a 400 naming
-it, never silently ignored. ``n`` choices are ``n``
+(``best_of``, ``suffix``, and any field not declared here) is refused with a 400 naming it,
+never silently ignored. Chat completions take ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (see :mod:`~nxdplug.serving.tool_calls`). ``n`` choices are ``n``
 requests of the engine for the same prompt. ``echo`` with ``logprobs`` and ``prompt_logprobs``
 need a model that scores prompts (``--enable-prompt-logprobs``); the engine refuses them
 otherwise.
@@ -20,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nxdplug.engine import SamplingSettings
 from nxdplug.engine.requests import MAX_TOP_LOGPROBS
+from nxdplug.serving.responses import ChatToolCall
+from nxdplug.serving.tool_calls import ToolUse
 
 # OpenAI's bound on ``n``, and this server's on the prompts of one completion request.
 MAX_CHOICES = 128
@@ -205,12 +208,16 @@ class _GenerationRequest(BaseModel):
             self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
         )
         asked += [(f"guided_{kind}", (kind, spec)) for kind, spec in legacy]
+        asked += self._asked_by_tools()
         if len(asked) > 1:
             names = ", ".join(dict.fromkeys(field for field, _ in asked))
             raise bad_request(
                 asked[1][0], f"one structured output at a time; this request asks in {names}"
             )
         return asked[0] if asked else None
+
+    def _asked_by_tools(self) -> list[tuple[str, tuple[str, str]]]:
+        return []
 
     def _logit_bias(self) -> list[tuple[int, float]]:
         """OpenAI's ``{"token id": bias}`` as (id, bias) pairs."""
@@ -318,19 +325,84 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """A message with text content; tool calls and images are refused (extra fields)."""
+    """A message with text content, an assistant's calls, or a tool's result; images are
+    refused (extra fields)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = None
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: a call's arguments as an object (HF's
+        templates write them with ``tojson``), as vLLM gives them."""
         content = self.content or ""
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": call.type,
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments_object(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+    def problem(self) -> tuple[str, str] | None:
+        """The field that is wrong for this message's role, and why."""
+        if self.tool_calls is not None and self.role != "assistant":
+            return "tool_calls", f"only an assistant message makes calls, not a {self.role} one"
+        if self.role == "tool" and self.tool_call_id is None:
+            return "tool_call_id", "a tool message answers a call; give that call's id"
+        return None
+
+
+def _arguments_object(arguments: str) -> Any:
+    """A call's arguments as the object their JSON text holds (the text if it holds none)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -340,8 +412,47 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        for index, message in enumerate(self.messages):
+            problem = message.problem()
+            if problem is not None:
+                raise bad_request(f"messages.{index}.{problem[0]}", problem[1])
+        self.tool_use()
+
+    def tool_use(self) -> ToolUse:
+        """How this request uses its tools (OpenAI's default: ``auto`` with tools, ``none``
+        without); a 400 for a choice its tools cannot meet."""
+        tools = tuple(tool.model_dump(exclude_none=True) for tool in self.tools or ())
+        names = [tool["function"]["name"] for tool in tools]
+        for name in names:
+            if names.count(name) > 1:
+                raise bad_request("tools", f"two functions are named {name!r}")
+        choice = self.tool_choice or ("auto" if tools else "none")
+        parallel = self.parallel_tool_calls is not False
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise bad_request(
+                    "tool_choice",
+                    f"names the function {choice.function.name!r}, which is not among the "
+                    f"tools ({', '.join(map(repr, names)) or 'none given'})",
+                )
+            return ToolUse("function", tools, choice.function.name, parallel)
+        if choice != "none" and not tools:
+            raise bad_request("tool_choice", f"{choice!r} needs tools; none are given")
+        return ToolUse(choice, tools, parallel=parallel)
+
+    def _asked_by_tools(self) -> list[tuple[str, tuple[str, str]]]:
+        constraint = self.tool_use().constraint()
+        return [] if constraint is None else [("tool_choice", constraint)]
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
+        """The messages (and tools, if any) as the tokenizer's chat template writes them; a
+        400 when it has none, refuses them, or leaves the tools out."""
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request(
                 "messages",
@@ -349,12 +460,15 @@ class ChatCompletionRequest(_GenerationRequest):
                 "chat_template); use /v1/completions with a prompt",
             )
         messages = [message.template_dict() for message in self.messages]
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+        tools = list(self.tool_use().tools) or None
+        text = _rendered(tokenizer, messages, tools)
+        if tools is not None and text == _rendered(tokenizer, messages, None):
+            raise bad_request(
+                "tools",
+                "this model's chat template does not write tools into the prompt, so the "
+                "model would not see them; leave tools out, or serve a model whose template "
+                "takes them",
             )
-        except Exception as exc:  # the template's own raise_exception, or a Jinja error
-            raise bad_request("messages", f"the chat template refused them: {exc}") from exc
         return tokenizer(text, add_special_tokens=False).input_ids
 
     def settings(self, prompt_tokens: int, seq_len: int) -> SamplingSettings:
@@ -370,3 +484,12 @@ class ChatCompletionRequest(_GenerationRequest):
             top_logprobs=self.top_logprobs or 0,
             prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def _rendered(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as exc:  # the template's own raise_exception, or a Jinja error
+        raise bad_request("messages", f"the chat template refused them: {exc}") from exc

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from nxdplug.engine import RequestOutput
 from nxdplug.engine.requests import PromptLogprob
@@ -107,9 +107,41 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str = ""  # JSON text
+
+
+class ChatToolCall(BaseModel):
+    """A call in an assistant message: the server's reply, or a request's earlier turn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChatToolCallDelta(BaseModel):
+    """A stream's piece of call ``index``: its first piece has the id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -132,6 +164,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ChatToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

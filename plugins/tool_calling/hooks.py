@@ -1,0 +1,25 @@
+"""Tool-call parsers as a plugin: ``nxdplug serve --enable-auto-tool-choice --tool-call-parser
+NAME`` takes one of them by the name vLLM gives the same format."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nxdplug.hookspecs import hookimpl
+from nxdplug.types import ToolParser
+
+NXDPLUG_API_VERSION = 1
+
+
+@hookimpl
+def nxdplug_tool_parsers() -> Iterable[ToolParser]:
+    yield ToolParser(
+        name="hermes",
+        implementation="nxdplug.plugins.tool_calling.hermes:HermesParser",
+        description="<tool_call>{json}</tool_call> (Hermes 2 Pro, Qwen2, Qwen2.5)",
+    )
+    yield ToolParser(
+        name="llama3_json",
+        implementation="nxdplug.plugins.tool_calling.llama3_json:Llama3JsonParser",
+        description='{"name": ..., "parameters": ...} replies (Llama 3.1-3.3)',
+    )
