@@ -25,6 +25,7 @@ from nxdplug.types import (
     ModelArchitecture,
     ParallelGroup,
     QuantizationMethod,
+    ReasoningParser,
     Sampler,
     ServingRoute,
     SpeculationMode,
@@ -274,6 +275,21 @@ class ServingSpecs:
                     path="/v1/load_my_adapter",
                     handler="my_pkg.routes:load_my_adapter",
                     enabled_by=("my_adapters",),
+                )
+        """
+
+    @hookspec
+    def nxdplug_reasoning_parsers(self) -> Iterable[ReasoningParser]:
+        """Register a reader of the reasoning a model family writes before its answer, for
+        chat replies' ``reasoning_content`` (``nxdplug serve --reasoning-parser NAME``).
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_reasoning_parsers():
+                yield ReasoningParser(
+                    name="my-thoughts",
+                    implementation="my_pkg.reasoning:MyThoughtsSplitter",
                 )
         """
 

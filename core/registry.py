@@ -28,6 +28,7 @@ from nxdplug.types import (
     ParallelGroup,
     PluginRecord,
     QuantizationMethod,
+    ReasoningParser,
     Sampler,
     ServingRoute,
     SpeculationMode,
@@ -80,6 +81,7 @@ KINDS: dict[str, Kind] = {
         Kind("cli_extensions", "nxdplug_cli_extensions", CliExtension, "command-line extension"),
         Kind("serving_routes", "nxdplug_serving_routes", ServingRoute, "serving route"),
         Kind("tool_parsers", "nxdplug_tool_parsers", ToolParser, "tool-call parser"),
+        Kind("reasoning_parsers", "nxdplug_reasoning_parsers", ReasoningParser, "reasoning parser"),
         Kind(
             "structured_output_backends",
             "nxdplug_structured_output_backends",

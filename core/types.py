@@ -285,6 +285,20 @@ class ToolParser(PluginRecord):
 
 
 @attrs.frozen(kw_only=True)
+class ReasoningParser(PluginRecord):
+    """Tells a model's reasoning from its answer in a chat reply (Qwen3's and DeepSeek-R1's
+    ``<think>...</think>``), for ``nxdplug serve --reasoning-parser NAME`` (vLLM's flag): the
+    reasoning is answered as ``reasoning_content``.
+
+    ``implementation`` is a class built with ``(prompt)``, the prompt's text (a chat template
+    may open the thinking there), once per reply; it follows
+    :class:`nxdplug.serving.reasoning.ReasoningSplitter`.
+    """
+
+    implementation: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
 class ServingRoute(SelectableRecord):
     """A ``POST`` route a feature adds to ``nxdplug serve`` while the config enables it.
 

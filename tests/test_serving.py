@@ -663,7 +663,7 @@ def test_a_tokenizer_without_chat_template_is_a_clear_400(checkpoint: Path) -> N
     tokenizer.chat_template = None
     request = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "a"}])
     with pytest.raises(OpenAIError, match="no chat template") as raised:
-        request.prompt_ids(tokenizer)
+        request.prompt_text(tokenizer)
     assert raised.value.status == 400
 
 

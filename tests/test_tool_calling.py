@@ -29,14 +29,17 @@ from nxdplug.cli.main import main  # noqa: E402
 from nxdplug.plugins.tool_calling.hermes import HermesParser  # noqa: E402
 from nxdplug.plugins.tool_calling.llama3_json import Llama3JsonParser  # noqa: E402
 from nxdplug.serving.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
-from nxdplug.serving.tool_calls import CallArray, ToolCallReader, ToolUse  # noqa: E402
+from nxdplug.serving.replies import ReplyReader  # noqa: E402
+from nxdplug.serving.tool_calls import CallArray, ToolUse  # noqa: E402
 from nxdplug.testing.tiny_models import make_tiny_checkpoint  # noqa: E402
 from nxdplug.testing.tokenizer_builder import build_tokenizer  # noqa: E402
 
 MODEL = "tiny-llama"
 # Long enough for the prompts that list the tools (~230 tokens of the tiny tokenizer).
 SERVER_OPTIONS = ("--seq-len", "512", "--max-context-length", "384", "--batch-size", "2")
+# transformers' response templates of Qwen2's and Qwen3's replies (one: <think>, then Hermes').
 QWEN2_RESPONSES = next(t for types, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen2" in types)
+QWEN3_RESPONSES = next(t for types, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen3" in types)
 # A Qwen-like template: tools listed first, calls written as Hermes' tags, tool results.
 TOOLS_TEMPLATE = (
     "{% if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>\n"
@@ -75,6 +78,10 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 # What the scripted checkpoint writes after any prompt: content, then one call.
 SCRIPTED_CONTENT = "Let me check."
 SCRIPTED_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+# The scripted checkpoint's greedy reply to any prompt: reasoning, content, then one call.
+SCRIPTED_REPLY = (
+    "<think>Paris</think>" + SCRIPTED_CONTENT + "<tool_call>" + SCRIPTED_CALL + "</tool_call>"
+)
 
 
 # --- the parsers, piece by piece ----------------------------------------------------------------
@@ -117,7 +124,7 @@ def test_hermes_finds_what_transformers_finds(reply: str, size: int, tokenizer) 
 def test_parallel_tool_calls_false_answers_the_first_call_only() -> None:
     two_calls = HERMES_REPLIES[4]
     for parallel, names in [(True, ["a", "b"]), (False, ["a"])]:
-        reader = ToolCallReader(ToolUse("auto", (WEATHER,), parallel=parallel), HermesParser)
+        reader = ReplyReader(ToolUse("auto", (WEATHER,), parallel=parallel), HermesParser)
         reader.read(two_calls)
         reader.finish()
         message = reader.message()
@@ -191,7 +198,7 @@ def test_a_template_that_leaves_tools_out_is_a_400(tokenizer) -> None:
     tokenizer.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
     request = ChatCompletionRequest(model=MODEL, messages=QUESTION, tools=[WEATHER])
     with pytest.raises(OpenAIError, match="does not write tools into the prompt"):
-        request.prompt_ids(tokenizer)
+        request.prompt_text(tokenizer)
 
 
 @pytest.mark.parametrize(
@@ -207,20 +214,19 @@ def test_serve_refuses_half_or_unknown_tool_options(options, message, checkpoint
     assert code != 0 and message in error and "Traceback" not in error
 
 
-# --- auto: a scripted checkpoint whose greedy reply is a call ---------------------------------
+# --- auto: a scripted checkpoint whose greedy reply reasons, then calls ----------------------
 
 
 def scripted_checkpoint(folder: Path) -> Path:
     """A one-layer Llama whose layers add nothing (zero output projections), so each token's
     logits depend on that token alone: its lm_head makes the greedy reply to any prompt of
-    ``TOOLS_TEMPLATE`` the content and call above, then end-of-sequence."""
+    ``TOOLS_TEMPLATE`` ``SCRIPTED_REPLY``, then end-of-sequence."""
     tokenizer = build_tokenizer(folder, vocab_size=400)
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>", SCRIPTED_CALL])
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", SCRIPTED_CALL])
     tokenizer.chat_template = TOOLS_TEMPLATE
     tokenizer.save_pretrained(folder)
     prompt_end = hf_prompt(tokenizer, QUESTION)[0, -1].item()
-    reply = tokenizer(SCRIPTED_CONTENT + "<tool_call>" + SCRIPTED_CALL + "</tool_call>").input_ids
-    script = [prompt_end, *reply, tokenizer.eos_token_id]
+    script = [prompt_end, *tokenizer(SCRIPTED_REPLY).input_ids, tokenizer.eos_token_id]
     assert len(set(script)) == len(script)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -248,8 +254,9 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def auto_client(scripted: Path) -> Iterator[openai.OpenAI]:
-    parser = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    with running_server(scripted, *SERVER_OPTIONS, *parser) as base:
+    parsers = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    parsers += ("--reasoning-parser", "qwen3")
+    with running_server(scripted, *SERVER_OPTIONS, *parsers) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
 
 
@@ -263,23 +270,27 @@ def hf_prompt(tokenizer, messages: list[dict]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def scripted_reply(scripted: Path) -> tuple[str, dict]:
-    """HF's greedy reply of the scripted checkpoint, and transformers' parse of it."""
+    """HF's greedy reply of the scripted checkpoint, and transformers' parse of it (Qwen3's
+    response template: reasoning, content, Hermes' calls)."""
     tokenizer = AutoTokenizer.from_pretrained(scripted)
     prompt = hf_prompt(tokenizer, QUESTION)
     model = AutoModelForCausalLM.from_pretrained(scripted).eval()
     with torch.inference_mode():
         tokens = model.generate(prompt, max_new_tokens=20, do_sample=False)[0, prompt.shape[1] :]
     text = tokenizer.decode(tokens, skip_special_tokens=True)
-    return text, tokenizer.parse_response(text, QWEN2_RESPONSES, prefix="")
+    prefix = tokenizer.decode(prompt[0])
+    return text, tokenizer.parse_response(text, QWEN3_RESPONSES, prefix=prefix)
 
 
-def test_the_scripted_checkpoint_calls_a_tool_under_hf(scripted_reply) -> None:
+def test_the_scripted_checkpoint_reasons_and_calls_a_tool_under_hf(scripted_reply) -> None:
     text, parsed = scripted_reply
-    assert text == SCRIPTED_CONTENT + "<tool_call>" + SCRIPTED_CALL + "</tool_call>"
-    assert parsed["content"] == SCRIPTED_CONTENT and len(parsed["tool_calls"]) == 1
+    assert text == SCRIPTED_REPLY
+    assert parsed["reasoning_content"] == "Paris" and parsed["content"] == SCRIPTED_CONTENT
+    assert len(parsed["tool_calls"]) == 1
 
 
 def test_auto_answers_transformers_parse_of_the_reply(auto_client, scripted_reply) -> None:
+    """Reasoning (``--reasoning-parser qwen3``), content and calls (``hermes``)."""
     text, parsed = scripted_reply
     expected = called(parsed["tool_calls"])
     answer = auto_client.chat.completions.create(
@@ -288,6 +299,7 @@ def test_auto_answers_transformers_parse_of_the_reply(auto_client, scripted_repl
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == parsed["content"]
+    assert choice.message.reasoning_content == parsed["reasoning_content"]
     calls = choice.message.tool_calls
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
     assert calls[0].id.startswith("call_") and calls[0].type == "function"
@@ -297,21 +309,25 @@ def test_auto_answers_transformers_parse_of_the_reply(auto_client, scripted_repl
             model=MODEL, messages=QUESTION, tools=[WEATHER], temperature=0, stream=True
         )
     )
-    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    content = "".join(d.content or "" for d in deltas)
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
     streamed: dict[int, list[str]] = {}
     for chunk in chunks:
         for call in chunk.choices[0].delta.tool_calls or []:
             if call.id is not None:
                 streamed[call.index] = [call.function.name, ""]
             streamed[call.index][1] += call.function.arguments
-    assert content == parsed["content"]
+    assert content == parsed["content"] and reasoning == parsed["reasoning_content"]
     assert [(name, json.loads(args)) for name, args in streamed.values()] == expected
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
     none = auto_client.chat.completions.create(
         model=MODEL, messages=QUESTION, tools=[WEATHER], tool_choice="none", temperature=0
     )
-    assert none.choices[0].message.content == text and not none.choices[0].message.tool_calls
+    message = none.choices[0].message
+    assert message.content == text.removeprefix("<think>Paris</think>")
+    assert message.reasoning_content == "Paris" and not message.tool_calls
     assert none.choices[0].finish_reason == "stop"
 
 

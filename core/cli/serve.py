@@ -76,6 +76,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="the format the model writes tool calls in: a tool-call parser plugin "
         "(hermes, llama3_json; `nxdplug plugins list` shows them)",
     )
+    server.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        help="answer the reasoning a model writes before its answer as reasoning_content: a "
+        "reasoning parser plugin (qwen3, deepseek_r1)",
+    )
     add_compiled_model_options(
         parser,
         required=False,
@@ -99,6 +105,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     _require_serving_packages()
     tool_parser = _tool_parser(args)
+    reasoning_parser = _implementation("reasoning_parsers", args.reasoning_parser)
     sock = _listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     config = inference_config(args.model_path, SERVE_DEFAULTS | neuron_config_kwargs(args))
     extensions.prepare_config(args, config)
@@ -120,7 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         broadcaster = StepBroadcaster(model)
     try:
-        _serve(args, sock, model, tokenizer, broadcaster, tool_parser)
+        _serve(args, sock, model, tokenizer, broadcaster, (tool_parser, reasoning_parser))
     finally:
         if broadcaster is not None:
             broadcaster.stop()
@@ -133,8 +140,9 @@ def _serve(
     model: Any,
     tokenizer: Any,
     runner: Any,
-    tool_parser: type | None,
+    parsers: tuple[type | None, type | None],
 ) -> None:
+    """Serve until stopped; ``parsers``: the tool-call and reasoning parsers, if any."""
     import uvicorn
 
     from nxdplug.engine import Engine
@@ -146,7 +154,7 @@ def _serve(
     metrics = ServingMetrics(engine)
     engine_loop = EngineLoop(engine, metrics)
     name = args.served_model_name or str(args.model_path)
-    app = build_app(engine_loop, tokenizer, name, metrics, tool_parser)
+    app = build_app(engine_loop, tokenizer, name, metrics, *parsers)
     server_config = uvicorn.Config(
         app,
         log_level=args.log_level,
@@ -193,11 +201,16 @@ def _tool_parser(args: argparse.Namespace) -> type | None:
             "--enable-auto-tool-choice and --tool-call-parser NAME go together: the parser "
             "finds the calls a model chooses to make; give both, or neither"
         )
-    if args.tool_call_parser is None:
+    return _implementation("tool_parsers", args.tool_call_parser)
+
+
+def _implementation(kind: str, name: str | None) -> type | None:
+    """The class of the ``kind`` record called ``name`` (an unknown name lists the others)."""
+    if name is None:
         return None
     from nxdplug.registry import get_registry
 
-    return get_registry().get("tool_parsers", args.tool_call_parser).load("implementation")
+    return get_registry().get(kind, name).load("implementation")
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from nxdplug.serving.protocol import (
     bad_request,
     error_body,
 )
+from nxdplug.serving.replies import ReplyReader, Told
 from nxdplug.serving.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -49,7 +50,6 @@ from nxdplug.serving.responses import (
     now,
     vllm_prompt_logprobs,
 )
-from nxdplug.serving.tool_calls import ToolCallReader
 
 
 def build_app(
@@ -58,10 +58,12 @@ def build_app(
     model_name: str,
     metrics: ServingMetrics,
     tool_parser: type | None = None,
+    reasoning_parser: type | None = None,
 ) -> FastAPI:
     """The server's app; ``model_name`` is the one name requests may give as ``model``;
     ``tool_parser`` finds the calls of ``tool_choice: "auto"`` (a ``ToolParser`` record's
-    implementation), which is refused without one."""
+    implementation), which is refused without one; ``reasoning_parser`` tells a chat reply's
+    reasoning from its answer (a ``ReasoningParser`` record's)."""
     app = FastAPI(title="nxdplug")
     seq_len = engine_loop.engine.max_positions
     _add_error_handlers(app)
@@ -135,13 +137,20 @@ def build_app(
                 "--enable-auto-tool-choice --tool-call-parser NAME; or ask for 'none', "
                 "'required' or a named function",
             )
-        prompt_ids = body.prompt_ids(tokenizer)
+        prompt = body.prompt_text(tokenizer)
+        prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
         settings = body.settings(len(prompt_ids), seq_len)
         with _named_as_asked(body):
             stream = engine_loop.generate(prompt_ids, settings, body.choices, keywords)
         reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
-        readers = [ToolCallReader(use, tool_parser) for _ in range(body.choices)]
+        thinks = reasoning_parser is not None and settings.structured_output is None
+
+        def reader() -> ReplyReader:
+            reasoning = reasoning_parser(prompt) if thinks else None  # type: ignore[misc]
+            return ReplyReader(use, tool_parser, reasoning)
+
+        readers = [reader() for _ in range(body.choices)]
         if body.stream:
             chunks = _chat_chunks(stream, head, tokenizer, body.include_usage(), readers)
             return _event_stream(chunks)
@@ -149,14 +158,14 @@ def build_app(
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = []
-        for index, (output, reader) in enumerate(zip(outputs, readers, strict=True)):
-            reader.read(output.text)
-            reader.finish()
+        for index, (output, read) in enumerate(zip(outputs, readers, strict=True)):
+            read.read(output.text)
+            read.finish()
             choice = ChatChoice(
                 index=index,
-                message=reader.message(),
+                message=read.message(),
                 logprobs=chat_logprobs(output, tokenizer),
-                finish_reason=reader.finish_reason(output.finish_reason),
+                finish_reason=read.finish_reason(output.finish_reason),
                 prompt_logprobs=vllm_prompt_logprobs(output, tokenizer, body.prompt_logprobs),
             )
             choices.append(choice)
@@ -264,10 +273,10 @@ async def _chat_chunks(
     head: dict[str, Any],
     tokenizer: Any,
     include_usage: bool,
-    readers: list[ToolCallReader],
+    readers: list[ReplyReader],
 ) -> AsyncIterator[BaseModel]:
-    """A chunk per output that tells something: content, a call's piece, logprobs or the
-    end; each choice's reader says what its text is."""
+    """A chunk per output that tells something: reasoning, content, a call's piece,
+    logprobs or the end; each choice's reader says what its text is."""
     for index in range(len(stream.request_ids)):
         first = ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))
         yield ChatCompletionChunk(**head, choices=[first])
@@ -275,15 +284,19 @@ async def _chat_chunks(
     async for index, output in stream:
         last[index] = output
         reader = readers[index]
-        content, calls = reader.read(output.text) if output.text else ("", [])
+        told = reader.read(output.text) if output.text else Told()
         if output.finished:
-            held_content, held_calls = reader.finish()
-            content, calls = content + held_content, calls + held_calls
-        if not (content or calls or output.finished or output.logprobs):
+            told = told.then(reader.finish())
+        if not (told.tells_anything() or output.finished or output.logprobs):
             continue
+        delta = ChatDelta(
+            content=told.content or None,
+            tool_calls=list(told.calls) or None,
+            reasoning_content=told.reasoning or None,
+        )
         choice = ChatChunkChoice(
             index=index,
-            delta=ChatDelta(content=content or None, tool_calls=calls or None),
+            delta=delta,
             logprobs=chat_logprobs(output, tokenizer),
             finish_reason=reader.finish_reason(output.finish_reason),
         )

@@ -14,6 +14,7 @@ otherwise.
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any, Literal
 
@@ -415,6 +416,9 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="vLLM's extra: variables of the chat template"
+    )
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -446,11 +450,25 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request("tool_choice", f"{choice!r} needs tools; none are given")
         return ToolUse(choice, tools, parallel=parallel)
 
+    def _template_variables(self, tokenizer: Any) -> dict[str, Any]:
+        """``chat_template_kwargs`` (``enable_thinking``, ...), which the template reads as
+        variables; one that would set ``apply_chat_template``'s own arguments is a 400."""
+        variables = self.chat_template_kwargs or {}
+        own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+        for name in variables:
+            if name in own:
+                raise bad_request(
+                    "chat_template_kwargs",
+                    f"{name!r} is an argument of apply_chat_template that the server sets, "
+                    "not a template variable",
+                )
+        return variables
+
     def _asked_by_tools(self) -> list[tuple[str, tuple[str, str]]]:
         constraint = self.tool_use().constraint()
         return [] if constraint is None else [("tool_choice", constraint)]
 
-    def prompt_ids(self, tokenizer: Any) -> list[int]:
+    def prompt_text(self, tokenizer: Any) -> str:
         """The messages (and tools, if any) as the tokenizer's chat template writes them; a
         400 when it has none, refuses them, or leaves the tools out."""
         if not getattr(tokenizer, "chat_template", None):
@@ -461,15 +479,16 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         messages = [message.template_dict() for message in self.messages]
         tools = list(self.tool_use().tools) or None
-        text = _rendered(tokenizer, messages, tools)
-        if tools is not None and text == _rendered(tokenizer, messages, None):
+        variables = self._template_variables(tokenizer)
+        text = _rendered(tokenizer, messages, tools, variables)
+        if tools is not None and text == _rendered(tokenizer, messages, None, variables):
             raise bad_request(
                 "tools",
                 "this model's chat template does not write tools into the prompt, so the "
                 "model would not see them; leave tools out, or serve a model whose template "
                 "takes them",
             )
-        return tokenizer(text, add_special_tokens=False).input_ids
+        return text
 
     def settings(self, prompt_tokens: int, seq_len: int) -> SamplingSettings:
         """Unless asked, as many tokens as the model's positions leave after the prompt."""
@@ -486,10 +505,15 @@ class ChatCompletionRequest(_GenerationRequest):
         )
 
 
-def _rendered(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+def _rendered(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[Any] | None,
+    variables: dict[str, Any],
+) -> str:
     try:
         return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **variables
         )
     except Exception as exc:  # the template's own raise_exception, or a Jinja error
         raise bad_request("messages", f"the chat template refused them: {exc}") from exc

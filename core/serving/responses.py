@@ -142,6 +142,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ChatToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -165,6 +166,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ChatToolCallDelta] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -11,26 +11,17 @@ What makes a reply's text into calls depends on ``tool_choice``:
   arguments.
 - ``"none"``: the tools are in the prompt and the reply is text.
 
-One :class:`ToolCallReader` reads each choice as it streams, so the whole answer and the
-stream tell the same content and calls.
+A :class:`~nxdplug.serving.replies.ReplyReader` reads each choice with these as it streams,
+so that the whole answer and the stream tell the same content and calls.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import attrs
-
-from nxdplug.serving.responses import (
-    AssistantMessage,
-    ChatToolCall,
-    ChatToolCallDelta,
-    FunctionCall,
-    FunctionCallDelta,
-)
 
 
 @attrs.frozen
@@ -174,81 +165,3 @@ class ToolUse:
             "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
         }
         return schema if self.parallel else schema | {"maxItems": 1}
-
-
-class ToolCallReader:
-    """One choice's reply, piece by piece, as content and tool calls: the stream's deltas as
-    it goes, and the whole message at the end. ``parser_class``: the server's parser for
-    ``"auto"`` (checked before, see ``ChatCompletionRequest.tool_use``)."""
-
-    def __init__(self, use: ToolUse, parser_class: type | None = None) -> None:
-        self.use = use
-        self.parser: ToolCallParser
-        if use.choice == "auto":
-            assert parser_class is not None
-            self.parser = parser_class(list(use.tools))
-        elif use.choice == "required":
-            self.parser = CallArray()
-        else:
-            self.parser = PlainText()
-        self.content: list[str] = []
-        self.calls: list[ChatToolCall] = []
-
-    def read(self, text: str) -> tuple[str, list[ChatToolCallDelta]]:
-        """The content and the call deltas that ``text``, the reply's next piece, tells."""
-        if self.use.choice == "function":
-            return "", [self._arguments(text)]
-        return self._told(self.parser.feed(text))
-
-    def finish(self) -> tuple[str, list[ChatToolCallDelta]]:
-        """What the parser held until the reply's end."""
-        if self.use.choice == "function":
-            return "", []
-        return self._told(self.parser.finish())
-
-    def message(self) -> AssistantMessage:
-        content = "".join(self.content)
-        if self.calls and not content.strip():
-            return AssistantMessage(content=None, tool_calls=self.calls)
-        return AssistantMessage(content=content, tool_calls=self.calls or None)
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        """OpenAI's: ``tool_calls`` when the model ended with calls it chose to make (a
-        named function's call ends with ``stop``)."""
-        if reason == "stop" and self.calls and self.use.choice in ("auto", "required"):
-            return "tool_calls"
-        return reason
-
-    def _arguments(self, text: str) -> ChatToolCallDelta:
-        """The named function's call, its arguments growing by ``text``."""
-        if self.calls:
-            call = self.calls[0]
-            call.function.arguments += text
-            return ChatToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))
-        function = FunctionCall(name=self.use.function or "", arguments=text)
-        call = ChatToolCall(id=_call_id(), function=function)
-        self.calls.append(call)
-        delta = FunctionCallDelta(name=call.function.name, arguments=text)
-        return ChatToolCallDelta(index=0, id=call.id, type="function", function=delta)
-
-    def _told(self, parsed: Parsed) -> tuple[str, list[ChatToolCallDelta]]:
-        self.content.append(parsed.content)
-        deltas = []
-        for found in parsed.calls:
-            if self.calls and not self.use.parallel:
-                break  # parallel_tool_calls=false: the first call only
-            call = ChatToolCall(
-                id=_call_id(), function=FunctionCall(name=found.name, arguments=found.arguments)
-            )
-            delta = FunctionCallDelta(name=found.name, arguments=found.arguments)
-            deltas.append(
-                ChatToolCallDelta(
-                    index=len(self.calls), id=call.id, type="function", function=delta
-                )
-            )
-            self.calls.append(call)
-        return parsed.content, deltas
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
