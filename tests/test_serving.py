@@ -38,8 +38,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from nxdplug.benchmark.server_process import free_port  # noqa: E402
 from nxdplug.cli.main import main  # noqa: E402
+from nxdplug.hookspecs import hookimpl  # noqa: E402
 from nxdplug.serving.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
+from nxdplug.testing import temporary_plugin  # noqa: E402
 from nxdplug.testing.tiny_models import make_tiny_checkpoint  # noqa: E402
+from nxdplug.types import StructuredOutputBackend  # noqa: E402
 
 SEQ_LEN = 512  # long enough that a 400-token stream outlasts a client that hangs up
 MODEL = "tiny-llama"
@@ -815,8 +818,8 @@ def test_engine_loop_streams_and_a_closed_stream_aborts(application) -> None:
     settings = SamplingSettings(max_tokens=40, temperature=0, ignore_eos=True)
 
     async def scenario() -> tuple[int, str | None]:
-        whole = [o async for _, o in engine_loop.generate([1, 2, 3], settings)]
-        stream = engine_loop.generate([1, 2, 3], settings)
+        whole = [o async for _, o in await engine_loop.generate([1, 2, 3], settings)]
+        stream = await engine_loop.generate([1, 2, 3], settings)
         async for _ in stream:
             break  # the consumer leaves: the request is aborted
         return sum(len(o.token_ids) for o in whole), whole[-1].finish_reason
@@ -833,7 +836,7 @@ def test_engine_loop_streams_and_a_closed_stream_aborts(application) -> None:
     assert not stepper.is_alive() and not engine_loop.is_serving()
 
     async def after_stop() -> None:
-        engine_loop.generate([1], settings)
+        await engine_loop.generate([1], settings)
 
     with pytest.raises(EngineStoppedError):
         asyncio.run(after_stop())
@@ -858,7 +861,7 @@ def test_engine_loop_wakes_the_event_loop_once_a_step(application) -> None:
         wakeups = []
         wake = loop.call_soon_threadsafe
         loop.call_soon_threadsafe = lambda *args: wakeups.append(args) or wake(*args)
-        streams = [engine_loop.generate([1, 2, 3 + row], settings) for row in range(2)]
+        streams = [await engine_loop.generate([1, 2, 3 + row], settings) for row in range(2)]
         stepper = _running(engine_loop)  # both queued first: they decode side by side
         tokens = [sum([len(o.token_ids) async for _, o in stream], 0) for stream in streams]
         handed = len(wakeups)
@@ -888,7 +891,7 @@ def test_work_between_steps_runs_on_the_stepping_thread(application) -> None:
 
     async def scenario() -> tuple[int, int, int]:
         idle = await engine_loop.between_steps(threading.get_ident)
-        outputs = aiter(engine_loop.generate([1, 2, 3], settings))
+        outputs = aiter(await engine_loop.generate([1, 2, 3], settings))
         _, first = await anext(outputs)  # a request runs: the work waits for a step's end
         busy = await engine_loop.between_steps(lambda: engine.num_running)
         with pytest.raises(ValueError, match="no such adapter"):
@@ -902,6 +905,73 @@ def test_work_between_steps_runs_on_the_stepping_thread(application) -> None:
     assert idle == stepper.ident and busy == 1 and tokens == 30
 
 
+SLOW_BUILD = 0.5  # seconds: what a large vocabulary's first constraint build may take
+
+
+class SlowCompiler:
+    """llguidance's compiler, built ``SLOW_BUILD`` late."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        from nxdplug.plugins.structured_outputs.guidance import GuidanceCompiler
+
+        time.sleep(SLOW_BUILD)
+        self.compiler = GuidanceCompiler(tokenizer, vocab_size)
+
+    def compile(self, kind: str, spec: str):
+        return self.compiler.compile(kind, spec)
+
+
+class SlowBackend:
+    @hookimpl
+    def nxdplug_structured_output_backends(self):
+        yield StructuredOutputBackend(
+            name="slow-guidance", implementation="test_serving:SlowCompiler", kinds=("regex",),
+            priority=10,
+        )  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:the model runs on thread:RuntimeWarning")  # the loop's thread
+def test_a_constraint_compiles_while_the_engine_steps(application, tokenizer) -> None:
+    """A request's constraint is compiled on a worker thread: a running request keeps getting
+    tokens meanwhile (the first compile held the engine and the event loop, 2.4 s for a 32k
+    vocabulary)."""
+    pytest.importorskip("llguidance")
+    from nxdplug.engine import Engine, SamplingSettings
+    from nxdplug.serving.engine_loop import EngineLoop
+
+    engine = Engine(application, tokenizer)
+    step = engine.step
+    engine.step = lambda: time.sleep(0.02) or step()  # ~50 steps outlast the compile
+    engine_loop = EngineLoop(engine)
+    stepper = _running(engine_loop)
+    plain = SamplingSettings(max_tokens=55, temperature=0, ignore_eos=True)
+    held = SamplingSettings(max_tokens=8, temperature=0, structured_output=("regex", "[0-9]{3}"))
+
+    async def scenario() -> tuple[float, float, list[float], str]:
+        stream = aiter(await engine_loop.generate([1, 2, 3], plain))
+        await anext(stream)
+        arrivals: list[float] = []
+
+        async def read() -> None:
+            async for _ in stream:
+                arrivals.append(time.monotonic())
+
+        reading = asyncio.ensure_future(read())
+        asked = time.monotonic()
+        constrained = await engine_loop.generate([4, 5], held)
+        compiled = time.monotonic()
+        text = "".join([o.text async for _, o in constrained])
+        await reading
+        return asked, compiled, arrivals, text
+
+    with temporary_plugin(SlowBackend(), "slow-guidance"):
+        asked, compiled, arrivals, text = asyncio.run(scenario())
+    engine_loop.stop()
+    stepper.join(timeout=10)
+    assert compiled - asked >= SLOW_BUILD and re.fullmatch("[0-9]{3}", text)
+    assert sum(asked < t < compiled for t in arrivals) >= 5
+
+
 def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
     from nxdplug.engine import Engine, SamplingSettings
     from nxdplug.serving.engine_loop import EngineLoop
@@ -913,7 +983,7 @@ def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
     stepper = _running(engine_loop)
 
     async def scenario() -> None:
-        async for _ in engine_loop.generate([1, 2], SamplingSettings(max_tokens=4)):
+        async for _ in await engine_loop.generate([1, 2], SamplingSettings(max_tokens=4)):
             pass
 
     with pytest.raises(RuntimeError, match="the device fell off"):

@@ -117,7 +117,9 @@ class Engine:
         self._texts: dict[str, IncrementalText] = {}
         self._ids = itertools.count()
         self._known: set[str] = set()
-        self._constraints: Constraints | None = None
+        self._constraints = (
+            None if tokenizer is None else Constraints(tokenizer, self.vocab_size or len(tokenizer))
+        )
         application.reset()
 
     # --- requests, from any thread -------------------------------------------------------
@@ -133,6 +135,19 @@ class Engine:
         the model cannot do, and raises EngineFullError when ``max_waiting`` requests wait.
         ``step_keywords``: the request's values of step-input plugins' keywords (its adapter's
         id, ...; see :mod:`~nxdplug.engine.request_inputs`)."""
+        return self.enqueue(self.prepare(prompt_ids, settings, request_id, step_keywords))
+
+    def prepare(
+        self,
+        prompt_ids: Sequence[int],
+        settings: SamplingSettings | None = None,
+        request_id: str | None = None,
+        step_keywords: Mapping[str, Any] | None = None,
+    ) -> Request:
+        """The checked request that ``enqueue`` queues (``add_request`` does both). Any thread
+        may prepare while the engine steps: a structured output's constraint is compiled here,
+        and the first one builds the backend's view of the vocabulary (seconds for a large
+        one)."""
         settings = settings or SamplingSettings()
         request = Request(request_id or "", list(prompt_ids), settings)
         request.step_keywords = dict(step_keywords or {})
@@ -143,15 +158,22 @@ class Engine:
                 request.generator.seed()
             else:
                 request.generator.manual_seed(settings.seed)
+        return request
+
+    def enqueue(self, request: Request) -> str:
+        """Queue a prepared request; returns its id (made up when it has none). Raises
+        EngineFullError when ``max_waiting`` requests wait."""
         with self._lock:
             if len(self._waiting) >= self.max_waiting:
                 raise EngineFullError(
                     f"{len(self._waiting)} requests are waiting, the engine's limit; retry later"
                 )
-            if not request_id:
+            if not request.request_id:
                 request.request_id = f"req-{next(self._ids)}"
-            elif request_id in self._known:
-                raise RequestError(f"request id {request_id!r} is in use", field="request_id")
+            elif request.request_id in self._known:
+                raise RequestError(
+                    f"request id {request.request_id!r} is in use", field="request_id"
+                )
             self._known.add(request.request_id)
             self._waiting.append(request)
         return request.request_id
@@ -205,10 +227,8 @@ class Engine:
     def _constraint(self, kind: str, spec: str) -> TokenConstraint:
         """A request's structured output, compiled; a RequestError saying why it cannot be."""
         field = "structured_output"
-        if self.tokenizer is None:
-            raise RequestError("structured outputs need the engine's tokenizer", field=field)
         if self._constraints is None:
-            self._constraints = Constraints(self.tokenizer, self.vocab_size or len(self.tokenizer))
+            raise RequestError("structured outputs need the engine's tokenizer", field=field)
         try:
             return self._constraints.compile(kind, spec)
         except LookupError:

@@ -7,6 +7,7 @@ arrives, so that a bad schema is the request's error, and steps it with each cho
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 import torch
@@ -50,6 +51,7 @@ class Constraints:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compilers: dict[str, ConstraintCompiler] = {}
+        self._building = threading.Lock()  # requests are compiled on the threads that add them
 
     def compile(self, kind: str, spec: str) -> TokenConstraint:
         """``kind``'s constraint by the installed backend of highest priority that compiles
@@ -60,7 +62,9 @@ class Constraints:
         if not backends:
             raise LookupError(kind)
         best = max(backends, key=lambda record: record.priority)
-        if best.name not in self._compilers:
-            build = best.load("implementation")
-            self._compilers[best.name] = build(self.tokenizer, self.vocab_size)
-        return self._compilers[best.name].compile(kind, spec)
+        with self._building:
+            if best.name not in self._compilers:
+                build = best.load("implementation")
+                self._compilers[best.name] = build(self.tokenizer, self.vocab_size)
+            compiler = self._compilers[best.name]
+        return compiler.compile(kind, spec)

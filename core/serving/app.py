@@ -96,7 +96,8 @@ def build_app(
         body.refuse_unsupported()
         prompts = body.prompts(tokenizer)
         with _named_as_asked(body):
-            stream = engine_loop.generate_batch(prompts, body.settings(), body.choices, keywords)
+            settings = body.settings()
+            stream = await engine_loop.generate_batch(prompts, settings, body.choices, keywords)
         reply_id = "cmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         echoes = body.echoed_texts(tokenizer, prompts)
@@ -141,7 +142,7 @@ def build_app(
         prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
         settings = body.settings(len(prompt_ids), seq_len)
         with _named_as_asked(body):
-            stream = engine_loop.generate(prompt_ids, settings, body.choices, keywords)
+            stream = await engine_loop.generate(prompt_ids, settings, body.choices, keywords)
         reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         thinks = reasoning_parser is not None and settings.structured_output is None

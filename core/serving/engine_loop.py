@@ -28,6 +28,7 @@ from nxdplug.errors import NxdPlugError
 
 if TYPE_CHECKING:
     from nxdplug.engine import Engine
+    from nxdplug.engine.requests import Request
     from nxdplug.serving.metrics import ServingMetrics
 
 logger = logging.getLogger("nxdplug.serving")
@@ -127,7 +128,7 @@ class EngineLoop:
         """True until the loop is stopped or the engine failed."""
         return self._accepting
 
-    def generate(
+    async def generate(
         self,
         prompt_ids: Sequence[int],
         settings: SamplingSettings,
@@ -136,9 +137,9 @@ class EngineLoop:
     ) -> OutputStream:
         """Queue ``n`` requests for the prompt and return their outputs' stream; call from the
         event loop. See :meth:`generate_batch`."""
-        return self.generate_batch([prompt_ids], settings, n, step_keywords)
+        return await self.generate_batch([prompt_ids], settings, n, step_keywords)
 
-    def generate_batch(
+    async def generate_batch(
         self,
         prompts: Sequence[Sequence[int]],
         settings: SamplingSettings,
@@ -150,10 +151,12 @@ class EngineLoop:
         stream, whose choice index is ``prompt index * n + i``; call from the event loop.
         ``step_keywords`` go with every request (``Engine.add_request``).
 
-        Raises at once what ``engine.add_request`` raises (RequestError, EngineFullError), or
+        Raises what ``engine.add_request`` raises (RequestError, EngineFullError), or
         EngineStoppedError when the loop no longer takes requests; the requests queued before
         the one refused are aborted. More requests than the engine's queue holds at all are a
-        RequestError.
+        RequestError. Requests with a structured output are prepared (their constraints
+        compiled) on a worker thread, so that neither the event loop nor the engine waits for
+        a compile.
         """
         total = len(prompts) * n
         if total > self.engine.max_waiting:
@@ -165,13 +168,24 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         request_ids = [f"req-{uuid.uuid4().hex}" for _ in range(total)]
-        for index, request_id in enumerate(request_ids):
-            choice = settings
-            if settings.seed is not None and index % n:
-                choice = attrs.evolve(settings, seed=settings.seed + index % n)
-            deliver = _tagged(queue, index)
+
+        def prepare() -> list[Request]:
+            prepared = []
+            for index, request_id in enumerate(request_ids):
+                choice = settings
+                if settings.seed is not None and index % n:
+                    choice = attrs.evolve(settings, seed=settings.seed + index % n)
+                prompt = prompts[index // n]
+                prepared.append(self.engine.prepare(prompt, choice, request_id, step_keywords))
+            return prepared
+
+        if settings.structured_output is None:
+            requests = prepare()
+        else:
+            requests = await asyncio.to_thread(prepare)
+        for index, request in enumerate(requests):
             try:
-                self.submit(request_id, prompts[index // n], choice, deliver, loop, step_keywords)
+                self.submit(request, _tagged(queue, index), loop)
             except BaseException:
                 for queued in request_ids[:index]:
                     self.abort(queued)
@@ -180,24 +194,21 @@ class EngineLoop:
 
     def submit(
         self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        settings: SamplingSettings,
+        request: Request,
         deliver: Callable[[Item], None],
         loop: asyncio.AbstractEventLoop | None = None,
-        step_keywords: Mapping[str, Any] | None = None,
     ) -> None:
-        """Queue a request whose outputs (or the engine's failure) go to ``deliver``, which is
-        called on ``loop``'s thread, or without a loop on the thread that steps the engine;
-        thread-safe."""
+        """Queue a prepared request (``Engine.prepare``) whose outputs (or the engine's
+        failure) go to ``deliver``, which is called on ``loop``'s thread, or without a loop on
+        the thread that steps the engine; thread-safe."""
         with self._wake:
             if not self._accepting:
                 raise EngineStoppedError("the server is shutting down; no new requests")
-            self._consumers[request_id] = _Consumer(deliver, time.monotonic(), loop)
+            self._consumers[request.request_id] = _Consumer(deliver, time.monotonic(), loop)
             try:
-                self.engine.add_request(prompt_ids, settings, request_id, step_keywords)
+                self.engine.enqueue(request)
             except BaseException:
-                del self._consumers[request_id]
+                del self._consumers[request.request_id]
                 raise
             self._wake.notify()
 
