@@ -649,6 +649,53 @@ def test_bad_chat_requests(server: str, extra: dict, param: str) -> None:
     assert reply["error"]["param"] == param
 
 
+def test_tokenize_and_detokenize_as_vllm(server: str, tokenizer) -> None:
+    """vLLM's ``/tokenize`` and ``/detokenize``: the ids a completion or a chat is given."""
+
+    def call(path: str, body: dict) -> tuple[int, dict]:
+        status, text = request(f"{server}/{path}", json.dumps(body))
+        return status, json.loads(text)
+
+    code, answer = call("tokenize", {"model": MODEL, "prompt": "def f(x):"})
+    ids = tokenizer("def f(x):").input_ids
+    assert code == 200 and answer == {"count": len(ids), "max_model_len": SEQ_LEN, "tokens": ids}
+    messages = [{"role": "user", "content": "hi"}]
+    code, answer = call("tokenize", {"messages": messages, "return_token_strs": True})
+    assert answer["tokens"] == chat_prompt_ids(tokenizer, messages)
+    assert answer["token_strs"] == tokenizer.convert_ids_to_tokens(answer["tokens"])
+    going_on = [*messages, {"role": "assistant", "content": "He said"}]
+    asked = {"messages": going_on, "add_generation_prompt": False, "continue_final_message": True}
+    code, answer = call("tokenize", asked)
+    text = tokenizer.apply_chat_template(going_on, continue_final_message=True, tokenize=False)
+    assert text.endswith("He said") and answer["tokens"] == tokenizer(text).input_ids
+    assert call("detokenize", {"model": MODEL, "tokens": ids}) == (200, {"prompt": "def f(x):"})
+    for path, body, status, param in [
+        ("detokenize", {"tokens": [-1]}, 400, "tokens"),
+        ("tokenize", {"prompt": "a", "messages": messages}, 400, "prompt"),
+        ("tokenize", {"model": "nope", "prompt": "a"}, 404, "model"),
+        ("tokenize", {"messages": going_on, "continue_final_message": True}, 400,
+         "continue_final_message"),
+    ]:  # fmt: skip
+        code, answer = call(path, body)
+        assert code == status and answer["error"]["param"] == param, answer
+
+
+def test_a_chat_continues_its_last_message(client, tokenizer, greedy) -> None:
+    messages = [
+        {"role": "user", "content": "Write a function"},
+        {"role": "assistant", "content": "def add(a, b):"},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True,
+                    "ignore_eos": True},
+    )  # fmt: skip
+    text = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False).input_ids
+    assert text.endswith("def add(a, b):") and answer.usage.prompt_tokens == len(prompt)
+    assert answer.choices[0].message.content == greedy(prompt, 10)
+
+
 def test_the_openai_client_sees_the_errors(client) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="a")

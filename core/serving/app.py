@@ -29,7 +29,9 @@ from nxdplug.serving.metrics import ServingMetrics
 from nxdplug.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
     bad_request,
     error_body,
 )
@@ -171,6 +173,25 @@ def build_app(
             )
             choices.append(choice)
         return _json(ChatCompletion(**head, choices=choices, usage=Usage.of(outputs, body.choices)))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        if body.model is not None:
+            step_keywords_of(body.model)
+        ids = body.token_ids(tokenizer)
+        answer: dict[str, Any] = {"count": len(ids), "max_model_len": seq_len, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(answer)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        if body.model is not None:
+            step_keywords_of(body.model)
+        vocabulary = engine_loop.engine.vocab_size or len(tokenizer)
+        if any(not 0 <= token < vocabulary for token in body.tokens):
+            raise bad_request("tokens", f"token ids are in [0, {vocabulary})")
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -419,6 +419,10 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(
         default=None, description="vLLM's extra: variables of the chat template"
     )
+    add_generation_prompt: bool = Field(default=True, description="vLLM's extra")
+    continue_final_message: bool = Field(
+        default=False, description="vLLM's extra: the reply continues the last message"
+    )
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -460,7 +464,8 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise bad_request(
                     "chat_template_kwargs",
                     f"{name!r} is an argument of apply_chat_template that the server sets, "
-                    "not a template variable",
+                    "not a template variable (add_generation_prompt and "
+                    "continue_final_message are fields of the request)",
                 )
         return variables
 
@@ -479,7 +484,16 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         messages = [message.template_dict() for message in self.messages]
         tools = list(self.tool_use().tools) or None
-        variables = self._template_variables(tokenizer)
+        if self.add_generation_prompt and self.continue_final_message:
+            raise bad_request(
+                "continue_final_message",
+                "continues the last message, while add_generation_prompt starts a new one; "
+                "set add_generation_prompt to false",
+            )
+        variables = self._template_variables(tokenizer) | {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
         text = _rendered(tokenizer, messages, tools, variables)
         if tools is not None and text == _rendered(tokenizer, messages, None, variables):
             raise bad_request(
@@ -505,15 +519,63 @@ class ChatCompletionRequest(_GenerationRequest):
         )
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a prompt as completions tokenize it, or messages (and tools)
+    as chat completions render and tokenize them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+    def token_ids(self, tokenizer: Any) -> list[int]:
+        """The ids that a completion of ``prompt`` or a chat of ``messages`` would be given
+        (special tokens added to a prompt unless ``add_special_tokens`` is false; to messages
+        only if it is true, as the chat template writes its own)."""
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt", "give a prompt or messages, one of them")
+        if self.prompt is not None:
+            special = self.add_special_tokens is not False
+            return tokenizer(self.prompt, add_special_tokens=special).input_ids
+        chat = ChatCompletionRequest(
+            model=self.model or "",
+            messages=self.messages,
+            tools=self.tools,
+            tool_choice="none" if self.tools else None,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
+        chat.refuse_unsupported()
+        text = chat.prompt_text(tokenizer)
+        return tokenizer(text, add_special_tokens=bool(self.add_special_tokens)).input_ids
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _rendered(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     tools: list[Any] | None,
     variables: dict[str, Any],
 ) -> str:
+    """The chat template's text; ``variables``: the template's, and how the text ends
+    (``add_generation_prompt``, ``continue_final_message``)."""
     try:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **variables
-        )
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, **variables)
     except Exception as exc:  # the template's own raise_exception, or a Jinja error
         raise bad_request("messages", f"the chat template refused them: {exc}") from exc
