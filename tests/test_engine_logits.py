@@ -14,8 +14,14 @@ import pytest
 import torch
 from test_engine import DYNAMIC, app_for
 from transformers import AutoModelForCausalLM
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from nxdplug.engine import Engine, RequestError, SamplingSettings
+from nxdplug.testing import chi_square_p_value
 
 NEW_TOKENS = 12
 
@@ -141,6 +147,28 @@ def test_a_sampled_request_samples_from_the_adjusted_logits(checkpoint, prompts)
     assert biased == [77] * NEW_TOKENS and unbiased != biased
 
 
+def test_min_p_draws_from_hfs_min_p_warped_distribution(checkpoint, hf, prompts) -> None:
+    """First tokens drawn with ``min_p`` (and top-p beside it) keep to HF's warped
+    distribution: TemperatureLogitsWarper, TopPLogitsWarper then MinPLogitsWarper."""
+    engine = Engine(app_for(checkpoint), eos_token_ids=[])
+    temperature, top_p, min_p, draws = 1.5, 0.95, 0.2, 400
+    asked = [
+        (prompts[1], SamplingSettings(1, temperature, top_p=top_p, min_p=min_p, seed=seed))
+        for seed in range(draws)
+    ]
+    counts = torch.zeros(hf.config.vocab_size)
+    for tokens in engine_tokens(engine, asked):
+        counts[tokens[0]] += 1
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompts[1]])).logits[:, -1].float()
+    ids = torch.tensor([prompts[1]])
+    scores = TopPLogitsWarper(top_p)(ids, TemperatureLogitsWarper(temperature)(ids, logits))
+    warped = MinPLogitsWarper(min_p)(ids, scores)[0]
+    kept = int(torch.isfinite(warped).sum())
+    assert 3 <= kept < int(torch.isfinite(scores).sum())  # min_p filters, and leaves a choice
+    assert chi_square_p_value(counts, warped.softmax(dim=-1)) > 1e-3
+
+
 def test_top_logprobs_are_hfs_and_of_the_model_before_adjustment(checkpoint, hf, prompts) -> None:
     engine = Engine(app_for(checkpoint), eos_token_ids=[])
     settings = greedy(logprobs=True, top_logprobs=3, repetition_penalty=1.6)
@@ -170,6 +198,7 @@ def test_top_logprobs_are_hfs_and_of_the_model_before_adjustment(checkpoint, hf,
     ("settings", "field", "message"),
     [
         ({"repetition_penalty": 0.0}, "repetition_penalty", "must be > 0"),
+        ({"min_p": 1.5}, "min_p", "must be in"),
         ({"presence_penalty": 2.5}, "presence_penalty", "must be in \\[-2, 2\\]"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty", "must be in \\[-2, 2\\]"),
         ({"logit_bias": [(5, 101.0)]}, "logit_bias", "bias must be in \\[-100, 100\\]"),
@@ -196,6 +225,9 @@ def test_a_model_sampling_in_its_graph_refuses_adjustments(checkpoint) -> None:
         with pytest.raises(RequestError, match="on_device_sampling_config") as caught:
             engine.add_request([1, 2], SamplingSettings(10, 0, **settings))
         assert caught.value.field == field
+    with pytest.raises(RequestError, match="on_device_sampling_config") as caught:
+        engine.add_request([1, 2], SamplingSettings(10, 1.0, min_p=0.1))
+    assert caught.value.field == "min_p"
 
 
 def test_a_bad_max_tokens_is_reported_alone_beside_min_tokens() -> None:

@@ -569,6 +569,7 @@ def post(base: str, path: str, body: str | dict) -> tuple[int, dict]:
         ({"model": "gpt-4", "prompt": "a"}, 404, "model"),
         ('{"model": "tiny-llama", "prompt": ', 400, None),
         ({"model": MODEL, "prompt": "a", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "a", "min_p": 2}, 400, "min_p"),
         ({"model": MODEL, "prompt": "a b " * 400}, 400, "prompt"),
         ({"model": MODEL, "prompt": "a", "max_tokens": SEQ_LEN}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "a", "n": 0}, 400, "n"),

@@ -42,8 +42,10 @@ class EngineFullError(NxdPlugError):
 class SamplingSettings:
     """How one request is decoded, with OpenAI's meanings.
 
-    ``temperature`` 0 (or ``top_k`` 1) is greedy; ``top_k`` 0 and ``top_p`` 1 switch those
-    filters off. ``seed`` makes a sampled request's tokens reproducible. ``stop`` strings end the
+    ``temperature`` 0 (or ``top_k`` 1) is greedy; ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0
+    switch those filters off (``min_p``, vLLM's and HF's: a token less likely than ``min_p``
+    times the likeliest one is not drawn; applied after top-k and top-p, in HF's order).
+    ``seed`` makes a sampled request's tokens reproducible. ``stop`` strings end the
     text before them; ``stop_token_ids`` and the model's EOS (unless ``ignore_eos``) end it after
     the token, and ``min_tokens`` keeps those tokens from being chosen until that many tokens
     are out (vLLM's meaning). ``logprobs``: return the log-probability of each chosen token, and
@@ -65,6 +67,7 @@ class SamplingSettings:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
@@ -110,6 +113,8 @@ class SamplingSettings:
             found.append(("top_k", f"must be a whole number >= 0 (0: off), got {self.top_k!r}"))
         if not (_is_number(self.top_p) and 0 < self.top_p <= 1):
             found.append(("top_p", f"must be in (0, 1], got {self.top_p!r}"))
+        if not (_is_number(self.min_p) and 0 <= self.min_p <= 1):
+            found.append(("min_p", f"must be in [0, 1] (0: off), got {self.min_p!r}"))
         if self.seed is not None and not _is_whole(self.seed):
             found.append(("seed", f"must be a whole number, got {self.seed!r}"))
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -76,6 +76,12 @@ class TokenChoice:
                 "on-device sampling",
                 field=field,
             )
+        if settings.min_p and not settings.greedy and not self.samples_on_host:
+            raise RequestError(
+                "min_p is drawn on the host, but this model chooses its tokens in its graph "
+                "(on_device_sampling_config); serve it without on-device sampling",
+                field="min_p",
+            )
         refusal = None if self.graph is None else self.graph.refusal(settings)
         if refusal is not None:
             field, why = refusal
@@ -126,5 +132,8 @@ class TokenChoice:
         params = SamplingParams(
             top_k=settings.top_k, top_p=settings.top_p, temperature=settings.temperature
         )
-        scores = self.multinomial.scores(logits[None].float(), params)
-        return torch.multinomial(scores.softmax(dim=-1), 1, generator=request.generator)[0, 0]
+        probabilities = self.multinomial.scores(logits[None].float(), params).softmax(dim=-1)
+        if settings.min_p:
+            least = settings.min_p * probabilities.max(dim=-1, keepdim=True).values
+            probabilities = probabilities.masked_fill(probabilities < least, 0)
+        return torch.multinomial(probabilities, 1, generator=request.generator)[0, 0]

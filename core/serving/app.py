@@ -150,7 +150,7 @@ def build_app(
         thinks = reasoning_parser is not None and settings.structured_output is None
 
         def reader() -> ReplyReader:
-            reasoning = reasoning_parser(prompt) if thinks else None  # type: ignore[misc]
+            reasoning = reasoning_parser(prompt) if thinks else None
             return ReplyReader(use, tool_parser, reasoning)
 
         readers = [reader() for _ in range(body.choices)]

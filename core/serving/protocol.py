@@ -1,9 +1,9 @@
 """OpenAI's request bodies, what this server honours of them, and its error body.
 
-Besides OpenAI's fields, vLLM's extras ``top_k``, ``min_tokens``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs`` and ``structured_outputs`` (and the older
-``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``) are honoured, as is
-OpenAI's ``response_format``. A field that would change the result but is not implemented
+Besides OpenAI's fields, vLLM's extras ``top_k``, ``min_p``, ``min_tokens``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs`` and
+``structured_outputs`` (and the older ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar``) are honoured, as is OpenAI's ``response_format``. A field that would change the result but is not implemented
 (``best_of``, ``suffix``, and any field not declared here) is refused with a 400 naming it,
 never silently ignored. Chat completions take ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` (see :mod:`~nxdplug.serving.tool_calls`). ``n`` choices are ``n``
@@ -111,6 +111,7 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(default=None, description="vLLM's extra: 0 or -1 is off")
+    min_p: float | None = Field(default=None, description="vLLM's extra: 0 is off")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(default=None, description="vLLM's extra")
     seed: int | None = None
@@ -170,6 +171,7 @@ class _GenerationRequest(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_k=0 if self.top_k in (None, -1) else self.top_k,
             top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             stop=stop,
             stop_token_ids=self.stop_token_ids or (),
