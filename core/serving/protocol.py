@@ -3,13 +3,13 @@
 Besides OpenAI's fields, vLLM's extras ``top_k``, ``min_p``, ``min_tokens``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs`` and
 ``structured_outputs`` (and the older ``guided_json``, ``guided_regex``, ``guided_choice``,
-``guided_grammar``) are honoured, as is OpenAI's ``response_format``. A field that would change the result but is not implemented
-(``best_of``, ``suffix``, and any field not declared here) is refused with a 400 naming it,
-never silently ignored. Chat completions take ``tools``, ``tool_choice`` and
-``parallel_tool_calls`` (see :mod:`~nxdplug.serving.tool_calls`). ``n`` choices are ``n``
-requests of the engine for the same prompt. ``echo`` with ``logprobs`` and ``prompt_logprobs``
-need a model that scores prompts (``--enable-prompt-logprobs``); the engine refuses them
-otherwise.
+``guided_grammar``) are honoured, as is OpenAI's ``response_format``. A field that would
+change the result but is not implemented (``best_of``, ``suffix``, and any field not declared
+here) is refused with a 400 naming it, never silently ignored. Chat completions take
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` (see
+:mod:`~nxdplug.serving.tool_calls`). ``n`` choices are ``n`` requests of the engine for the
+same prompt. ``echo`` with ``logprobs`` and ``prompt_logprobs`` need a model that scores
+prompts (``--enable-prompt-logprobs``); the engine refuses them otherwise.
 """
 
 from __future__ import annotations
