@@ -9,6 +9,7 @@ function, the same server's structured output of the schema that vLLM documents 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from collections.abc import Iterator
@@ -252,12 +253,20 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return scripted_checkpoint(tmp_path_factory.mktemp("scripted"))
 
 
-@pytest.fixture(scope="module")
-def auto_client(scripted: Path) -> Iterator[openai.OpenAI]:
+@contextlib.contextmanager
+def scripted_client(folder: Path) -> Iterator[openai.OpenAI]:
+    """The ``openai`` client of a server of the scripted checkpoint that reads Hermes' tool
+    calls and Qwen3's reasoning."""
     parsers = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     parsers += ("--reasoning-parser", "qwen3")
-    with running_server(scripted, *SERVER_OPTIONS, *parsers) as base:
+    with running_server(folder, *SERVER_OPTIONS, *parsers) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def auto_client(scripted: Path) -> Iterator[openai.OpenAI]:
+    with scripted_client(scripted) as client:
+        yield client
 
 
 def hf_prompt(tokenizer, messages: list[dict]) -> torch.Tensor:

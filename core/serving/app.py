@@ -52,6 +52,7 @@ from nxdplug.serving.responses import (
     now,
     vllm_prompt_logprobs,
 )
+from nxdplug.serving.responses_api import ResponseBuilder, ResponseRequest
 
 
 def build_app(
@@ -128,8 +129,8 @@ def build_app(
         usage = Usage.of(outputs, body.choices)
         return _json(CompletionResult(**head, choices=choices, usage=usage))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    async def start_chat(body: ChatCompletionRequest) -> tuple[OutputStream, list[ReplyReader]]:
+        """The chat's requests queued, and a reader of each choice's reply."""
         keywords = step_keywords_of(body.model)
         body.refuse_unsupported()
         use = body.tool_use()
@@ -145,15 +146,19 @@ def build_app(
         settings = body.settings(len(prompt_ids), seq_len)
         with _named_as_asked(body):
             stream = await engine_loop.generate(prompt_ids, settings, body.choices, keywords)
-        reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
-        head = {"id": reply_id, "created": now(), "model": model_name}
         thinks = reasoning_parser is not None and settings.structured_output is None
 
         def reader() -> ReplyReader:
             reasoning = reasoning_parser(prompt) if thinks else None
             return ReplyReader(use, tool_parser, reasoning)
 
-        readers = [reader() for _ in range(body.choices)]
+        return stream, [reader() for _ in range(body.choices)]
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        stream, readers = await start_chat(body)
+        reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
+        head = {"id": reply_id, "created": now(), "model": model_name}
         if body.stream:
             chunks = _chat_chunks(stream, head, tokenizer, body.include_usage(), readers)
             return _event_stream(chunks)
@@ -173,6 +178,18 @@ def build_app(
             )
             choices.append(choice)
         return _json(ChatCompletion(**head, choices=choices, usage=Usage.of(outputs, body.choices)))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, body: ResponseRequest) -> Response:
+        body.refuse_unsupported()
+        stream, (reader,) = await start_chat(body.as_chat())
+        reply = ResponseBuilder(body, stream.request_id, model_name, tokenizer, reader)
+        if body.stream:
+            return _event_stream(reply.events(stream), named_events=True)
+        outputs = await _whole_answer(request, stream)
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(reply.whole(outputs[0]))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -328,17 +345,30 @@ async def _chat_chunks(
         yield ChatCompletionChunk(**head, choices=[], usage=Usage.of(finals, len(readers)))
 
 
-def _event_stream(chunks: AsyncIterator[BaseModel]) -> StreamingResponse:
-    """Server-sent events: ``data: {chunk}`` per chunk, then ``data: [DONE]``. An engine
-    failure mid-stream ends it with an error event (the status line is sent already)."""
+def _event_stream(
+    chunks: AsyncIterator[BaseModel | dict[str, Any]], named_events: bool = False
+) -> StreamingResponse:
+    """Server-sent events: ``data: {chunk}`` per chunk, then ``data: [DONE]``; with
+    ``named_events`` (the Responses API's), ``event: {type}`` before each one's data and no
+    ``[DONE]``. An engine failure mid-stream ends it with an error event (the status line is
+    sent already)."""
 
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
-                yield f"data: {chunk.model_dump_json()}\n\n"
+                if isinstance(chunk, dict):
+                    yield f"event: {chunk['type']}\ndata: {json.dumps(chunk)}\n\n"
+                else:
+                    yield f"data: {chunk.model_dump_json()}\n\n"
         except Exception as exc:
-            yield f"data: {json.dumps(error_body(500, f'the engine failed: {exc}'))}\n\n"
-        yield "data: [DONE]\n\n"
+            message = f"the engine failed: {exc}"
+            if named_events:
+                failure = {"type": "error", "code": "server_error", "message": message}
+                yield f"event: error\ndata: {json.dumps(failure)}\n\n"
+            else:
+                yield f"data: {json.dumps(error_body(500, message))}\n\n"
+        if not named_events:
+            yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
 
