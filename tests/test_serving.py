@@ -681,6 +681,22 @@ def test_tokenize_and_detokenize_as_vllm(server: str, tokenizer) -> None:
         assert code == status and answer["error"]["param"] == param, answer
 
 
+def test_skip_special_tokens_false_keeps_them_in_the_text(client) -> None:
+    """vLLM's ``skip_special_tokens``: ``<|endoftext|>`` (forced by a bias, EOS ignored) is
+    text only when asked; an EOS that ends a request is never text."""
+    forced = {"logit_bias": {"0": 100}, "max_tokens": 3, "temperature": 0}
+    for skip, text in [(True, ""), (False, "<|endoftext|>" * 3)]:
+        answer = client.completions.create(
+            model=MODEL, prompt="a", **forced,
+            extra_body={"ignore_eos": True, "skip_special_tokens": skip},
+        )  # fmt: skip
+        assert answer.choices[0].text == text
+    ended = client.completions.create(
+        model=MODEL, prompt="a", **forced, extra_body={"skip_special_tokens": False}
+    )
+    assert ended.choices[0].text == "" and ended.choices[0].finish_reason == "stop"
+
+
 def test_a_chat_continues_its_last_message(client, tokenizer, greedy) -> None:
     messages = [
         {"role": "user", "content": "Write a function"},

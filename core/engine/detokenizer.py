@@ -22,9 +22,12 @@ class IncrementalText:
     cost per step stays constant, not proportional to the output so far.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
+        self.skip_special_tokens = skip_special_tokens
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.released = 0
@@ -58,7 +61,9 @@ class IncrementalText:
         return window[len(context) :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _first_stop(self) -> int | None:
         # A stop string ending in new text starts at most `hold` characters before it.

@@ -117,6 +117,7 @@ class Engine:
         self._texts: dict[str, IncrementalText] = {}
         self._ids = itertools.count()
         self._known: set[str] = set()
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
         self._constraints = (
             None if tokenizer is None else Constraints(tokenizer, self.vocab_size or len(tokenizer))
         )
@@ -357,7 +358,7 @@ class Engine:
                 self._running[request.line] = request
                 if self.tokenizer is not None:
                     self._texts[request.request_id] = IncrementalText(
-                        self.tokenizer, request.settings.stop
+                        self.tokenizer, request.settings.stop, request.settings.skip_special_tokens
                     )
                 admitted.append(request)
             self._waiting.extendleft(reversed(passed_over))
@@ -454,7 +455,10 @@ class Engine:
             text, stopped = "", False
             incremental = self._texts.get(request.request_id)
             if incremental is not None:
-                text, stopped = incremental.update(request.output_ids)
+                ids = request.output_ids
+                if reason == FINISH_STOP and token in self._special_ids:
+                    ids = ids[:-1]  # the special token that ends the request is no text
+                text, stopped = incremental.update(ids)
             if stopped:
                 reason = FINISH_STOP
             if reason is not None:

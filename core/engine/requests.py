@@ -54,6 +54,8 @@ class SamplingSettings:
     (None: off), from a model that scores prompts (``enable_prompt_logprobs``).
     ``structured_output``: ``(kind, spec)``, the output held to a JSON schema, a regular
     expression, a list of choices or a grammar (see :mod:`~nxdplug.engine.structured_output`).
+    ``skip_special_tokens`` (vLLM's): the text leaves special tokens out; either way a special
+    token that ends the request (EOS) adds no text.
 
     The logits are adjusted before a token is chosen, as vLLM does: ``logit_bias`` (token id,
     bias) pairs are added; ``repetition_penalty`` divides the positive logits (multiplies the
@@ -85,6 +87,7 @@ class SamplingSettings:
     structured_output: tuple[str, str] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple)
     )
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:

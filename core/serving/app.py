@@ -15,6 +15,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import attrs
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -144,6 +145,8 @@ def build_app(
         prompt = body.prompt_text(tokenizer)
         prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
         settings = body.settings(len(prompt_ids), seq_len)
+        if use.choice == "auto" and getattr(tool_parser, "keeps_special_tokens", False):
+            settings = attrs.evolve(settings, skip_special_tokens=False)
         with _named_as_asked(body):
             stream = await engine_loop.generate(prompt_ids, settings, body.choices, keywords)
         thinks = reasoning_parser is not None and settings.structured_output is None

@@ -1,15 +1,16 @@
 """OpenAI's request bodies, what this server honours of them, and its error body.
 
 Besides OpenAI's fields, vLLM's extras ``top_k``, ``min_p``, ``min_tokens``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs`` and
-``structured_outputs`` (and the older ``guided_json``, ``guided_regex``, ``guided_choice``,
-``guided_grammar``) are honoured, as is OpenAI's ``response_format``. A field that would
-change the result but is not implemented (``best_of``, ``suffix``, and any field not declared
-here) is refused with a 400 naming it, never silently ignored. Chat completions take
-``tools``, ``tool_choice`` and ``parallel_tool_calls`` (see
-:mod:`~nxdplug.serving.tool_calls`). ``n`` choices are ``n`` requests of the engine for the
-same prompt. ``echo`` with ``logprobs`` and ``prompt_logprobs`` need a model that scores
-prompts (``--enable-prompt-logprobs``); the engine refuses them otherwise.
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+``prompt_logprobs`` and ``structured_outputs`` (and the older ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``) are honoured, as is OpenAI's
+``response_format``. A field that would change the result but is not implemented
+(``best_of``, ``suffix``, and any field not declared here) is refused with a 400 naming it,
+never silently ignored. Chat completions take ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (see :mod:`~nxdplug.serving.tool_calls`). ``n`` choices are ``n``
+requests of the engine for the same prompt. ``echo`` with ``logprobs`` and
+``prompt_logprobs`` need a model that scores prompts (``--enable-prompt-logprobs``); the
+engine refuses them otherwise.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = Field(default=True, description="vLLM's extra")
     min_tokens: int = Field(default=0, description="vLLM's extra")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -185,6 +187,7 @@ class _GenerationRequest(BaseModel):
             logit_bias=self._logit_bias(),
             prompt_logprobs=prompt_logprobs,
             structured_output=None if structured is None else structured[1],
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     def structured_output(self) -> tuple[str, tuple[str, str]] | None:

@@ -55,7 +55,9 @@ class ToolCallParser(Protocol):
 
     ``feed`` takes the next piece of text and returns what is sure by now, holding back text
     that may begin a call; ``finish`` returns the rest once the reply has ended. The pieces'
-    contents, joined, are the reply's content.
+    contents, joined, are the reply's content. A class that sets ``keeps_special_tokens``
+    gets the text with the model's special tokens in it (where its format's markers are
+    special tokens).
     """
 
     def feed(self, text: str) -> Parsed: ...

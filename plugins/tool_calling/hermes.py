@@ -16,6 +16,10 @@ CLOSE = "</tool_call>"
 
 
 class HermesParser:
+    # Hermes 2 Pro's tags are special tokens: the reply's text must keep them (as vLLM's
+    # hermes parser asks).
+    keeps_special_tokens = True
+
     def __init__(self, tools: Sequence[Mapping[str, Any]]) -> None:
         self._pending = ""
         self._in_call = False
