@@ -157,6 +157,29 @@ def test_a_request_whose_adapter_fits_goes_ahead_of_one_that_waits(adapters) -> 
     assert engine.lines.in_use == 0
 
 
+def test_a_waiting_adapter_is_passed_over_at_most_once_per_line(adapters) -> None:
+    """A code and a chat request arrive every step (running 2 to 5 steps, so that lines free
+    one at a time) while math waits for a slot that those two adapters hold: once as many
+    requests went ahead of it as the engine has lines (4), no more do, a slot drains and math
+    runs. Without the bound, 15 went ahead of it on this load."""
+    checkpoint, paths = adapters
+    engine = engine_for(
+        checkpoint, paths, max_loras=2, enable_dynamic_multi_lora=True, max_cpu_loras=3
+    )
+    for prompt, adapter in zip(PROMPTS[:3], ("code", "chat", "math"), strict=True):
+        engine.add_request(prompt, SamplingSettings(3, 0), step_keywords={"adapter_ids": adapter})
+    (math,) = [r for r in engine.unfinished_requests() if r.step_keywords["adapter_ids"] == "math"]
+    for step in range(30):
+        for offset, adapter in enumerate(("code", "chat")):
+            settings = SamplingSettings(2 + (step + 2 * offset) % 4, 0)  # lines free in turns
+            engine.add_request(PROMPTS[3], settings, step_keywords={"adapter_ids": adapter})
+        engine.step()
+    assert math.finished and math.times_passed_over == engine.max_batch_size == 4
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.lines.in_use == 0
+
+
 def test_generate_with_more_rows_than_lines_gives_each_row_its_adapter(adapters) -> None:
     """generate(adapter_ids=[...]) on 5 rows over 4 lines runs them through the engine, each
     row's request with its adapter: PEFT's mixed batch gives the same tokens."""

@@ -97,6 +97,7 @@ class Engine:
         self.max_waiting = max_waiting
         strategy = application.plugins.kv_cache_strategy
         self.lines: CacheSpace = strategy.load("cache_space")(neuron_config)
+        self.max_batch_size = neuron_config.max_batch_size
         self.ctx_rows = neuron_config.ctx_batch_size
         self.tkg_rows = neuron_config.tkg_batch_size
         self.max_prompt = neuron_config.max_context_length
@@ -340,14 +341,20 @@ class Engine:
     def _admit(self) -> list[Request]:
         """Waiting requests into free lines, in arrival order. One that cannot run beside the
         running ones (an adapter with no free slot, ...) stays at the front of the queue while
-        later ones that can run go ahead, as vLLM's scheduler skips it; one that finds no room
-        in the cache stops admission (it is first in line for the next free room)."""
+        later ones that can run go ahead, as vLLM's scheduler skips it, but only as many as
+        the engine has lines: then admission waits for it, so that requests that keep coming
+        for the running adapters cannot keep it out forever. One that finds no room in the
+        cache stops admission (it is first in line for the next free room)."""
         admitted: list[Request] = []
         passed_over: list[Request] = []
         with self._lock:
             while self._waiting and self.lines.free > 0:
                 request = self._waiting[0]
+                if passed_over and passed_over[0].times_passed_over >= self.max_batch_size:
+                    break  # the oldest waiting request has been passed over enough
                 if not self.inputs.fits([*self._running.values()], request):
+                    if request.times_passed_over >= self.max_batch_size:
+                        break  # the same, at the front of the queue
                     passed_over.append(self._waiting.popleft())
                     continue
                 line = self.lines.reserve(request.prompt_ids, request.settings.max_tokens)
@@ -356,6 +363,8 @@ class Engine:
                 self._waiting.popleft()
                 request.line = line
                 self._running[request.line] = request
+                if passed_over:
+                    passed_over[0].times_passed_over += 1
                 if self.tokenizer is not None:
                     self._texts[request.request_id] = IncrementalText(
                         self.tokenizer, request.settings.stop, request.settings.skip_special_tokens

@@ -231,6 +231,8 @@ class Request:
     prompt_scores: tuple[PromptLogprob | None, ...] | None = None
     # Its structured output's state (compiled when it arrives), stepped with each token.
     constraint: Any = None
+    # Requests admitted ahead of it while it could not run (see Engine._admit).
+    times_passed_over: int = 0
 
     @property
     def finished(self) -> bool:
