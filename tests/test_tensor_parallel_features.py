@@ -1,17 +1,22 @@
 """Features over two tensor-parallel ranks (gloo, one process each): the fp8 KV cache and
-speculation (a draft model, prompt lookup).
+speculation (a draft model, prompt lookup; Medusa and EAGLE with the trained heads and draft of
+pycoder-tiny, so that their branches are accepted as often as in one process).
 
 Each rank's greedy tokens must equal one process's: the fp8 cache's own (it changes the tokens
 of this random model, so the unquantized ones are no oracle), HF transformers' greedy tokens for
-speculation, which is lossless.
+speculation, which is lossless; Medusa and EAGLE accept as many tokens as in one process.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from test_eagle import eagle_app
+from test_medusa import HEADS_FILE as MEDUSA_HEADS
+from test_medusa import WIDE, load, medusa_options
 from test_tensor_parallel import (
     MASK,
     NEW_TOKENS,
@@ -30,6 +35,8 @@ pytestmark = pytest.mark.slow
 
 BASE = {"torch_dtype": "float32", "batch_size": 2, "seq_len": 48, "max_context_length": 16}
 SPECULATING = {"speculation_length": 3, "trace_tokengen_model": False}
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
+PYCODER = SHARED / "pycoder-tiny"
 
 
 def app_of(checkpoint: str, tp_degree: int, **settings):
@@ -54,12 +61,53 @@ def tokens_of(checkpoint: str, case: str, tp_degree: int) -> tuple[torch.Tensor,
 
 
 CASES = ("fp8", "draft", "prompt-lookup")
+TRAINED_CASES = ("medusa", "eagle")
+PYCODER_OPTIONS = {"batch_size": 2, "seq_len": 136, "max_context_length": 64}
+PYCODER_TOKENS = 32
+
+
+def pycoder_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """The first two ``file_start`` prompts of the shared prompts (64 tokens each)."""
+    lines = (json.loads(line) for line in (SHARED / "prompts.jsonl").open())
+    ids = torch.tensor([p["input_ids"] for p in lines if p["kind"] == "file_start"][:2])
+    return ids, torch.ones_like(ids)
+
+
+def trained_tokens_of(case: str, tp_degree: int, work: Path) -> tuple[torch.Tensor, float]:
+    """pycoder-tiny's greedy tokens with its Medusa heads or EAGLE draft, and the share of
+    speculated tokens accepted."""
+    if case == "eagle":
+        app = eagle_app(PYCODER, SHARED / "pycoder-tiny-eagle", k=4, tp_degree=tp_degree,
+                        **PYCODER_OPTIONS)  # fmt: skip
+    else:
+        app = load(with_medusa_heads(work), tp_degree=tp_degree, **PYCODER_OPTIONS,
+                   **medusa_options(WIDE))  # fmt: skip
+    ids, mask = pycoder_prompts()
+    tokens = HuggingFaceGenerationAdapter(app).generate(
+        ids, attention_mask=mask, max_new_tokens=PYCODER_TOKENS, eos_token_id=None
+    )
+    return tokens, app.speculation_stats.acceptance_rate
+
+
+def with_medusa_heads(work: Path) -> Path:
+    """pycoder-tiny's files and its Medusa heads in one folder (links, made before the ranks
+    start)."""
+    return work / "pycoder-medusa"
+
+
+def link_medusa_heads(work: Path) -> None:
+    folder = with_medusa_heads(work)
+    folder.mkdir()
+    for file in [*PYCODER.iterdir(), SHARED / "pycoder-tiny-medusa" / MEDUSA_HEADS]:
+        (folder / file.name).symlink_to(file)
 
 
 def _rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> None:
     become_launched_rank(rank, world, port)
-    for case in CASES:
-        tokens, accepted = tokens_of(checkpoint, case, world)
+    results = {case: tokens_of(checkpoint, case, world) for case in CASES}
+    if PYCODER.is_dir():
+        results |= {case: trained_tokens_of(case, world, Path(out)) for case in TRAINED_CASES}
+    for case, (tokens, accepted) in results.items():
         torch.save(tokens, Path(out) / f"{case}-{rank}.pt")
         torch.save(accepted, Path(out) / f"{case}-accepted-{rank}.pt")
     end_rank_process()
@@ -69,6 +117,8 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> None:
 def two_ranks(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
     checkpoint = tiny_checkpoint("llama", seed=11)
     work = tmp_path_factory.mktemp("tp2-features")
+    if PYCODER.is_dir():
+        link_medusa_heads(work)
     spawn_two_ranks(_rank, str(checkpoint), str(work))
     return checkpoint, work
 
@@ -89,3 +139,24 @@ def test_speculation_is_lossless_on_every_rank(two_ranks, case: str) -> None:
         assert accepted == [1.0, 1.0]
     else:  # the lookup drafted, and was right at least once (1 of 111 tokens)
         assert accepted[0] == accepted[1] > 0
+
+
+@pytest.mark.skipif(not PYCODER.is_dir(), reason=f"the trained models are not in {SHARED}")
+@pytest.mark.parametrize("case", TRAINED_CASES)
+def test_trained_speculation_is_lossless_and_accepts_as_one_process(two_ranks, case) -> None:
+    _, work = two_ranks
+    ids, mask = pycoder_prompts()
+    plain = HuggingFaceGenerationAdapter(app_of_pycoder()).generate(
+        ids, attention_mask=mask, max_new_tokens=PYCODER_TOKENS, eos_token_id=None
+    )
+    _, accepted = trained_tokens_of(case, 1, work)
+    assert accepted > 0.05  # the heads or the draft are right some of the time
+    for rank in range(2):
+        assert torch.equal(torch.load(work / f"{case}-{rank}.pt"), plain), (case, rank)
+        assert torch.load(work / f"{case}-accepted-{rank}.pt") == accepted, (case, rank)
+
+
+def app_of_pycoder():
+    app = from_pretrained(PYCODER, NeuronConfig(torch_dtype="float32", **PYCODER_OPTIONS))
+    app.to_cpu()
+    return app
