@@ -92,9 +92,9 @@ class ResponseRequest(BaseModel):
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat completion that answers this request."""
-        messages = [] if self.instructions is None else [{"role": "system", "content": ""}]
+        messages: list[dict[str, Any]] = []
         if self.instructions is not None:
-            messages[0]["content"] = self.instructions
+            messages.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
