@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS  # noqa:
 from nxdplug.cli.main import main  # noqa: E402
 from nxdplug.plugins.tool_calling.hermes import HermesParser  # noqa: E402
 from nxdplug.plugins.tool_calling.llama3_json import Llama3JsonParser  # noqa: E402
+from nxdplug.plugins.tool_calling.mistral import MistralParser  # noqa: E402
 from nxdplug.serving.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
 from nxdplug.serving.replies import ReplyReader  # noqa: E402
 from nxdplug.serving.tool_calls import CallArray, ToolUse  # noqa: E402
@@ -153,6 +155,34 @@ LLAMA3_REPLIES = [
 @pytest.mark.parametrize("size", [1, 4, 1000])
 def test_llama3_json_finds_calls_in_replies_that_are_calls(reply, content, calls, size) -> None:
     assert parse(Llama3JsonParser([]), reply, size) == (content, calls)
+
+
+MISTRAL_REPLIES = [
+    ('Sure.[TOOL_CALLS] [{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]',
+     "Sure.", [("a", {"x": 1}), ("b", {})]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"hour": 3}', "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {"hour": 3})]),
+    ("No call [TOOLS here", "No call [TOOLS here", []),
+    ('[TOOL_CALLS] [{"name": "a", "argu', '[TOOL_CALLS] [{"name": "a", "argu', []),
+    ('[TOOL_CALLS] [{"answer": 4}]', '[TOOL_CALLS] [{"answer": 4}]', []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("reply", "content", "calls"), MISTRAL_REPLIES)
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_mistral_finds_both_formats_of_calls(reply, content, calls, size) -> None:
+    assert parse(MistralParser([]), reply, size) == (content, calls)
+
+
+def test_mistral_calls_get_the_9_character_ids_its_templates_take() -> None:
+    for use in (ToolUse("auto", (WEATHER,)), ToolUse("required", (WEATHER,))):
+        reader = ReplyReader(use, MistralParser)
+        text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+        reader.read(text if use.choice == "required" else "[TOOL_CALLS]" + text.replace(
+            "parameters", "arguments"))  # fmt: skip
+        reader.finish()
+        (call,) = reader.message().tool_calls
+        assert re.fullmatch("[A-Za-z0-9]{9}", call.id) and call.function.name == "get_weather"
 
 
 def test_required_calls_are_told_as_each_object_closes() -> None:

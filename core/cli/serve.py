@@ -74,7 +74,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         metavar="NAME",
         help="the format the model writes tool calls in: a tool-call parser plugin "
-        "(hermes, llama3_json; `nxdplug plugins list` shows them)",
+        "(hermes, llama3_json, mistral; `nxdplug plugins list` shows them)",
     )
     server.add_argument(
         "--reasoning-parser",

@@ -52,6 +52,7 @@ class ReplyReader:
     ) -> None:
         self.use = use
         self.reasoning = reasoning
+        self.new_call_id = getattr(tool_parser, "new_call_id", _call_id)
         self.parser: ToolCallParser
         if use.choice == "auto":
             assert tool_parser is not None
@@ -108,7 +109,7 @@ class ReplyReader:
             self.calls[0].function.arguments += text
             return ChatToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))
         function = FunctionCall(name=self.use.function or "", arguments=text)
-        call = ChatToolCall(id=_call_id(), function=function)
+        call = ChatToolCall(id=self.new_call_id(), function=function)
         self.calls.append(call)
         delta = FunctionCallDelta(name=function.name, arguments=text)
         return ChatToolCallDelta(index=0, id=call.id, type="function", function=delta)
@@ -120,7 +121,7 @@ class ReplyReader:
             if self.calls and not self.use.parallel:
                 break  # parallel_tool_calls=false: the first call only
             function = FunctionCall(name=found.name, arguments=found.arguments)
-            call = ChatToolCall(id=_call_id(), function=function)
+            call = ChatToolCall(id=self.new_call_id(), function=function)
             delta = FunctionCallDelta(name=found.name, arguments=found.arguments)
             index = len(self.calls)
             deltas.append(

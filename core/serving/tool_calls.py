@@ -57,7 +57,8 @@ class ToolCallParser(Protocol):
     that may begin a call; ``finish`` returns the rest once the reply has ended. The pieces'
     contents, joined, are the reply's content. A class that sets ``keeps_special_tokens``
     gets the text with the model's special tokens in it (where its format's markers are
-    special tokens).
+    special tokens); one with a static ``new_call_id()`` names the calls of the server's
+    replies with it (Mistral's chat templates take back only 9-character ids).
     """
 
     def feed(self, text: str) -> Parsed: ...

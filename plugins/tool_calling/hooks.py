@@ -23,3 +23,8 @@ def nxdplug_tool_parsers() -> Iterable[ToolParser]:
         implementation="nxdplug.plugins.tool_calling.llama3_json:Llama3JsonParser",
         description='{"name": ..., "parameters": ...} replies (Llama 3.1-3.3)',
     )
+    yield ToolParser(
+        name="mistral",
+        implementation="nxdplug.plugins.tool_calling.mistral:MistralParser",
+        description="[TOOL_CALLS] then a JSON array, or name[ARGS]{json} (Mistral, Mixtral)",
+    )
