@@ -205,6 +205,22 @@ def test_generate_with_more_rows_than_lines_gives_each_row_its_adapter(adapters)
     assert torch.equal(ours, expected)
 
 
+def test_an_adapter_unloaded_while_a_request_is_prepared_refuses_it(adapters) -> None:
+    """A request is prepared (a constraint compiled) outside the engine's lock; if its adapter
+    is unloaded meanwhile, queuing it is refused, not its step."""
+    checkpoint, paths = adapters
+    engine = engine_for(
+        checkpoint, paths, max_loras=2, enable_dynamic_multi_lora=True, max_cpu_loras=3
+    )
+    request = engine.prepare(
+        PROMPTS[0], SamplingSettings(3, 0), step_keywords={"adapter_ids": "math"}
+    )
+    engine.apply_to_model("nxdplug.plugins.lora.store:unload_adapter", "math")
+    with pytest.raises(RequestError, match="not among the served adapters") as caught:
+        engine.enqueue(request)
+    assert caught.value.field == "adapter_ids" and not engine.has_unfinished()
+
+
 def test_unknown_adapters_and_keywords_are_refused(adapters) -> None:
     checkpoint, paths = adapters
     engine = engine_for(checkpoint, paths, max_loras=3)

@@ -164,7 +164,9 @@ class Engine:
 
     def enqueue(self, request: Request) -> str:
         """Queue a prepared request; returns its id (made up when it has none). Raises
-        EngineFullError when ``max_waiting`` requests wait."""
+        EngineFullError when ``max_waiting`` requests wait. Its step keywords are checked again:
+        what they name (an adapter) may have gone while it was prepared."""
+        self.inputs.check(request.step_keywords)
         with self._lock:
             if len(self._waiting) >= self.max_waiting:
                 raise EngineFullError(
