@@ -36,7 +36,7 @@ from nxdplug.serving.protocol import (
     bad_request,
     error_body,
 )
-from nxdplug.serving.replies import ReplyReader, Told
+from nxdplug.serving.replies import ReplyReader
 from nxdplug.serving.responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -169,14 +169,13 @@ def build_app(
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = []
-        for index, (output, read) in enumerate(zip(outputs, readers, strict=True)):
-            read.read(output.text)
-            read.finish()
+        for index, (output, reader) in enumerate(zip(outputs, readers, strict=True)):
+            reader.take(output)
             choice = ChatChoice(
                 index=index,
-                message=read.message(),
+                message=reader.message(),
                 logprobs=chat_logprobs(output, tokenizer),
-                finish_reason=read.finish_reason(output.finish_reason),
+                finish_reason=reader.finish_reason(output.finish_reason),
                 prompt_logprobs=vllm_prompt_logprobs(output, tokenizer, body.prompt_logprobs),
             )
             choices.append(choice)
@@ -326,9 +325,7 @@ async def _chat_chunks(
     async for index, output in stream:
         last[index] = output
         reader = readers[index]
-        told = reader.read(output.text) if output.text else Told()
-        if output.finished:
-            told = told.then(reader.finish())
+        told = reader.take(output)
         if not (told.tells_anything() or output.finished or output.logprobs):
             continue
         delta = ChatDelta(

@@ -11,6 +11,7 @@ import uuid
 
 import attrs
 
+from nxdplug.engine import RequestOutput
 from nxdplug.serving.reasoning import ReasoningSplitter, Split
 from nxdplug.serving.responses import (
     AssistantMessage,
@@ -64,6 +65,12 @@ class ReplyReader:
         self.thought: list[str] = []
         self.content: list[str] = []
         self.calls: list[ChatToolCall] = []
+
+    def take(self, output: RequestOutput) -> Told:
+        """What the engine's next output tells: its text read, and everything held back once
+        it is the last (a whole answer is one output, finished)."""
+        told = self.read(output.text) if output.text else Told()
+        return told.then(self.finish()) if output.finished else told
 
     def read(self, text: str) -> Told:
         """What ``text``, the reply's next piece, tells."""

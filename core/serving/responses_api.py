@@ -20,24 +20,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nxdplug.engine import RequestOutput
 from nxdplug.serving.engine_loop import OutputStream
-from nxdplug.serving.protocol import ChatCompletionRequest, bad_request
+from nxdplug.serving.protocol import ChatCompletionRequest, FunctionDefinition, bad_request
 from nxdplug.serving.replies import ReplyReader, Told
-from nxdplug.serving.responses import now
+from nxdplug.serving.responses import AssistantMessage, now
 
 # The content parts that are text, of input messages.
 TEXT_PARTS = ("input_text", "output_text")
 
 
-class FunctionTool(BaseModel):
-    """The Responses API's function tool (flat, where chat nests it under ``function``)."""
-
-    model_config = ConfigDict(extra="forbid")
+class FunctionTool(FunctionDefinition):
+    """The Responses API's function tool: chat's function definition, with its ``type`` beside
+    it (flat, where chat nests it under ``function``)."""
 
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(BaseModel):
@@ -219,8 +214,7 @@ class ResponseBuilder:
 
     def whole(self, output: RequestOutput) -> dict[str, Any]:
         """The response to a request that was not streamed."""
-        self.reader.read(output.text)
-        self.reader.finish()
+        self.reader.take(output)
         return self._response(output)
 
     async def events(self, stream: OutputStream) -> AsyncIterator[dict[str, Any]]:
@@ -229,12 +223,9 @@ class ResponseBuilder:
         yield self._event("response.in_progress", response=self._response(None))
         last = None
         async for _, output in stream:
-            told = self.reader.read(output.text) if output.text else Told()
-            if output.finished:
-                told = told.then(self.reader.finish())
-                last = output
-            for event in self._told(told):
+            for event in self._told(self.reader.take(output)):
                 yield event
+            last = output
         for event in self._close():
             yield event
         assert last is not None
@@ -250,13 +241,14 @@ class ResponseBuilder:
             status = "incomplete" if output.finish_reason == "length" else "completed"
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
-            items = self._output_items()
-            reasoning = "".join(self.reader.thought)
+            message = self.reader.message()
+            items = self._output_items(message)
+            reasoning_tokens = self._tokens(message.reasoning_content or "")
             usage = {
                 "input_tokens": output.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": 0},
                 "output_tokens": output.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": self._tokens(reasoning)},
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": output.prompt_tokens + output.completion_tokens,
             }
         text_format = request.text.format if request.text is not None else None
@@ -288,14 +280,11 @@ class ResponseBuilder:
             "usage": usage,
         }
 
-    def _output_items(self) -> list[dict[str, Any]]:
+    def _output_items(self, message: AssistantMessage) -> list[dict[str, Any]]:
         """The whole reply's items: its reasoning, its message, its calls."""
-        reader = self.reader
         items = []
-        reasoning = "".join(reader.thought)
-        if reasoning:
-            items.append(self._reasoning_item(reasoning, "completed"))
-        message = reader.message()
+        if message.reasoning_content:
+            items.append(self._reasoning_item(message.reasoning_content, "completed"))
         if message.content or not message.tool_calls:
             items.append(self._message_item(message.content or "", "completed"))
         items += [
@@ -305,7 +294,7 @@ class ResponseBuilder:
         return items
 
     def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "reasoning_text", "text": text}]
+        content = [_part("reasoning", text)]
         return {
             "type": "reasoning",
             "id": self.reasoning_id,
@@ -317,7 +306,7 @@ class ResponseBuilder:
     def _message_item(
         self, text: str | None, status: str, item_id: str | None = None
     ) -> dict[str, Any]:
-        content = [] if text is None else [_output_text(text)]
+        content = [] if text is None else [_part("message", text)]
         return {
             "type": "message",
             "id": item_id or self.message_id,
@@ -367,13 +356,11 @@ class ResponseBuilder:
                 "response.output_item.added", output_index=self._open["index"], item=dict(item)
             )
         ]
-        if item["type"] == "message":
-            events.append(self._part_event("response.content_part.added", _output_text("")))
-        elif item["type"] == "reasoning":
+        if item["type"] != "function_call":  # a message or reasoning: one text part
+            where = {"item_id": item["id"], "output_index": self._open["index"]}
+            part = _part(item["type"], "")
             events.append(
-                self._part_event(
-                    "response.content_part.added", {"type": "reasoning_text", "text": ""}
-                )
+                self._event("response.content_part.added", **where, content_index=0, part=part)
             )
         return events
 
@@ -414,40 +401,31 @@ class ResponseBuilder:
         item, index, text = self._open["item"], self._open["index"], self._open["text"]
         self._open = None
         where = {"item_id": item["id"], "output_index": index}
-        events = []
-        if item["type"] == "message":
-            part = _output_text(text)
-            events.append(
-                self._event(
+        if item["type"] == "function_call":
+            done = self._call_item(item["call_id"], item["name"], text, "completed")
+            events = [self._event("response.function_call_arguments.done", **where, arguments=text)]
+        else:
+            if item["type"] == "message":
+                done = self._message_item(text, "completed", item["id"])
+                text_done = self._event(
                     "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
                 )
-            )
-            events.append(
-                self._event("response.content_part.done", **where, content_index=0, part=part)
-            )
-            done = self._message_item(text, "completed", item["id"])
-        elif item["type"] == "reasoning":
-            part = {"type": "reasoning_text", "text": text}
-            events.append(
-                self._event("response.reasoning_text.done", **where, content_index=0, text=text)
-            )
-            events.append(
-                self._event("response.content_part.done", **where, content_index=0, part=part)
-            )
-            done = self._reasoning_item(text, "completed")
-        else:
-            events.append(
-                self._event("response.function_call_arguments.done", **where, arguments=text)
-            )
-            done = self._call_item(item["call_id"], item["name"], text, "completed")
+            else:
+                done = self._reasoning_item(text, "completed")
+                text_done = self._event(
+                    "response.reasoning_text.done", **where, content_index=0, text=text
+                )
+            part = _part(item["type"], text)
+            events = [
+                text_done,
+                self._event("response.content_part.done", **where, content_index=0, part=part),
+            ]
         events.append(self._event("response.output_item.done", output_index=index, item=done))
         return events
 
-    def _part_event(self, kind: str, part: dict[str, Any]) -> dict[str, Any]:
-        assert self._open is not None
-        where = {"item_id": self._open["item"]["id"], "output_index": self._open["index"]}
-        return self._event(kind, **where, content_index=0, part=part)
 
-
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(kind: str, text: str) -> dict[str, Any]:
+    """The text part of a ``message`` or ``reasoning`` item."""
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"type": "reasoning_text", "text": text}
