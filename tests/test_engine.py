@@ -141,11 +141,12 @@ def test_async_mode_keeps_the_model_on_the_stepping_thread(
     app = app_for(checkpoint, async_mode=True, **DYNAMIC)
     model_threads, host_threads = set(), set()
 
-    def runner(**inputs: torch.Tensor):
-        model_threads.add(threading.current_thread().name)
-        return app(**inputs)
+    class Runner:
+        def run(self, step):
+            model_threads.add(threading.current_thread().name)
+            return app.run(step)
 
-    engine = Engine(app, eos_token_ids=[], runner=runner)
+    engine = Engine(app, eos_token_ids=[], runner=Runner())
     accept = engine._accept
 
     def recording_accept(batch, result):
@@ -201,7 +202,7 @@ class TwoTopLines(CacheLines):
     reserved: list[tuple[int, int]] = []
     most_in_use = 0
 
-    def reserve(self, prompt_ids, max_tokens):
+    def reserve(self, prompt_ids, max_tokens, salt=None, reuse=True):
         if self.in_use == 2:
             return None
         line = max(self._free)

@@ -1040,10 +1040,11 @@ def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
     from nxdplug.engine import Engine, SamplingSettings
     from nxdplug.serving.engine_loop import EngineLoop
 
-    def broken(**inputs: torch.Tensor) -> None:
-        raise RuntimeError("the device fell off")
+    class Broken:
+        def run(self, step) -> None:
+            raise RuntimeError("the device fell off")
 
-    engine_loop = EngineLoop(Engine(application, runner=broken))
+    engine_loop = EngineLoop(Engine(application, runner=Broken()))
     stepper = _running(engine_loop)
 
     async def scenario() -> None:

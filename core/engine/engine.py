@@ -24,7 +24,7 @@ import functools
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,9 @@ from nxdplug.engine.structured_output import Constraints, TokenConstraint
 from nxdplug.engine.token_choice import Chosen, TokenChoice
 from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.lazy import resolve_ref
-from nxdplug.runtime.outputs import NO_SCORING_PHASE, PROMPT_LOGPROBS
+from nxdplug.runtime.model_wrapper import ExtendWrapper
+from nxdplug.runtime.outputs import NO_SCORING_PHASE, PROMPT_LOGPROBS, CausalLMOutputWithTokens
+from nxdplug.runtime.scheduled_step import ScheduledStep
 from nxdplug.runtime.step_ahead import HostOverlap
 
 
@@ -73,7 +75,8 @@ class Engine:
 
     ``tokenizer`` (optional) turns tokens into text and makes ``stop`` strings work;
     ``max_waiting`` bounds the queue (beyond it ``add_request`` raises EngineFullError);
-    ``eos_token_ids`` default to the model's generation config; ``runner`` calls the model (the
+    ``eos_token_ids`` default to the model's generation config; ``runner`` runs each
+    :class:`~nxdplug.runtime.scheduled_step.ScheduledStep` (``runner.run(step)``: the
     application itself; with tensor parallelism, one that hands each step to every rank).
     """
 
@@ -84,7 +87,7 @@ class Engine:
         *,
         max_waiting: int = 1024,
         eos_token_ids: Iterable[int] | None = None,
-        runner: Callable[..., Any] | None = None,
+        runner: Any = None,
     ) -> None:
         problems = engine_problems(application)
         if problems:
@@ -103,6 +106,18 @@ class Engine:
         self.max_prompt = neuron_config.max_context_length
         self.max_positions = neuron_config.seq_len
         self.vocab_size = getattr(application.config, "vocab_size", None)
+        # The most new tokens a row may add over cached ones in one call (None: no extension
+        # phase, prompts are encoded whole), and with chunked prefill a step's token budget.
+        self.chunk = max(
+            (w.new_tokens for w in application.models if isinstance(w, ExtendWrapper)),
+            default=None,
+        )
+        self.batched_tokens = (
+            getattr(neuron_config, "max_num_batched_tokens", None) or self.chunk
+            if getattr(neuron_config, "is_chunked_prefill", False)
+            else None
+        )
+        self.num_preemptions = 0
         self.eos_token_ids = frozenset(
             model_eos_token_ids(application) if eos_token_ids is None else eos_token_ids
         )
@@ -132,12 +147,15 @@ class Engine:
         settings: SamplingSettings | None = None,
         request_id: str | None = None,
         step_keywords: Mapping[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Refuses, with a RequestError naming the field, what
         the model cannot do, and raises EngineFullError when ``max_waiting`` requests wait.
         ``step_keywords``: the request's values of step-input plugins' keywords (its adapter's
         id, ...; see :mod:`~nxdplug.engine.request_inputs`)."""
-        return self.enqueue(self.prepare(prompt_ids, settings, request_id, step_keywords))
+        return self.enqueue(
+            self.prepare(prompt_ids, settings, request_id, step_keywords, cache_salt)
+        )
 
     def prepare(
         self,
@@ -145,13 +163,14 @@ class Engine:
         settings: SamplingSettings | None = None,
         request_id: str | None = None,
         step_keywords: Mapping[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """The checked request that ``enqueue`` queues (``add_request`` does both). Any thread
         may prepare while the engine steps: a structured output's constraint is compiled here,
         and the first one builds the backend's view of the vocabulary (seconds for a large
         one)."""
         settings = settings or SamplingSettings()
-        request = Request(request_id or "", list(prompt_ids), settings)
+        request = Request(request_id or "", list(prompt_ids), settings, cache_salt=cache_salt)
         request.step_keywords = dict(step_keywords or {})
         self.check(request)
         if not settings.greedy and self.choice.samples_on_host:
@@ -291,13 +310,15 @@ class Engine:
             batch, result = self._pending
             self._pending = None
             return outputs + self._handle_and_step_ahead(batch, result)
-        admitted = self._admit()
-        for scored in (False, True):
-            group = [r for r in admitted if (r.settings.prompt_logprobs is not None) == scored]
-            for start in range(0, len(group), self.ctx_rows):
-                batch = group[start : start + self.ctx_rows]
-                outputs += self._accept(batch, self._prefill(batch, scored))
-        decoding = [r for r in self._running.values() if r not in admitted and not r.finished]
+        self._admit()
+        encoded, encoding_outputs = self._encode([r for r in self._running.values() if r.encoding])
+        outputs += encoding_outputs
+        decoding = [
+            r
+            for r in self._running.values()
+            if r not in encoded and not r.encoding and not r.finished
+        ]
+        decoding = self._make_room(decoding)
         if decoding:
             calls = self._decode_calls(decoding)
             if self._overlap.enabled:
@@ -305,6 +326,104 @@ class Engine:
             else:
                 outputs += self._accept(decoding, self._run_decode(calls))
         return outputs
+
+    def _encode(self, requests: list[Request]) -> tuple[set[Request], list[RequestOutput]]:
+        """Encode what ``requests`` (admitted, in admission order) have not encoded yet: whole
+        prompts by context encoding; a prompt's rest after its cached prefix, or all tokens of a
+        preempted request, in chunks of new tokens over the cached ones. With chunked prefill,
+        only as many tokens as this step's budget leaves after the decoding rows. Returns the
+        requests that ran and the outputs of those whose encoding ended (their next token)."""
+        outputs: list[RequestOutput] = []
+        ran: set[Request] = set()
+        scored = [r for r in requests if _scores_prompt(r)]
+        for start in range(0, len(scored), self.ctx_rows):
+            batch = scored[start : start + self.ctx_rows]
+            outputs += self._accept(batch, self._encode_scored(batch))
+            ran |= set(batch)
+        budget = self._encoding_budget()
+        while True:
+            chunks = self._next_chunks(
+                [r for r in requests if r.encoding and r not in scored], budget
+            )
+            if not chunks:
+                return ran, outputs
+            budget = None if budget is None else budget - sum(n for _, n in chunks)
+            for start in range(0, len(chunks), self.ctx_rows):
+                part = chunks[start : start + self.ctx_rows]
+                outputs += self._encode_chunks(part)
+                ran |= {r for r, _ in part}
+            if budget is not None:
+                return ran, outputs
+
+    def _encoding_budget(self) -> int | None:
+        """The tokens this step may encode (chunked prefill), after one per decoding request;
+        None: no limit."""
+        if self.batched_tokens is None:
+            return None
+        decoding = sum(1 for r in self._running.values() if not r.encoding)
+        return max(self.batched_tokens - decoding, 0)
+
+    def _next_chunks(
+        self, requests: list[Request], budget: int | None
+    ) -> list[tuple[Request, int]]:
+        """Each encoding request's next chunk size: all it has left when a whole prompt fits
+        context encoding, else at most the largest extension's new tokens; within ``budget``."""
+        chunks = []
+        for request in requests:
+            left = request.to_encode - request.computed
+            whole = request.computed == 0 and left <= self.max_prompt
+            size = left if whole and self.chunk is None else min(left, self.chunk or left)
+            if budget is not None:
+                size = min(size, budget - sum(n for _, n in chunks))
+            if size > 0:
+                chunks.append((request, size))
+        return chunks
+
+    def _encode_chunks(self, chunks: list[tuple[Request, int]]) -> list[RequestOutput]:
+        """Run one chunk of each request (rows of new tokens over their cached positions); the
+        requests whose encoding this ends choose their next token."""
+        batch = [r for r, _ in chunks]
+        step = ScheduledStep.from_rows(
+            [r.token_ids[r.computed : r.computed + n] for r, n in chunks],
+            [r.computed for r in batch],
+            [r.line for r in batch],
+            self._step_keywords(batch),
+            self.device,
+        )
+        outputs = self.runner.run(step)
+        done = []
+        for row, (request, count) in enumerate(chunks):
+            request.computed += count
+            self.lines.commit(request.line, request.token_ids[: request.computed])
+            if not request.encoding:
+                done.append(row)
+        if not done:
+            return []
+        finished = [batch[row] for row in done]
+        return self._accept(finished, self._choose(finished, _rows_of_output(outputs, done)))
+
+    def _make_room(self, decoding: list[Request]) -> list[Request]:
+        """Room in the cache for each decoding request's next position, in admission order;
+        when the cache has none left, the latest admitted request is preempted (its room
+        given back; it waits at the front of the queue and encodes its tokens again), as
+        vLLM's scheduler does. Returns the requests that decode this step."""
+        for request in decoding:
+            if request.line is None:
+                continue  # preempted for an earlier one
+            self.lines.commit(request.line, request.token_ids[: request.length - 1])
+            while request.line is not None and not self.lines.grow(request.line, request.length):
+                self._preempt([r for r in self._running.values() if not r.finished][-1])
+        return [r for r in decoding if r.line is not None]
+
+    def _preempt(self, request: Request) -> None:
+        with self._lock:
+            del self._running[request.line]
+            self.lines.release(request.line)
+            request.line = None
+            request.computed = 0
+            request.preemptions += 1
+            self.num_preemptions += 1
+            self._waiting.appendleft(request)
 
     def _handle_and_step_ahead(self, batch: list[Request], result: Chosen) -> list[RequestOutput]:
         """Async mode: hand out the last decode step's tokens while the model decodes the next
@@ -315,6 +434,8 @@ class Engine:
         if newcomers or self._can_admit() or not ahead:
             return self._accept(batch, result)
         rows = [r for r, _ in ahead]
+        if not all(self.lines.grow(r.line, r.length + 1) for r in rows):
+            return self._accept(batch, result)  # the next step makes room, preempting
         calls = self._decode_calls(rows, first_tokens=[t for _, t in ahead])
         outputs, stepped = self._overlap.run(
             functools.partial(self._accept, batch, result),
@@ -359,15 +480,24 @@ class Engine:
                         break  # the same, at the front of the queue
                     passed_over.append(self._waiting.popleft())
                     continue
-                line = self.lines.reserve(request.prompt_ids, request.settings.max_tokens)
+                line = self.lines.reserve(
+                    request.token_ids,
+                    request.settings.max_tokens - len(request.output_ids),
+                    salt=self._salt(request),
+                    reuse=not _scores_prompt(request),
+                )
                 if line is None:
                     break
                 self._waiting.popleft()
                 request.line = line
+                request.to_encode = request.length
+                request.computed = self.lines.cached(line)
+                if not request.preemptions:
+                    request.cached_tokens = request.computed
                 self._running[request.line] = request
                 if passed_over:
                     passed_over[0].times_passed_over += 1
-                if self.tokenizer is not None:
+                if self.tokenizer is not None and request.request_id not in self._texts:
                     self._texts[request.request_id] = IncrementalText(
                         self.tokenizer, request.settings.stop, request.settings.skip_special_tokens
                     )
@@ -375,70 +505,69 @@ class Engine:
             self._waiting.extendleft(reversed(passed_over))
         return admitted
 
-    def _prefill(self, batch: list[Request], scored: bool = False) -> Chosen:
-        """Encode the prompts of ``batch`` (left-padded) into their lines; ``scored``: by the
-        phase that scores them too (prompt logprobs)."""
-        longest = max(len(r.prompt_ids) for r in batch)
-        padding = [longest - len(r.prompt_ids) for r in batch]
-        ids = [[0] * pad + r.prompt_ids for r, pad in zip(batch, padding, strict=True)]
-        mask = [[0] * pad + [1] * (longest - pad) for pad in padding]
-        outputs = self.runner(
-            input_ids=self._long(ids),
-            attention_mask=self._long(mask),
-            **self._cache_inputs(batch),
-            **self.inputs.step_keywords(batch),
-            **self.choice.step_keywords(batch),
-            **({PROMPT_LOGPROBS: True} if scored else {}),
-        )
-        if scored:
-            for row, request in enumerate(batch):
-                request.prompt_scores = prompt_scores(outputs, row, request)
+    def _salt(self, request: Request) -> tuple[Any, ...]:
+        """What must match for two prompts to share cached positions: the request's step
+        keywords (its adapter) and its cache salt."""
+        keywords = tuple(sorted((k, repr(v)) for k, v in request.step_keywords.items()))
+        return (keywords, request.cache_salt)
+
+    def _encode_scored(self, batch: list[Request]) -> Chosen:
+        """Encode the prompts of ``batch`` by the phase that scores them too (prompt
+        logprobs), into their lines."""
+        keywords = self._step_keywords(batch) | {PROMPT_LOGPROBS: True}
+        prompts = [r.prompt_ids for r in batch]
+        lines = [r.line for r in batch]
+        step = ScheduledStep.from_rows(prompts, [0] * len(batch), lines, keywords, self.device)
+        outputs = self.runner.run(step)
+        for row, request in enumerate(batch):
+            request.computed = request.to_encode
+            self.lines.commit(request.line, request.token_ids)
+            request.prompt_scores = prompt_scores(outputs, row, request)
         return self._choose(batch, outputs)
 
     def _decode_calls(
         self, batch: list[Request], first_tokens: Sequence[int] | None = None
-    ) -> list[tuple[list[Request], dict[str, torch.Tensor]]]:
+    ) -> list[tuple[list[Request], ScheduledStep]]:
         """The token-generation calls of one step for ``batch``, ``tkg_batch_size`` rows each:
-        each request's last token (or ``first_tokens``, chosen but not yet added) at its next
-        position."""
+        each request's last token (or ``first_tokens``, chosen but not yet added) after the
+        positions its line holds."""
         calls = []
         for start in range(0, len(batch), self.tkg_rows):
             rows = batch[start : start + self.tkg_rows]
             if first_tokens is None:
-                last = [r.output_ids[-1] for r in rows]
-                positions = [r.length - 1 for r in rows]
+                last = [[r.output_ids[-1]] for r in rows]
+                cached = [r.length - 1 for r in rows]
             else:
-                last = list(first_tokens[start : start + len(rows)])
-                positions = [r.length for r in rows]
-            inputs = {
-                "input_ids": self._long(last)[:, None],
-                "position_ids": self._long(positions)[:, None],
-            }
-            inputs |= self._cache_inputs(rows) | self.inputs.step_keywords(rows)
-            inputs |= self.choice.step_keywords(rows)
-            calls.append((rows, inputs))
+                last = [[t] for t in first_tokens[start : start + len(rows)]]
+                cached = [r.length for r in rows]
+            lines = [r.line for r in rows]
+            step = ScheduledStep.from_rows(
+                last, cached, lines, self._step_keywords(rows), self.device
+            )
+            calls.append((rows, step))
         return calls
 
-    def _run_decode(self, calls: list[tuple[list[Request], dict[str, torch.Tensor]]]) -> Chosen:
+    def _step_keywords(self, batch: Sequence[Request]) -> dict[str, Any]:
+        """The per-row inputs of the rows' requests: where the KV-cache strategy keeps their
+        keys and values (beside their lines), their step-input plugins' values, and their
+        token choice's."""
+        lines = [r.line for r in batch]
+        return (
+            self.lines.step_inputs(lines, self.device)
+            | self.inputs.step_keywords(batch)
+            | self.choice.step_keywords(batch)
+        )
+
+    def _run_decode(self, calls: list[tuple[list[Request], ScheduledStep]]) -> Chosen:
         tokens: list[int] = []
         logprobs: list[float] = []
         top: list[tuple[tuple[int, float], ...]] = []
-        for rows, inputs in calls:
-            chosen = self._choose(rows, self.runner(**inputs))
+        for rows, step in calls:
+            chosen = self._choose(rows, self.runner.run(step))
             tokens += chosen.tokens
             logprobs += chosen.logprobs or [float("nan")] * len(rows)
             top += chosen.top_logprobs or [()] * len(rows)
         return Chosen(tokens, logprobs, top)
-
-    def _cache_inputs(self, batch: Sequence[Request]) -> dict[str, torch.Tensor]:
-        """Where the rows' keys and values are: their lines (``seq_ids``), and what else the
-        KV-cache strategy's graphs take."""
-        lines = [r.line for r in batch]
-        return {"seq_ids": self._long(lines), **self.lines.step_inputs(lines, self.device)}
-
-    def _long(self, values: Sequence[Any]) -> torch.Tensor:
-        """Token ids, positions or cache lines as a long tensor on the model's device."""
-        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _choose(self, batch: Sequence[Request], outputs: Any) -> Chosen:
         tokens = outputs.tokens
@@ -515,7 +644,25 @@ class Engine:
             prompt_tokens=len(request.prompt_ids),
             completion_tokens=len(request.output_ids),
             prompt_logprobs=scores,
+            cached_tokens=request.cached_tokens,
         )
+
+
+def _scores_prompt(request: Request) -> bool:
+    """Whether the request's prompt is encoded by the phase that scores it (asked for, and
+    not encoded before a preemption)."""
+    return request.settings.prompt_logprobs is not None and not request.output_ids
+
+
+def _rows_of_output(outputs: Any, rows: list[int]) -> Any:
+    """A step's outputs for some of its rows."""
+    index = torch.tensor(
+        rows, device=(outputs.logits if outputs.tokens is None else outputs.tokens).device
+    )
+    return CausalLMOutputWithTokens(
+        logits=None if outputs.logits is None else outputs.logits[index],
+        tokens=None if outputs.tokens is None else outputs.tokens[index],
+    )
 
 
 def prompt_scores(outputs: Any, row: int, request: Request) -> tuple[PromptLogprob | None, ...]:

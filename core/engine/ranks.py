@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nxdplug.lazy import resolve_ref
+from nxdplug.runtime.scheduled_step import ScheduledStep
 
 HEARTBEAT = "heartbeat"
 STOP = "stop"
@@ -38,10 +39,10 @@ class StepBroadcaster:
         )
         self._heartbeat.start()
 
-    def __call__(self, **inputs: torch.Tensor) -> Any:
+    def run(self, step: ScheduledStep) -> Any:
         with self._lock:
-            _send(inputs)
-            return self.application(**inputs)
+            _send(step)
+            return self.application.run(step)
 
     def call_on_followers(self, function: str, args: tuple[Any, ...]) -> None:
         """Have every other rank run ``function`` (a ``"module:function"`` reference) with its
@@ -80,7 +81,7 @@ def follow_steps(application: Any) -> None:
             resolve_ref(function)(application, *args)
             continue
         with torch.inference_mode():
-            application(**message)
+            application.run(message)
 
 
 def _send(message: Any) -> None:

@@ -207,6 +207,8 @@ class RequestOutput:
     completion_tokens: int
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
+    # The prompt's leading tokens found in the prefix cache (OpenAI's cached_tokens).
+    cached_tokens: int = 0
 
 
 @attrs.define(eq=False)
@@ -233,10 +235,29 @@ class Request:
     constraint: Any = None
     # Requests admitted ahead of it while it could not run (see Engine._admit).
     times_passed_over: int = 0
+    # vLLM's cache_salt: prompts share cached positions only under the same salt.
+    cache_salt: str | None = None
+    # Positions of its line holding keys and values; it is encoding while fewer than
+    # ``length`` - 1 once it has output (its tokens so far), ``len(prompt_ids)`` before.
+    computed: int = 0
+    # How many tokens it encodes on admission (its prompt, and its output when preempted).
+    to_encode: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def encoding(self) -> bool:
+        """Whether its tokens are still being encoded (the prompt, or all after a
+        preemption)."""
+        return self.computed < self.to_encode
 
     @property
     def length(self) -> int:

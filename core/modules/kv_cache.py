@@ -8,6 +8,7 @@ rows (``seq_ids``) and gets back the keys and values of the first ``length`` pos
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import attrs
 import torch
@@ -24,6 +25,8 @@ class CacheLayout:
     max_length: int
     head_dim: int
     dtype: torch.dtype
+    # The NeuronConfig, for a layout's own settings (a block cache's block count and size).
+    neuron_config: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 class KVCacheManager(nn.Module, ABC):

@@ -43,13 +43,16 @@ from nxdplug.runtime.meta_init import parameters_on_meta
 from nxdplug.runtime.model_wrapper import (
     CONTEXT_ENCODING_MODEL_TAG,
     TOKEN_GENERATION_MODEL_TAG,
+    ExtendWrapper,
     ModelWrapper,
 )
 from nxdplug.runtime.outputs import (
     NO_SCORING_PHASE,
     PROMPT_LOGPROBS,
     CausalLMOutputWithTokens,
+    join_outputs,
 )
+from nxdplug.runtime.scheduled_step import ScheduledStep
 from nxdplug.runtime.speculation import AcceptanceStats
 from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
@@ -406,14 +409,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             raise NotSupportedError(f"forward() does not accept {', '.join(given)} yet")
         if input_ids is None:
             raise NxdPlugError("forward() needs input_ids")
-        if self.loading_thread is not None:
-            self.loading_thread.check(self.device)
         if input_capture_hook is not None:
             input_capture_hook(self, [input_ids, attention_mask, position_ids, seq_ids])
         keywords = {"sampling_params": sampling_params, "adapter_ids": adapter_ids}
         keywords = {k: v for k, v in (keywords | step_keywords).items() if v is not None}
-        selected = self._phase_selected_by(keywords)
-        refuse_untaken_keywords(self.context, keywords)
         batch = input_ids.shape[0]
         input_ids = input_ids.to(self.device)
         if attention_mask is None:
@@ -425,26 +424,87 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         attention_mask, position_ids, seq_ids = (
             t.to(self.device) for t in (attention_mask, position_ids, seq_ids)
         )
-        prefill = self._is_prefill(position_ids, attention_mask, input_ids)
-        if selected is not None and not prefill:
+        if self._is_prefill(position_ids, attention_mask, input_ids):
+            scheduled = ScheduledStep.prompts(input_ids, attention_mask, keywords)
+        else:
+            scheduled = ScheduledStep.next_tokens(input_ids, position_ids[:, 0], keywords)
+        return self.run(scheduled.replace(seq_ids=seq_ids))
+
+    def run(self, scheduled: ScheduledStep) -> CausalLMOutputWithTokens:
+        """Run one scheduled step (the runner): the phase that computes it, given each row's
+        new tokens and cached count. Prompts (nothing cached) go to context encoding (or the
+        phase a selecting keyword names); rows that each add the same number of tokens over
+        their cache, to token generation or a speculation phase taking that many; any other
+        mix (a prompt's suffix after a cached prefix, a chunk), to the extension phase, when
+        the config has one. Returns each row's last-token logits (or chosen tokens), as
+        ``forward()`` does; a decode phase of several tokens returns all of theirs."""
+        if self.loading_thread is not None:
+            self.loading_thread.check(self.device)
+        keywords = dict(scheduled.keywords)
+        selected = self._phase_selected_by(keywords)
+        refuse_untaken_keywords(self.context, keywords)
+        if selected is not None and not scheduled.is_prompt:
             raise NxdPlugError(
                 f"{selected.selected_by}=True is for a prompt's context encoding (positions "
                 "from 0); this call continues sequences"
             )
-        if prefill:
-            tokens, mask, positions = compact_left(input_ids, attention_mask, position_ids)
+        tokens, seq_ids = scheduled.input_ids, scheduled.seq_ids
+        if scheduled.is_prompt:
             wrapper = selected or self.context_encoding_model
-            outputs = wrapper(self._step(wrapper, tokens, mask, positions, seq_ids, keywords))
-            self.kv_cache_populated = True
-        else:
-            wrapper = self.decode_model(input_ids.shape[1])
-            width = int(position_ids.max()) + 1
-            positions = torch.arange(width, device=position_ids.device)
-            cache_mask = (positions <= position_ids[:, -1:]).long()
+            mask = torch.arange(scheduled.width, device=tokens.device) < scheduled.num_new[:, None]
+            positions = scheduled.positions()
             outputs = wrapper(
-                self._step(wrapper, input_ids, cache_mask, position_ids, seq_ids, keywords)
+                self._step(wrapper, tokens, mask.long(), positions, seq_ids, keywords)
             )
+            self.kv_cache_populated = True
+            return wrapper.output_of(outputs)
+        wrapper = self.decode_model(scheduled.width) if scheduled.is_uniform else None
+        if wrapper is None:
+            wrapper = self.extend_model(scheduled)
+        mask, positions = scheduled.cache_mask(), scheduled.positions()
+        if isinstance(wrapper, ExtendWrapper) and scheduled.rows > wrapper.batch_size:
+            return self._run_in_parts(wrapper, scheduled)
+        outputs = wrapper(self._step(wrapper, tokens, mask, positions, seq_ids, keywords))
         return wrapper.output_of(outputs)
+
+    def _run_in_parts(
+        self, wrapper: ModelWrapper, scheduled: ScheduledStep
+    ) -> CausalLMOutputWithTokens:
+        """An extension step of more rows than its batch size, in parts of that many rows."""
+        size, parts = wrapper.batch_size, []
+        for start in range(0, scheduled.rows, size):
+            rows = slice(start, start + size)
+            keywords = {k: _rows_of(v, rows) for k, v in scheduled.keywords.items()}
+            part = ScheduledStep(
+                scheduled.input_ids[rows],
+                scheduled.num_new[rows],
+                scheduled.num_cached[rows],
+                scheduled.seq_ids[rows],
+                keywords,
+            )
+            parts.append(self.run(part))
+        return join_outputs(parts)
+
+    def extend_model(self, scheduled: ScheduledStep) -> ExtendWrapper:
+        """The extension phase taking the step's longest row of new tokens (the smallest such
+        size); an error saying what enables one when there is none."""
+        sizes = sorted(
+            (w for w in self.models if isinstance(w, ExtendWrapper)), key=lambda w: w.new_tokens
+        )
+        for wrapper in sizes:
+            if scheduled.width <= wrapper.new_tokens:
+                return wrapper
+        if not sizes:
+            raise NotSupportedError(
+                "this step adds new tokens over cached positions in rows of different lengths "
+                "(a prompt's suffix after a cached prefix, or a chunk of a prompt), which needs "
+                "the extension phase: set is_block_kv_layout=True with is_prefix_caching or "
+                "is_chunked_prefill"
+            )
+        raise NxdPlugError(
+            f"a row adds {scheduled.width} new tokens over its cache but the largest extension "
+            f"phase takes {sizes[-1].new_tokens}; raise the context-encoding buckets"
+        )
 
     def selecting_keywords(self) -> frozenset[str]:
         """The forward() keywords that route a prompt to a plugin's context-encoding phase
@@ -579,3 +639,8 @@ def from_pretrained(
             load_config=load_pretrained_config(model_path),
         )
     return application_cls(model_path, config)
+
+
+def _rows_of(value: Any, rows: slice) -> Any:
+    """A per-row step keyword's value for some rows (a tensor's rows; others as they are)."""
+    return value[rows] if isinstance(value, torch.Tensor) and value.dim() > 0 else value

@@ -32,6 +32,7 @@ from nxdplug.runtime.generate_processors import (
     generation_parts,
 )
 from nxdplug.runtime.sampling import SamplingParams
+from nxdplug.runtime.scheduled_step import ScheduledStep
 from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice
 from nxdplug.runtime.step_ahead import HostOverlap
 
@@ -336,17 +337,22 @@ class HuggingFaceGenerationAdapter:
         model = self.neuron_model
         model.reset()
 
+        def capture(step_input: torch.Tensor, step_mask: torch.Tensor) -> None:
+            if self.input_capture_hook is not None:
+                self.input_capture_hook(model, [step_input, step_mask, None, None])
+
         def call(step_input: torch.Tensor, step_mask: torch.Tensor) -> Any:
-            return model(
-                input_ids=step_input,
-                attention_mask=step_mask,
-                input_capture_hook=self.input_capture_hook,
-                **sampling.step_keywords,
-            )
+            """Each row's next token, after the ones its mask counts before it."""
+            capture(step_input, step_mask)
+            cached = step_mask.sum(dim=-1) - step_input.shape[1]
+            return model.run(ScheduledStep.next_tokens(step_input, cached, sampling.step_keywords))
 
         overlap = HostOverlap(self._runs_ahead(sampling))
         try:
-            outputs = call(input_ids, attention_mask)
+            capture(input_ids, attention_mask)
+            outputs = model.run(
+                ScheduledStep.prompts(input_ids, attention_mask, sampling.step_keywords)
+            )
             for step in range(new_tokens):
                 next_tokens, logits, scores = sampling.step(outputs, progress.sequences)
                 last = step == new_tokens - 1

@@ -89,6 +89,7 @@ class NeuronBaseModel(nn.Module):
             max_length=self.neuron_config.seq_len,
             head_dim=attention.head_dim,
             dtype=self.neuron_config.torch_dtype,
+            neuron_config=self.neuron_config,
         )
 
     @property

@@ -287,3 +287,75 @@ def _rows_from(
     if isinstance(outputs, torch.Tensor):
         return outputs[first:]
     return tuple(output[first:] for output in outputs)
+
+
+EXTEND_MODEL_TAG = "extend_model"
+
+
+class LastNewTokenLogits(nn.Module):
+    """The model run on new tokens over cached positions, returning what ``output_stage``
+    makes of the logits of each row's last real new token, [batch, 1, vocab]: a prompt's suffix
+    or chunk needs no other logits (the last position the mask holds is that token's)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        hidden = self.model.hidden_states(step)
+        last = step.attention_mask.sum(dim=-1) - 1 - step.position_ids[:, 0]
+        index = last.clamp(min=0)[:, None, None].expand(-1, 1, hidden.shape[-1])
+        logits = self.model.lm_head(hidden.gather(1, index)).float()
+        return self.model.output_stage(logits, step)
+
+
+class ExtendWrapper(ModelWrapper):
+    """Up to ``new_tokens`` new tokens per row over the row's cached positions: a prompt's
+    suffix after a cached prefix, or one chunk of a long prompt. The buckets are the cache
+    widths (token generation's); each size of new tokens is a sub-model of its own, so the
+    graphs form NxD Inference's two-dimensional buckets (new tokens x positions). Rows may
+    have fewer real tokens than ``new_tokens``: the padding continues their positions, where
+    the cache mask leaves them out (a cache that lends blocks writes them nowhere)."""
+
+    def __init__(self, config: Any, model_cls: type[nn.Module], new_tokens: int) -> None:
+        # tokens_per_step 0: forward() never routes a decode here; the runner picks it.
+        super().__init__(
+            config,
+            model_cls,
+            tag=f"{EXTEND_MODEL_TAG}_{new_tokens}",
+            tokens_per_step=0,
+            is_context_encoding=False,
+            batch_size=config.neuron_config.ctx_batch_size,
+        )
+        self.new_tokens = new_tokens
+
+    def input_length(self, bucket: int) -> int:
+        return self.new_tokens
+
+    def phase_module(self, model: nn.Module) -> nn.Module:
+        return LastNewTokenLogits(model)
+
+    def input_generator(self) -> list[StepInputs]:
+        """Example steps: the new tokens at the end of each width (at its start when the width
+        is the smaller)."""
+        steps = []
+        for step in super().input_generator():
+            width = step.attention_mask.shape[-1]
+            first = max(width - self.new_tokens, 0)
+            positions = torch.arange(first, first + self.new_tokens, device=self.device)
+            steps.append(step.replace(position_ids=positions.expand_as(step.input_ids).clone()))
+        return steps
+
+    def forward(self, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Pad the tokens to ``new_tokens`` (positions continuing), the mask to a width bucket,
+        and the rows to the batch size."""
+        self.check_ready(step.rows)
+        pad = self.new_tokens - step.input_ids.shape[-1]
+        if pad:
+            last = step.position_ids[:, -1:]
+            more = last + torch.arange(1, pad + 1, device=last.device)
+            step = step.replace(
+                input_ids=nn.functional.pad(step.input_ids, (0, pad), value=0),
+                position_ids=torch.cat([step.position_ids, more], dim=-1),
+            )
+        return self.run_padded(step.rows, self.pad_to_bucket(step))

@@ -41,3 +41,15 @@ class CausalLMOutputWithTokens(CausalLMOutputWithPast):
     prompt_ranks: torch.LongTensor | None = None
     prompt_top_logprobs: torch.FloatTensor | None = None
     prompt_top_ids: torch.LongTensor | None = None
+
+
+def join_outputs(parts: list[CausalLMOutputWithTokens]) -> CausalLMOutputWithTokens:
+    """The outputs of consecutive row groups of one step, as one output."""
+    fields = ("logits", "tokens")
+    joined = {
+        name: None
+        if getattr(parts[0], name) is None
+        else torch.cat([getattr(p, name) for p in parts])
+        for name in fields
+    }
+    return CausalLMOutputWithTokens(**joined)
