@@ -1,0 +1,90 @@
+"""The block KV cache: per layer, K and V as ``pa_num_blocks`` blocks of ``pa_block_size``
+positions ([blocks + 1, kv_heads, block_size, head_dim]; the last is the null block).
+
+Each row reaches its positions through its block table (the ``block_tables`` step input,
+[batch, blocks_per_line]): position p of a row lies at offset ``p % block_size`` of block
+``table[p // block_size]``. A table entry of -1 stands for the row's own line of blocks
+(``seq_id x blocks_per_line + column``), which is how ``generate()`` uses the layout without
+an engine lending blocks. A token whose position the step's cache mask leaves out (a padding
+token) writes into the null block, so padding never reaches a block a request owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager
+from nxdplug.plugins.block_kv_cache.settings import BlockSettings
+from nxdplug.runtime.step import current_step
+
+BLOCK_TABLES = "block_tables"
+
+
+class BlockKVCache(KVCacheManager):
+    def __init__(self, layout: CacheLayout) -> None:
+        super().__init__(layout)
+        self.settings = BlockSettings.of(layout.neuron_config)
+        size = self.settings.block_size
+        shape = (self.settings.num_blocks + 1, layout.num_kv_heads, size, layout.head_dim)
+        for layer in range(layout.num_layers):
+            self.register_buffer(f"k_{layer}", torch.zeros(shape, dtype=layout.dtype), False)
+            self.register_buffer(f"v_{layer}", torch.zeros(shape, dtype=layout.dtype), False)
+
+    def update_and_read(
+        self,
+        layer: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+        length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        step = current_step()
+        table = self.tables(step[BLOCK_TABLES], seq_ids)
+        blocks, offsets = self.slots(table, position_ids, step.attention_mask)
+        k_cache, v_cache = self._layer(layer)
+        k_cache[blocks, :, offsets] = key.transpose(1, 2).to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = value.transpose(1, 2).to(v_cache.dtype)
+        return self._read(k_cache, table, length, key.dtype), self._read(
+            v_cache, table, length, value.dtype
+        )
+
+    def tables(self, block_tables: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        """The rows' block tables, -1 entries resolved to the row's own line of blocks."""
+        per_line = self.settings.blocks_per_line
+        columns = torch.arange(per_line, device=block_tables.device)
+        own = seq_ids[:, None] * per_line + columns
+        return torch.where(block_tables < 0, own, block_tables)
+
+    def slots(
+        self, table: torch.Tensor, position_ids: torch.Tensor, cache_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block and offset each token's keys and values go to ([batch, seq] each): its
+        position's, or the null block's for a token the cache mask leaves out."""
+        size, width = self.settings.block_size, cache_mask.shape[-1]
+        inside = position_ids.clamp(0, width - 1)
+        kept = (position_ids < width) & cache_mask.gather(1, inside).bool()
+        column = (inside // size).clamp(max=table.shape[1] - 1)
+        blocks = torch.where(kept, table.gather(1, column), self.settings.null_block)
+        return blocks, position_ids % size
+
+    def _read(
+        self, cache: torch.Tensor, table: torch.Tensor, length: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The rows' first ``length`` positions, [batch, kv_heads, length, head_dim]."""
+        size = self.settings.block_size
+        count = -(-length // size)
+        gathered = cache[table[:, :count]]  # [batch, count, kv_heads, size, dim]
+        batch, _, heads, _, dim = gathered.shape
+        lines = gathered.transpose(1, 2).reshape(batch, heads, count * size, dim)
+        return lines[:, :, :length].to(dtype)
+
+    def position_buffers(self) -> list[torch.Tensor]:
+        return []
+
+    def reset(self) -> None:
+        for buffer in self.buffers():
+            buffer.zero_()
+
+    def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")

@@ -1,0 +1,74 @@
+"""The block layout's checks and its extension phases."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from nxdplug.plugins.block_kv_cache.settings import USES_BLOCKS, BlockSettings
+from nxdplug.runtime.model_wrapper import ExtendWrapper, ModelWrapper
+
+# Features whose caches or phases do not read through block tables (yet), refused by name.
+NOT_WITH_BLOCKS = {
+    "flash_decoding_enabled": "flash decoding lays its cache out over ranks by position",
+    "speculation_length": "speculation phases (draft model) are not built over block tables",
+    "is_medusa": "Medusa's tree phases are not built over block tables",
+    "enable_eagle_speculation": "EAGLE's fused draft keeps a line cache of its own",
+    "sequence_parallel_enabled": "sequence parallelism splits prompts, not chunks over a prefix",
+}
+
+
+def validate(context: Any) -> Iterable[str]:
+    """The numbers the layout needs, checked at start-up, each saying what to change."""
+    nc = context.neuron_config
+    if not getattr(nc, "is_block_kv_layout", False):
+        given = [name for name in USES_BLOCKS if getattr(nc, name, False)]
+        yield (
+            f"{' and '.join(given)} need the block KV-cache layout (NxD Inference's rule): set "
+            "is_block_kv_layout=True (nxdplug serve: --enable-block-kv-layout)"
+        )
+        return
+    size, count = getattr(nc, "pa_block_size", None), getattr(nc, "pa_num_blocks", None)
+    if size is not None and (not isinstance(size, int) or size < 1):
+        yield f"pa_block_size={size!r}: expected a positive number of positions per block"
+        return
+    if count is not None and (not isinstance(count, int) or count < 1):
+        yield f"pa_num_blocks={count!r}: expected a positive number of blocks"
+        return
+    settings = BlockSettings.of(nc)
+    if settings.num_blocks < settings.blocks_per_line:
+        yield (
+            f"pa_num_blocks={settings.num_blocks} cannot hold one request of seq_len={nc.seq_len}"
+            f" positions (max_context_length plus max_tokens), which takes "
+            f"{settings.blocks_per_line} blocks of pa_block_size={settings.block_size}; raise "
+            f"pa_num_blocks to at least {settings.blocks_per_line} or lower seq_len"
+        )
+    buckets = nc.token_generation_buckets if nc.enable_bucketing else None
+    uneven = [b for b in (buckets or [nc.seq_len]) if b % settings.block_size]
+    if uneven:
+        yield (
+            f"pa_block_size={settings.block_size} does not divide the token-generation buckets "
+            f"{uneven} (or seq_len): each bucket reads whole blocks; choose buckets that are "
+            "multiples of the block size, or a block size dividing them"
+        )
+    for attribute, why in NOT_WITH_BLOCKS.items():
+        if getattr(nc, attribute, None):
+            yield f"is_block_kv_layout with {attribute} is not implemented: {why}"
+    if not nc.is_continuous_batching and settings.extends:
+        yield (
+            "is_prefix_caching and is_chunked_prefill serve requests through the engine, which "
+            "needs is_continuous_batching=True"
+        )
+
+
+def add_submodels(context: Any) -> Iterable[ModelWrapper]:
+    """With prefix caching or chunked prefill, an extension phase per context-encoding bucket
+    (the sizes of new tokens a row adds over its cached positions)."""
+    nc = context.neuron_config
+    if not getattr(nc, "is_block_kv_layout", False) or not BlockSettings.of(nc).extends:
+        return []
+    sizes = nc.context_encoding_buckets if nc.enable_bucketing else None
+    return [
+        ExtendWrapper(context.config, context.model_cls, size)
+        for size in sorted(sizes or [nc.max_context_length])
+    ]
