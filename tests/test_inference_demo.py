@@ -72,14 +72,7 @@ NXDI_FLAGS = NXDI_FLAG_TEXT.split()
 # The features nxdplug lacks: each of these flags is refused.
 REFUSED = {
     "--bucket-n-active-tokens",
-    "--prefix-buckets",
     "--token-tree-json",
-    "--enable-block-kv-layout",
-    "--pa-num-blocks",
-    "--pa-block-size",
-    "--enable-chunked-prefill",
-    "--enable-prefix-caching",
-    "--max-num-seqs",
     "--windowed-context-encoding-size",
     "--activation-quantization-type",
     "--is-eagle3",
@@ -250,6 +243,22 @@ def test_flags_mean_what_they_mean_in_inference_demo(json_file) -> None:
     )["lora_config"]  # fmt: skip
     assert lora.lora_ckpt_paths == {"a": "/x/a", "b": "/x/b"} and lora.max_loras == 2
 
+    blocks = neuron_config_options(
+        parse("--enable-block-kv-layout", "--pa-num-blocks", "40", "--pa-block-size", "16",
+              "--enable-prefix-caching", "--enable-chunked-prefill", "--max-num-seqs", "4",
+              "--prefix-buckets", "16", "32")
+    )  # fmt: skip
+    assert blocks == {
+        "batch_size": 1,
+        "is_block_kv_layout": True,
+        "pa_num_blocks": 40,
+        "pa_block_size": 16,
+        "is_prefix_caching": True,
+        "is_chunked_prefill": True,
+        "max_batch_size": 4,
+        "prefix_buckets": [16, 32],
+    }
+
 
 @pytest.mark.parametrize(
     ("argv", "message"),
@@ -257,7 +266,7 @@ def test_flags_mean_what_they_mean_in_inference_demo(json_file) -> None:
         (["--cp-degree", "2"], "argument --cp-degree: only 1 is supported"),
         (["--check-accuracy-mode", "draft-logit-matching"], "draft-logit-matching is not"),
         (["--k-quant-method", "per_channel_symmetric"], "argument --k-quant-method: only"),
-        (["--enable-chunked-prefill"], "argument --enable-chunked-prefill: not supported"),
+        (["--windowed-context-encoding-size", "8"], "--windowed-context-encoding-size: not"),
     ],
 )
 def test_a_refused_flag_or_value_exits_2_with_one_line(capsys, argv, message) -> None:
@@ -271,13 +280,13 @@ def test_a_refused_flag_from_the_command_line_has_no_traceback(tiny_checkpoint) 
     done = subprocess.run(
         [sys.executable, "-m", "nxdplug.nxdi.inference_demo", "--model-type", "llama",
          "--task-type", "causal-lm", "run", "--model-path", str(tiny_checkpoint("llama")),
-         "--compiled-model-path", "/tmp/unused", "--prompt", "hi", "--enable-prefix-caching"],
+         "--compiled-model-path", "/tmp/unused", "--prompt", "hi", "--apply-seq-ids-mask"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
-        "nxdplug: error: argument --enable-prefix-caching: not supported by nxdplug: prefix "
-        "caching is not implemented (see 'nxdplug inference_demo run --help')"
+        "nxdplug: error: argument --apply-seq-ids-mask: not supported by nxdplug: masking "
+        "KV-cache updates by seq_ids is not implemented (see 'nxdplug inference_demo run --help')"
     ]
 
 
@@ -347,6 +356,17 @@ def test_on_cpu_checks_logits_generates_captures_and_benchmarks(
         "saved_inputs_tkg_2.pt",
     ]
     assert set(json.loads(report.read_text())) >= {"e2e_model", "token_generation_model"}
+
+
+def test_the_block_layout_checks_tokens_against_hf(capsys, checkpoint, tmp_path) -> None:
+    argv = demo_argv(
+        checkpoint, tmp_path / "unused", "--on-cpu", "--enable-block-kv-layout",
+        "--pa-block-size", "8", "--batch-size", "2", "--check-accuracy-mode", "token-matching",
+    )  # fmt: skip
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "token matching: PASS" in out
 
 
 def test_input_start_offsets_do_not_change_the_outputs(capsys, checkpoint, tmp_path) -> None:

@@ -49,7 +49,9 @@ def peft_solo(adapters):
     return generate
 
 
-def engine_for(checkpoint, paths, max_loras: int, scored: bool = False, **lora) -> Engine:
+def engine_for(
+    checkpoint, paths, max_loras: int, scored: bool = False, cache: dict | None = None, **lora
+) -> Engine:
     lora_config = LoraServingConfig(
         max_loras=max_loras, max_lora_rank=8, lora_ckpt_paths=paths, **lora
     )
@@ -60,6 +62,7 @@ def engine_for(checkpoint, paths, max_loras: int, scored: bool = False, **lora) 
         seq_len=32,
         lora_config=lora_config,
         enable_prompt_logprobs=scored,
+        **(cache or {}),
     )
     app = from_pretrained(checkpoint, config)
     app.to_cpu()
@@ -93,6 +96,23 @@ def test_requests_with_different_adapters_get_peft_tokens(adapters, peft_solo) -
     assert len({tuple(t) for t in tokens}) == len(tokens)
     base = peft_solo(PROMPTS[0], None)
     assert tokens[0] != base  # the adapter changed the output
+
+
+def test_adapters_never_share_cached_blocks(adapters, peft_solo) -> None:
+    """With prefix caching, the same prompt under another adapter (or none) finds nothing
+    cached, and each gets PEFT's tokens; under the same adapter it finds its blocks."""
+    checkpoint, paths = adapters
+    cache = {"is_block_kv_layout": True, "pa_block_size": 4, "is_prefix_caching": True}
+    engine = engine_for(checkpoint, paths, max_loras=3, cache=cache)
+    prompt = [5, 9, 13, 2, 8, 7, 3, 11, 4, 4]
+    for adapter, cached in [("code", 0), ("chat", 0), (None, 0), ("code", 8), (None, 8)]:
+        keywords = {"adapter_ids": adapter} if adapter else {}
+        engine.add_request(prompt, SamplingSettings(NEW_TOKENS, 0), step_keywords=keywords)
+        tokens = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens += output.token_ids
+        assert (tokens, output.cached_tokens) == (peft_solo(prompt, adapter), cached)
 
 
 def test_prompt_logprobs_are_those_of_the_requests_adapter(adapters) -> None:

@@ -127,7 +127,6 @@ def _refused(flag: str, why: str, takes_value: bool = True) -> DemoFlag:
 
 
 _ONE = "this parallelism is not implemented"
-_NO_BLOCK_LAYOUT = "the block KV-cache layout is not implemented"
 
 DEMO_FLAGS: tuple[DemoFlag, ...] = (
     _demo("--model-path"),
@@ -167,7 +166,6 @@ DEMO_FLAGS: tuple[DemoFlag, ...] = (
     _hint("--disable-kv-cache-tiling"),
     # Bucketing
     _refused("--bucket-n-active-tokens", "bucketing n_active_tokens is not implemented", False),
-    _refused("--prefix-buckets", "prefix caching is not implemented"),
     _demo(
         "--modules-to-not-convert-file",
         "JSON file of the modules left unconverted",
@@ -192,13 +190,6 @@ DEMO_FLAGS: tuple[DemoFlag, ...] = (
     _demo("--start_rank_id", type=only(0, int, "a run spans one node")),
     _demo("--local_ranks_size", "ranks of this node (tp_degree here)", type=positive_int),
     _demo("--enable-torch-dist", "ranks synchronise through gloo", action="store_true"),
-    # Paged attention and chunked prefill
-    _refused("--enable-block-kv-layout", _NO_BLOCK_LAYOUT, takes_value=False),
-    _refused("--pa-num-blocks", _NO_BLOCK_LAYOUT),
-    _refused("--pa-block-size", _NO_BLOCK_LAYOUT),
-    _refused("--enable-chunked-prefill", "chunked prefill is not implemented", False),
-    _refused("--enable-prefix-caching", "prefix caching is not implemented", False),
-    _refused("--max-num-seqs", "chunked prefill is not implemented"),
     _refused("--windowed-context-encoding-size", "windowed context encoding is not implemented"),
     # Kernels NeuronConfig has no attribute for
     _hint("--qkv-nki-kernel-enabled"),

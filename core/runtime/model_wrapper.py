@@ -313,11 +313,20 @@ class ExtendWrapper(ModelWrapper):
     """Up to ``new_tokens`` new tokens per row over the row's cached positions: a prompt's
     suffix after a cached prefix, or one chunk of a long prompt. The buckets are the cache
     widths (token generation's); each size of new tokens is a sub-model of its own, so the
-    graphs form NxD Inference's two-dimensional buckets (new tokens x positions). Rows may
+    graphs form NxD Inference's two-dimensional buckets (new tokens x positions; with
+    ``prefix_buckets``, a cached prefix's length plus the new tokens). Rows may
     have fewer real tokens than ``new_tokens``: the padding continues their positions, where
     the cache mask leaves them out (a cache that lends blocks writes them nowhere)."""
 
-    def __init__(self, config: Any, model_cls: type[nn.Module], new_tokens: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        model_cls: type[nn.Module],
+        new_tokens: int,
+        widths: list[int] | None = None,
+    ) -> None:
+        """``widths``: the cache widths (buckets) of its graphs; token generation's by
+        default."""
         # tokens_per_step 0: forward() never routes a decode here; the runner picks it.
         super().__init__(
             config,
@@ -328,6 +337,8 @@ class ExtendWrapper(ModelWrapper):
             batch_size=config.neuron_config.ctx_batch_size,
         )
         self.new_tokens = new_tokens
+        if widths is not None:
+            self.buckets = sorted(widths)
 
     def input_length(self, bucket: int) -> int:
         return self.new_tokens

@@ -101,7 +101,9 @@ def build_app(
         prompts = body.prompts(tokenizer)
         with _named_as_asked(body):
             settings = body.settings()
-            stream = await engine_loop.generate_batch(prompts, settings, body.choices, keywords)
+            stream = await engine_loop.generate_batch(
+                prompts, settings, body.choices, keywords, body.cache_salt
+            )
         reply_id = "cmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
         echoes = body.echoed_texts(tokenizer, prompts)
@@ -148,7 +150,9 @@ def build_app(
         if use.choice == "auto" and getattr(tool_parser, "keeps_special_tokens", False):
             settings = attrs.evolve(settings, skip_special_tokens=False)
         with _named_as_asked(body):
-            stream = await engine_loop.generate(prompt_ids, settings, body.choices, keywords)
+            stream = await engine_loop.generate(
+                prompt_ids, settings, body.choices, keywords, body.cache_salt
+            )
         thinks = reasoning_parser is not None and settings.structured_output is None
 
         def reader() -> ReplyReader:

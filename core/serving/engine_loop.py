@@ -134,10 +134,11 @@ class EngineLoop:
         settings: SamplingSettings,
         n: int = 1,
         step_keywords: Mapping[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> OutputStream:
         """Queue ``n`` requests for the prompt and return their outputs' stream; call from the
         event loop. See :meth:`generate_batch`."""
-        return await self.generate_batch([prompt_ids], settings, n, step_keywords)
+        return await self.generate_batch([prompt_ids], settings, n, step_keywords, cache_salt)
 
     async def generate_batch(
         self,
@@ -145,11 +146,12 @@ class EngineLoop:
         settings: SamplingSettings,
         n: int = 1,
         step_keywords: Mapping[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> OutputStream:
         """Queue ``n`` requests for each prompt (choices, each its own sample; with a seed,
         choice i of a prompt is seeded ``seed + i``, as vLLM does) and return their outputs'
         stream, whose choice index is ``prompt index * n + i``; call from the event loop.
-        ``step_keywords`` go with every request (``Engine.add_request``).
+        ``step_keywords`` and ``cache_salt`` go with every request (``Engine.add_request``).
 
         Raises what ``engine.add_request`` raises (RequestError, EngineFullError), or
         EngineStoppedError when the loop no longer takes requests; the requests queued before
@@ -176,7 +178,9 @@ class EngineLoop:
                 if settings.seed is not None and index % n:
                     choice = attrs.evolve(settings, seed=settings.seed + index % n)
                 prompt = prompts[index // n]
-                prepared.append(self.engine.prepare(prompt, choice, request_id, step_keywords))
+                prepared.append(
+                    self.engine.prepare(prompt, choice, request_id, step_keywords, cache_salt)
+                )
             return prepared
 
         if settings.structured_output is None:

@@ -4,6 +4,7 @@ one process, or a test, never share counters."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -14,6 +15,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from nxdplug.engine import Engine, RequestOutput
@@ -38,6 +41,7 @@ class ServingMetrics:
         }
         for name, (description, read) in gauges.items():
             Gauge(f"nxdplug:{name}", description, registry=self.registry).set_function(read)
+        self.registry.register(CacheCollector(engine))
         self.prompt_tokens = Counter(
             "nxdplug:prompt_tokens", "prompt tokens encoded", registry=self.registry
         )
@@ -84,3 +88,31 @@ class ServingMetrics:
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class CacheCollector(Collector):
+    """The KV cache's use, read from the engine when scraped, under vLLM's names: the share of
+    the cache in use, the prompt tokens looked up in the prefix cache and found there, and the
+    requests preempted for room."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        usage = self.engine.lines.usage()
+        yield GaugeMetricFamily(
+            "nxdplug:kv_cache_usage_perc", "KV-cache usage (1: full)", value=usage.used
+        )
+        counters = {
+            "prefix_cache_queries": (
+                "prompt tokens looked up in the prefix cache",
+                usage.prefix_queries,
+            ),
+            "prefix_cache_hits": ("prompt tokens found in the prefix cache", usage.prefix_hits),
+            "num_preemptions": (
+                "requests preempted for KV-cache room",
+                self.engine.num_preemptions,
+            ),
+        }
+        for name, (description, value) in counters.items():
+            yield CounterMetricFamily(f"nxdplug:{name}", description, value=value)

@@ -121,6 +121,10 @@ class _GenerationRequest(BaseModel):
     n: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = Field(default=True, description="vLLM's extra")
+    cache_salt: str | None = Field(
+        default=None,
+        description="vLLM's extra: prompts share cached positions only under the same salt",
+    )
     min_tokens: int = Field(default=0, description="vLLM's extra")
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -6,25 +6,38 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import attrs
 from pydantic import BaseModel, ConfigDict
 
 from nxdplug.engine import RequestOutput
 from nxdplug.engine.requests import PromptLogprob
 
 
+class PromptTokensDetails(BaseModel):
+    """``cached_tokens``: the prompt tokens found in the prefix cache, not encoded again."""
+
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
     def of(cls, outputs: Sequence[RequestOutput], n: int = 1) -> Usage:
         """The usage of a request's choices (each one's last output, prompt by prompt, ``n``
-        choices each): each prompt counted once, as OpenAI counts it."""
+        choices each): each prompt counted once, as OpenAI counts it (its cached tokens as its
+        first choice found them)."""
         prompt = sum(output.prompt_tokens for output in outputs[::n])
+        cached = sum(output.cached_tokens for output in outputs[::n])
         completion = sum(output.completion_tokens for output in outputs)
         return cls(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         )
 
 
@@ -197,15 +210,11 @@ def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
         logprobs = tuple(lp for o in outputs for lp in o.logprobs or ())
     if last.top_logprobs is not None:
         top = tuple(pairs for o in outputs for pairs in o.top_logprobs or ())
-    return RequestOutput(
-        request_id=last.request_id,
+    return attrs.evolve(
+        last,
         token_ids=tuple(t for o in outputs for t in o.token_ids),
         text="".join(o.text for o in outputs),
         logprobs=logprobs,
-        finished=last.finished,
-        finish_reason=last.finish_reason,
-        prompt_tokens=last.prompt_tokens,
-        completion_tokens=last.completion_tokens,
         top_logprobs=top,
         prompt_logprobs=outputs[0].prompt_logprobs,
     )

@@ -14,10 +14,8 @@ from __future__ import annotations
 import torch
 
 from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager
-from nxdplug.plugins.block_kv_cache.settings import BlockSettings
+from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
 from nxdplug.runtime.step import current_step
-
-BLOCK_TABLES = "block_tables"
 
 
 class BlockKVCache(KVCacheManager):

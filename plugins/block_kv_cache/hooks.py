@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.plugins.block_kv_cache.cache import BLOCK_TABLES
-from nxdplug.plugins.block_kv_cache.settings import ENABLED_BY, SETTINGS, USES_BLOCKS
-from nxdplug.types import Feature, KVCacheStrategy, StepInput
+from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, ENABLED_BY, SETTINGS, USES_BLOCKS
+from nxdplug.types import CliExtension, Feature, KVCacheStrategy, StepInput
 
 NXDPLUG_API_VERSION = 1
 PACKAGE = "nxdplug.plugins.block_kv_cache"
@@ -52,4 +51,14 @@ def nxdplug_features() -> Iterable[Feature]:
         validate=f"{PACKAGE}.pipeline:validate",
         add_submodels=f"{PACKAGE}.pipeline:add_submodels",
         description="block KV cache, prefix caching and chunked prefill",
+    )
+
+
+@hookimpl
+def nxdplug_cli_extensions() -> Iterable[CliExtension]:
+    yield CliExtension(
+        name="block-kv-layout-flags",
+        implementation=f"{PACKAGE}.cli:BlockCacheFlags",
+        commands=("inference_demo", "serve"),
+        description="--enable-prefix-caching, --enable-chunked-prefill, --pa-num-blocks, ...",
     )

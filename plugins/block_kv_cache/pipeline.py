@@ -44,12 +44,22 @@ def validate(context: Any) -> Iterable[str]:
             f"pa_num_blocks to at least {settings.blocks_per_line} or lower seq_len"
         )
     buckets = nc.token_generation_buckets if nc.enable_bucketing else None
-    uneven = [b for b in (buckets or [nc.seq_len]) if b % settings.block_size]
+    widths = list(buckets or [nc.seq_len])
+    prefixes = getattr(nc, "prefix_buckets", None)
+    if prefixes is not None and not settings.extends:
+        yield (
+            "prefix_buckets size the extension graphs, which only is_prefix_caching or "
+            "is_chunked_prefill adds: set one of them, or drop prefix_buckets"
+        )
+    for prefix in prefixes or ():
+        widths += [min(prefix + size, nc.seq_len) for size in new_token_sizes(nc)]
+    uneven = sorted({b for b in widths if b % settings.block_size})
     if uneven:
         yield (
-            f"pa_block_size={settings.block_size} does not divide the token-generation buckets "
-            f"{uneven} (or seq_len): each bucket reads whole blocks; choose buckets that are "
-            "multiples of the block size, or a block size dividing them"
+            f"pa_block_size={settings.block_size} does not divide the cache widths {uneven} (the "
+            "token-generation buckets or seq_len, and each prefix bucket plus a context-encoding "
+            "bucket): each width reads whole blocks; choose buckets that are multiples of the "
+            "block size, or a block size dividing them"
         )
     for attribute, why in NOT_WITH_BLOCKS.items():
         if getattr(nc, attribute, None):
@@ -67,8 +77,19 @@ def add_submodels(context: Any) -> Iterable[ModelWrapper]:
     nc = context.neuron_config
     if not getattr(nc, "is_block_kv_layout", False) or not BlockSettings.of(nc).extends:
         return []
-    sizes = nc.context_encoding_buckets if nc.enable_bucketing else None
+    prefixes = getattr(nc, "prefix_buckets", None)
     return [
-        ExtendWrapper(context.config, context.model_cls, size)
-        for size in sorted(sizes or [nc.max_context_length])
+        ExtendWrapper(
+            context.config,
+            context.model_cls,
+            size,
+            None if prefixes is None else sorted({min(p + size, nc.seq_len) for p in prefixes}),
+        )
+        for size in new_token_sizes(nc)
     ]
+
+
+def new_token_sizes(nc: Any) -> list[int]:
+    """The extension phases' sizes of new tokens: the context-encoding buckets."""
+    sizes = nc.context_encoding_buckets if nc.enable_bucketing else None
+    return sorted(sizes or [nc.max_context_length])

@@ -16,6 +16,8 @@ from typing import Any
 import attrs
 
 ENABLED_BY = ("is_block_kv_layout",)
+# The step input (and keyword) holding each row's blocks.
+BLOCK_TABLES = "block_tables"
 # What works over blocks only; each enables the feature, whose checks refuse it without them.
 USES_BLOCKS = ("is_prefix_caching", "is_chunked_prefill")
 DEFAULT_BLOCK_SIZE = 32
@@ -26,6 +28,7 @@ SETTINGS: dict[str, Any] = {
     "pa_block_size": DEFAULT_BLOCK_SIZE,
     "is_prefix_caching": False,
     "is_chunked_prefill": False,
+    "prefix_buckets": None,
 }
 
 

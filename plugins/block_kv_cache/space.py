@@ -19,7 +19,7 @@ import torch
 from nxdplug.engine.cache_space import CacheSpace, CacheUsage
 from nxdplug.errors import NxdPlugError
 from nxdplug.plugins.block_kv_cache.pool import BlockHash, BlockPool, chained_hashes
-from nxdplug.plugins.block_kv_cache.settings import BlockSettings
+from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
 
 
 def _blocks_for(positions: int, size: int) -> int:
@@ -114,7 +114,7 @@ class BlockSpace(CacheSpace):
         for row, line in enumerate(lines):
             blocks = self._blocks[line]
             tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return {"block_tables": tables.to(device)}
+        return {BLOCK_TABLES: tables.to(device)}
 
     def usage(self) -> CacheUsage:
         return CacheUsage(

@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from nxdplug.errors import NxdPlugError
-from nxdplug.plugins.block_kv_cache.cache import BLOCK_TABLES
-from nxdplug.plugins.block_kv_cache.settings import BlockSettings
+from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
 
 
 class BlockTables:
@@ -23,14 +22,18 @@ class BlockTables:
         self.settings = BlockSettings.of(self.neuron_config)
 
     def example(self, batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
-        return {BLOCK_TABLES: self._own_lines(batch_size, device)}
+        """Tables of the null block only: valid whatever the pool's size (a compiled graph's
+        warm-up runs them)."""
+        settings = self.settings
+        shape = (batch_size, settings.blocks_per_line)
+        return {BLOCK_TABLES: torch.full(shape, settings.null_block, device=device)}
 
     def build(
         self, batch_size: int, keywords: Mapping[str, Any], device: torch.device
     ) -> dict[str, torch.Tensor]:
         tables = keywords.get(BLOCK_TABLES)
         if tables is None:
-            return {BLOCK_TABLES: self._own_lines(batch_size, device, checked=True)}
+            return {BLOCK_TABLES: self._own_lines(batch_size, device)}
         tables = torch.as_tensor(tables, dtype=torch.long, device=device)
         expected = (batch_size, self.settings.blocks_per_line)
         if tuple(tables.shape) != expected:
@@ -43,12 +46,10 @@ class BlockTables:
     def reset(self) -> None:
         """Nothing to reset: tables are given each step."""
 
-    def _own_lines(
-        self, batch_size: int, device: torch.device, checked: bool = False
-    ) -> torch.Tensor:
+    def _own_lines(self, batch_size: int, device: torch.device) -> torch.Tensor:
         settings = self.settings
         needed = self.neuron_config.max_batch_size * settings.blocks_per_line
-        if checked and settings.num_blocks < needed:
+        if settings.num_blocks < needed:
             raise NxdPlugError(
                 f"without block tables each sequence uses its own line of blocks, which takes "
                 f"max_batch_size x seq_len / pa_block_size = {needed} blocks, but "
