@@ -29,7 +29,7 @@ SETTINGS = {
 }
 PROMPTS = [[5, 17, 42, 9], [8, 250, 31, 99, 7, 3, 11], [60, 61, 62], list(range(70, 82))]
 # The last request repeats the fourth prompt's first 10 tokens (its first block of 8 is cached).
-PROMPTS.append(PROMPTS[3][:10] + [5, 6])
+PROMPTS.append([*PROMPTS[3][:10], 5, 6])
 MAX_TOKENS = [12, 6, 9, 8, 7]
 # The block layout with prefix caching: each rank holds its K/V heads' blocks.
 BLOCKS = {"is_block_kv_layout": True, "pa_block_size": 8, "is_prefix_caching": True}

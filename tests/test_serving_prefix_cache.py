@@ -27,7 +27,7 @@ SYSTEM = "You answer questions about Python modules, briefly and with one exampl
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     count = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         count += 1
