@@ -174,10 +174,15 @@ def test_salts_never_share_blocks(checkpoint, solo) -> None:
     assert_all_free(engine)
 
 
-def test_preemption_recomputes_and_frees_every_block(checkpoint, solo) -> None:
+@pytest.mark.parametrize("attention", ["kernel", "gather"])
+def test_preemption_recomputes_and_frees_every_block(
+    checkpoint, solo, attention, monkeypatch
+) -> None:
     """A pool of one sequence's blocks (8 of 8 positions) for 4 requests of up to 40
     positions: requests are preempted, encode their tokens again (past the context-encoding
-    length: in chunks over the cached ones), and still get their solo tokens."""
+    length: in chunks over the cached ones), and still get their solo tokens; attending with
+    the paged kernel, or over the blocks gathered for the model's attention."""
+    monkeypatch.setenv("NXDPLUG_DECODE_ATTENTION", attention)
     generator = torch.Generator().manual_seed(4)
     requests = [(random_tokens(n, generator), 24, None) for n in (10, 16, 5, 12)]
     engine = Engine(
@@ -263,7 +268,7 @@ def test_extension_phases_follow_the_context_buckets(checkpoint) -> None:
         ),
         (
             {"pa_block_size": 24},
-            r"pa_block_size=24 does not divide the token-generation buckets \[64\]",
+            r"pa_block_size=24 does not divide the cache widths \[64\]",
         ),
         (
             {"is_block_kv_layout": False, "is_chunked_prefill": True},

@@ -1,7 +1,8 @@
 """The static cache's decode attention (``plugins/static_kv_cache/decode_attention.cpp``) against
 the model's own attention over the gathered lines (``grouped_attention``): head sizes of the
 vector path and of the portable loop, grouped query heads, several queries a row, masks with
-holes and rows that see no key, lines in any order; and the cache computing it in place."""
+holes and rows that see no key, lines in any order; the paged twin against the same attention
+over the blocks gathered through the block tables; and the cache computing it in place."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from nxdplug.modules.attention import NeuronAttentionBase, grouped_attention
 from nxdplug.modules.kv_cache import CacheLayout, CacheSlot
 from nxdplug.plugins.static_kv_cache import cache as static_cache
 from nxdplug.plugins.static_kv_cache.cache import KERNEL_MAX_QUERIES, StaticKVCache
-from nxdplug.plugins.static_kv_cache.kernel import decode_attention_op
+from nxdplug.plugins.static_kv_cache.kernel import decode_attention_op, paged_decode_attention_op
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 
@@ -113,6 +114,132 @@ def test_bad_operands_are_refused(kernel) -> None:
         kernel(q[:, :3], k_cache, v_cache, seq_ids, mask, 0.25)
     with pytest.raises(RuntimeError, match="contiguous caches"):
         kernel(q, k_cache.transpose(2, 3), v_cache.transpose(2, 3), seq_ids, mask, 0.25)
+
+
+@pytest.fixture(scope="module")
+def paged_kernel():
+    op = paged_decode_attention_op()
+    assert op is not None, "the paged decode attention kernel did not build (see the warning)"
+    return op
+
+
+def paged_operands(heads, kv_heads, queries, dim, keys, block_size, dtype, seed=0):
+    """operands()' q and mask for 4 rows, K and V blocks, and block tables: blocks in random
+    order, rows 0 and 1 sharing their first blocks, a column past the mask's width holding no
+    block (not read), the table a column slice of a wider tensor (not contiguous)."""
+    q, _, _, _, mask = operands(4, heads, kv_heads, queries, dim, keys, dtype, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    covered = -(-keys // block_size)
+    blocks = 4 * covered + 3
+    k_blocks = torch.randn(blocks, kv_heads, block_size, dim, generator=generator).to(dtype)
+    v_blocks = torch.randn(blocks, kv_heads, block_size, dim, generator=generator).to(dtype)
+    wide = torch.full((4, covered + 2), -1, dtype=torch.long)
+    wide[:, 1 : covered + 1] = torch.randperm(blocks, generator=generator)[: 4 * covered].view(
+        4, -1
+    )
+    wide[1, 1 : 1 + (covered + 1) // 2] = wide[0, 1 : 1 + (covered + 1) // 2]
+    wide[:, -1] = blocks + 7
+    return q, k_blocks, v_blocks, wide[:, 1:], mask
+
+
+def paged_reference(q, k_blocks, v_blocks, block_tables, mask):
+    keys = mask.shape[-1]
+    covered = -(-keys // k_blocks.shape[2])
+
+    def gathered(blocks):
+        rows = blocks[block_tables[:, :covered]]  # [batch, covered, kv_heads, block_size, dim]
+        batch, _, kv_heads, _, dim = rows.shape
+        return rows.transpose(1, 2).reshape(batch, kv_heads, -1, dim)[:, :, :keys]
+
+    return grouped_attention(q, gathered(k_blocks), gathered(v_blocks), mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "queries", "dim", "keys", "block_size"),
+    [
+        (12, 4, 1, 64, 128, 32),  # the ~120M Llama decoding, blocks of 32
+        (12, 4, 1, 64, 100, 16),
+        (8, 2, 5, 128, 160, 32),  # speculation: 5 queries a row
+        (6, 3, 3, 32, 50, 16),
+        (4, 1, 2, 256, 45, 16),
+        (4, 4, 1, 16, 37, 8),  # blocks of fewer than 16: scored one key at a time
+        (6, 2, 4, 64, 70, 24),  # 16 keys at a time, then 8 one by one, each block
+        (4, 2, 1, 8, 30, 16),  # head sizes the vector path does not take: the portable loop
+        (6, 2, 4, 24, 70, 8),
+    ],
+)
+def test_the_paged_kernel_is_the_models_attention_over_the_gathered_blocks(
+    paged_kernel, dtype, heads, kv_heads, queries, dim, keys, block_size
+) -> None:
+    inputs = paged_operands(heads, kv_heads, queries, dim, keys, block_size, dtype)
+    out = paged_kernel(*inputs, dim**-0.5)
+    assert out.dtype == dtype and out.shape == inputs[0].shape
+    assert_matches(out, paged_reference(*inputs), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_paged_holes_in_the_mask_and_a_query_seeing_nothing(
+    paged_kernel, dtype, block_size
+) -> None:
+    q, k_blocks, v_blocks, block_tables, _ = paged_operands(
+        4, 2, 4, 64, 40, block_size, dtype, seed=1
+    )
+    mask = torch.rand(4, 1, 4, 40, generator=torch.Generator().manual_seed(2)) < 0.3
+    mask[1, 0, 2] = False
+    mask[3] = False  # a row that sees no key
+    inputs = q, k_blocks, v_blocks, block_tables, mask
+    out = paged_kernel(*inputs, 0.125)
+    assert_matches(out, paged_reference(*inputs), dtype)
+    for row, query in ((1, 2), (3, 0), (3, 3)):
+        blocks = v_blocks[block_tables[row, : -(-40 // block_size)]]  # [n, kv_heads, bs, dim]
+        mean = blocks.transpose(0, 1).flatten(1, 2)[:, :40].float().mean(dim=1)
+        torch.testing.assert_close(
+            out[row, :, query].float(), mean.repeat_interleave(2, 0), **_loose(dtype)
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32, 160])
+def test_lines_cut_into_blocks_give_the_static_kernels_bits(
+    kernel, paged_kernel, dtype, block_size
+) -> None:
+    """The static cache's lines as blocks of a multiple of 16 positions (or one block a line):
+    the same keys scored 16 at a time and the same sums, so the same bits."""
+    q, k_cache, v_cache, seq_ids, mask = operands(4, 8, 2, 3, 64, 150, dtype)
+    lines, kv_heads, positions, dim = k_cache.shape
+    per_line = positions // block_size
+
+    def as_blocks(cache):
+        cut = cache.view(lines, kv_heads, per_line, block_size, dim).transpose(1, 2)
+        return cut.reshape(lines * per_line, kv_heads, block_size, dim)
+
+    block_tables = seq_ids[:, None] * per_line + torch.arange(per_line)
+    paged = paged_kernel(q, as_blocks(k_cache), as_blocks(v_cache), block_tables, mask, 0.125)
+    assert torch.equal(paged, kernel(q, k_cache, v_cache, seq_ids, mask, 0.125))
+
+
+def test_bad_paged_operands_are_refused(paged_kernel) -> None:
+    q, k_blocks, v_blocks, block_tables, mask = paged_operands(4, 2, 1, 16, 40, 16, torch.float32)
+    tables = block_tables.clone()
+    tables[2, 1] = 15
+    with pytest.raises(RuntimeError, match=r"block_tables\[2, 1\] = 15 is not a block"):
+        paged_kernel(q, k_blocks, v_blocks, tables, mask, 0.25)
+    tables = block_tables.clone()
+    tables[0, 2] = -1
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 2\] = -1 is not a block"):
+        paged_kernel(q, k_blocks, v_blocks, tables, mask, 0.25)
+    wide_mask = torch.ones(4, 1, 1, 65, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match=r"keys <= blocks_per_row \* block_size"):
+        paged_kernel(q, k_blocks, v_blocks, block_tables, wide_mask, 0.25)
+    with pytest.raises(RuntimeError, match="must have one dtype"):
+        paged_kernel(q.bfloat16(), k_blocks, v_blocks, block_tables, mask, 0.25)
+    with pytest.raises(RuntimeError, match=r"block_tables \[batch, blocks_per_row\] int64"):
+        paged_kernel(q, k_blocks, v_blocks, block_tables.int(), mask, 0.25)
+    with pytest.raises(RuntimeError, match="contiguous blocks"):
+        kv = k_blocks.transpose(2, 3), v_blocks.transpose(2, 3)
+        paged_kernel(q, *kv, block_tables, mask, 0.25)
 
 
 FORCED_RUN = """

@@ -15,6 +15,8 @@ import torch
 
 from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager
 from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
+from nxdplug.plugins.static_kv_cache.cache import KERNEL_MAX_QUERIES, kernel_enabled
+from nxdplug.plugins.static_kv_cache.kernel import DTYPES, paged_decode_attention_op
 from nxdplug.runtime.step import current_step
 
 
@@ -27,6 +29,8 @@ class BlockKVCache(KVCacheManager):
         for layer in range(layout.num_layers):
             self.register_buffer(f"k_{layer}", torch.zeros(shape, dtype=layout.dtype), False)
             self.register_buffer(f"v_{layer}", torch.zeros(shape, dtype=layout.dtype), False)
+        # Registers the kernel now: a compiled graph that calls it can only be loaded once it is.
+        paged_decode_attention_op()
 
     def update_and_read(
         self,
@@ -37,15 +41,65 @@ class BlockKVCache(KVCacheManager):
         seq_ids: torch.Tensor,
         length: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._store(layer, key, value, position_ids, seq_ids)
+        k_cache, v_cache = self._layer(layer)
+        keys = self._read(k_cache, table, length, key.dtype)
+        return keys, self._read(v_cache, table, length, value.dtype)
+
+    def store_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """Up to KERNEL_MAX_QUERIES queries a row on the CPU, in the cache's float32 or
+        bfloat16: the static cache's decode kernel, reading each row's blocks where they are
+        (``paged_decode_attention``) instead of a copy of them."""
+        k_cache, v_cache = self._layer(layer)
+        kernel = (
+            paged_decode_attention_op()
+            if kernel_enabled()
+            and q.device.type == "cpu"
+            and q.shape[2] <= KERNEL_MAX_QUERIES
+            and q.dtype == k_cache.dtype
+            and q.dtype in DTYPES
+            else None
+        )
+        if kernel is None:
+            return None
+        table = self._store(layer, key, value, position_ids, seq_ids)
+        return kernel(q, k_cache, v_cache, table, mask, q.shape[-1] ** -0.5)
+
+    @classmethod
+    def graph_variant(cls) -> str:
+        """Decoding traced with the paged kernel (empty: the default), or over gathered
+        blocks."""
+        if not kernel_enabled():
+            return "decode attention over gathered blocks (NXDPLUG_DECODE_ATTENTION=gather)"
+        if paged_decode_attention_op() is None:
+            return "decode attention over gathered blocks (the kernel could not be built)"
+        return ""
+
+    def _store(
+        self,
+        layer: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        position_ids: torch.Tensor,
+        seq_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write the step's keys and values where the rows' tables say; the tables."""
         step = current_step()
         table = self.tables(step[BLOCK_TABLES], seq_ids)
         blocks, offsets = self.slots(table, position_ids, step.attention_mask)
         k_cache, v_cache = self._layer(layer)
         k_cache[blocks, :, offsets] = key.transpose(1, 2).to(k_cache.dtype)
         v_cache[blocks, :, offsets] = value.transpose(1, 2).to(v_cache.dtype)
-        return self._read(k_cache, table, length, key.dtype), self._read(
-            v_cache, table, length, value.dtype
-        )
+        return table
 
     def tables(self, block_tables: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
         """The rows' block tables, -1 entries resolved to the row's own line of blocks."""

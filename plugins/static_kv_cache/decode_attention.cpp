@@ -1,6 +1,9 @@
 // softmax(q k^T * scale, masked) v for a few queries a row (decoding, speculation, short
-// prompts), reading each row's keys and values where they are in the static cache: [lines,
-// kv_heads, positions, dim].
+// prompts), reading each row's keys and values where they are: in the static cache ([lines,
+// kv_heads, positions, dim], decode_attention: row b reads line seq_ids[b]) or in blocks
+// ([blocks, kv_heads, block_size, dim], paged_decode_attention: position j of row b lies in block
+// block_tables[b, j / block_size] at j % block_size). Both walk a row's positions block by block
+// (a line is one block), so they share the code below.
 //
 // Why not the graph's own attention: it gathers each row's line up to the bucket's width (a copy
 // of K and V), widens K to float32 (another), then runs two batched matmuls, so it moves about
@@ -21,6 +24,8 @@
 //
 // x86 CPUs with AVX-512 (F, BW, VL) take the vector path for head sizes 16, 32, 64, 128 and 256;
 // other head sizes and CPUs take a plain loop (NXDPLUG_DECODE_ATTENTION_PORTABLE=1 forces it).
+// The vector path scores 16 keys of a block at a time and a block's last few (all of them in a
+// block of fewer than 16) one by one: blocks of a multiple of 16 positions are the fast ones.
 // With AVX512-BF16, bf16 scores multiply pairs of values without widening them (head sizes from
 // 32): 70 against 77 us a call (16 rows seeing 64-124 of 128 positions, caches out of L2), 796
 // against 877 for 64-query prompts, alongside a group's query heads taking each value together.
@@ -48,9 +53,10 @@ namespace {
 constexpr float kMasked = -std::numeric_limits<float>::infinity();
 constexpr int64_t kPrefetchPositions = 16;  // how far ahead the first query head reads keys
 
-// `keys`: the positions a task computes (see visible_span); `mask_keys`: the mask's width.
+// `keys`: the positions a task computes (see visible_span); `mask_keys`: the mask's width;
+// `block_size`: the positions a block holds (a line's positions in the static cache).
 struct Shapes {
-  int64_t heads, kv_heads, queries, dim, cache_positions, keys, mask_keys;
+  int64_t heads, kv_heads, queries, dim, block_size, keys, mask_keys;
   int64_t groups() const { return heads / kv_heads; }
   int64_t rows() const { return groups() * queries; }
 };
@@ -58,12 +64,39 @@ struct Shapes {
 // One task: the query heads of one batch row that share one K/V head.
 template <typename T>
 struct Task {
-  const T* q;        // [rows][dim]: row i is query (i % queries) of the group's head i / queries
-  const T* k;        // [cache_positions][dim]: the row's line, this K/V head
-  const T* v;        // [cache_positions][dim]
+  const T* q;             // [rows][dim]: row i is query (i % queries) of the group's head i / queries
+  const T* k;             // [block_size][dim]: this K/V head's keys in block 0; block n's are
+  const T* v;             //   block_stride elements on (values alike)
+  const int64_t* blocks;  // the row's block table: position j lies in block blocks[j / block_size]
+  int64_t block_size, block_stride;
   const bool* mask;  // [queries][mask_keys]
   T* out;            // [rows][dim]
 };
+
+// Positions [first, end) of a task, all in one block: position j's key at k + (j - first) * dim
+// (values alike). `next_k`, `next_v`: the next block's first `next_count` keys and values
+// (prefetched; none after the task's last position).
+template <typename T>
+struct Run {
+  int64_t first, end;
+  const T* k;
+  const T* v;
+  const T* next_k;
+  const T* next_v;
+  int64_t next_count;
+};
+
+// The run of a task's positions (of `keys`) in the row's block `index`, starting at `first`
+// (index * block_size). Loops go over runs as
+//   for (int64_t n = 0, first = 0; first < keys; ++n, first += task.block_size)
+template <typename T>
+inline Run<T> run_at(const Task<T>& task, int64_t index, int64_t first, int64_t keys) {
+  const int64_t offset = task.blocks[index] * task.block_stride;
+  const int64_t end = std::min(keys, first + task.block_size);
+  const int64_t next_count = std::min(keys, end + task.block_size) - end;
+  const int64_t next = next_count > 0 ? task.blocks[index + 1] * task.block_stride : 0;
+  return {first, end, task.k + offset, task.v + offset, task.k + next, task.v + next, next_count};
+}
 
 template <typename T>
 float rounded(float p) {
@@ -100,22 +133,30 @@ void attend_portable(const Task<T>& task, const Shapes& s, float scale, float* s
   for (int64_t i = 0; i < rows; ++i) {
     const bool* sees = task.mask + (i % s.queries) * s.mask_keys;
     const T* q = task.q + i * dim;
-    for (int64_t j = 0; j < keys; ++j) {
-      float dot = 0.0f;
-      if (sees[j]) {
-        for (int64_t d = 0; d < dim; ++d) dot += static_cast<float>(q[d]) * static_cast<float>(task.k[j * dim + d]);
+    for (int64_t n = 0, first = 0; first < keys; ++n, first += task.block_size) {
+      const Run<T> run = run_at(task, n, first, keys);
+      for (int64_t j = first; j < run.end; ++j) {
+        const T* key = run.k + (j - first) * dim;
+        float dot = 0.0f;
+        if (sees[j]) {
+          for (int64_t d = 0; d < dim; ++d) dot += static_cast<float>(q[d]) * static_cast<float>(key[d]);
+        }
+        scores[i * keys + j] = sees[j] ? dot * scale : kMasked;
       }
-      scores[i * keys + j] = sees[j] ? dot * scale : kMasked;
     }
   }
   softmax_rows_portable<T>(scores, rows, keys);
   std::vector<float> sum(dim);
   for (int64_t i = 0; i < rows; ++i) {
     std::fill(sum.begin(), sum.end(), 0.0f);
-    for (int64_t j = 0; j < keys; ++j) {
-      const float p = scores[i * keys + j];
-      if (p == 0.0f) continue;
-      for (int64_t d = 0; d < dim; ++d) sum[d] += p * static_cast<float>(task.v[j * dim + d]);
+    for (int64_t n = 0, first = 0; first < keys; ++n, first += task.block_size) {
+      const Run<T> run = run_at(task, n, first, keys);
+      for (int64_t j = first; j < run.end; ++j) {
+        const float p = scores[i * keys + j];
+        if (p == 0.0f) continue;
+        const T* value = run.v + (j - first) * dim;
+        for (int64_t d = 0; d < dim; ++d) sum[d] += p * static_cast<float>(value[d]);
+      }
     }
     for (int64_t d = 0; d < dim; ++d) task.out[i * dim + d] = static_cast<T>(sum[d]);
   }
@@ -207,14 +248,35 @@ NXDPLUG_AVX512 void softmax_rows_avx512(float* scores, int64_t rows, int64_t key
 }
 
 // The first query head reads ahead: the key kPrefetchPositions on into L1 (the other heads find
-// the keys there) and the value of position j into L2 (the values come next).
+// the keys there), in this block or the next, and the value of position j into L2 (the values
+// come next). Nothing past the task's last position.
 template <typename T>
-NXDPLUG_AVX512 inline void prefetch_position(const Task<T>& task, int64_t j, int64_t dim) {
-  const char* key_ahead = reinterpret_cast<const char*>(task.k + (j + kPrefetchPositions) * dim);
-  const char* value = reinterpret_cast<const char*>(task.v + j * dim);
+NXDPLUG_AVX512 inline void prefetch_position(const Run<T>& run, int64_t j, int64_t dim) {
+  const int64_t ahead = j + kPrefetchPositions;
+  const T* key = ahead < run.end                         ? run.k + (ahead - run.first) * dim
+                 : ahead - run.end < run.next_count ? run.next_k + (ahead - run.end) * dim
+                                                        : nullptr;
+  const char* value = reinterpret_cast<const char*>(run.v + (j - run.first) * dim);
   for (int64_t b = 0; b < dim * int64_t(sizeof(T)); b += 64) {
-    _mm_prefetch(key_ahead + b, _MM_HINT_T0);
+    if (key != nullptr) _mm_prefetch(reinterpret_cast<const char*>(key) + b, _MM_HINT_T0);
     _mm_prefetch(value + b, _MM_HINT_T1);
+  }
+}
+
+// As the first query head starts a block, the whole next block's keys and values, at once:
+// blocks lie anywhere (a 32-position bf16 block of head size 64 is one 4 KiB page), so the CPU's
+// own prefetching, which follows addresses within a page, starts afresh at each. 16 rows x 12
+// heads (4 K/V heads) x 256 positions in bf16 blocks of 32, one thread of an AMD EPYC: 477-519 us
+// a call against 639-700 without it, the blocks out of the caches (in lines: 414-440); 262
+// against 248 with them in L2 (in lines: 238). Spreading the prefetches over the block, or
+// reading two blocks ahead, gained nothing. A line (decode_attention) is one block: no next one.
+template <typename T>
+NXDPLUG_AVX512 inline void prefetch_next_block(const Run<T>& run, int64_t dim) {
+  const char* keys = reinterpret_cast<const char*>(run.next_k);
+  const char* values = reinterpret_cast<const char*>(run.next_v);
+  for (int64_t b = 0; b < run.next_count * dim * int64_t(sizeof(T)); b += 64) {
+    _mm_prefetch(keys + b, _MM_HINT_T1);
+    _mm_prefetch(values + b, _MM_HINT_T1);
   }
 }
 
@@ -249,16 +311,19 @@ NXDPLUG_AVX512 void weighted_values(const Task<T>& task, const Shapes& s, const 
   __m512 sum[kRows][kChunks];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kChunks; ++c) sum[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < keys; ++j) {
-    bool seen = false;  // a position no row sees (padding) is not read
-    for (int r = 0; r < kRows; ++r) seen |= p[r * keys + j] != 0.0f;
-    if (!seen) continue;
-    const T* value = task.v + j * dim;
-    __m512 v[kChunks];
-    for (int c = 0; c < kChunks; ++c) v[c] = load_floats(value + 16 * c);
-    for (int r = 0; r < kRows; ++r) {
-      const __m512 weight = _mm512_set1_ps(p[r * keys + j]);
-      for (int c = 0; c < kChunks; ++c) sum[r][c] = _mm512_fmadd_ps(weight, v[c], sum[r][c]);
+  for (int64_t n = 0, first = 0; first < keys; ++n, first += task.block_size) {
+    const Run<T> run = run_at(task, n, first, keys);
+    for (int64_t j = first; j < run.end; ++j) {
+      bool seen = false;  // a position no row sees (padding) is not read
+      for (int r = 0; r < kRows; ++r) seen |= p[r * keys + j] != 0.0f;
+      if (!seen) continue;
+      const T* value = run.v + (j - first) * dim;
+      __m512 v[kChunks];
+      for (int c = 0; c < kChunks; ++c) v[c] = load_floats(value + 16 * c);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 weight = _mm512_set1_ps(p[r * keys + j]);
+        for (int c = 0; c < kChunks; ++c) sum[r][c] = _mm512_fmadd_ps(weight, v[c], sum[r][c]);
+      }
     }
   }
   for (int r = 0; r < kRows; ++r)
@@ -301,22 +366,26 @@ NXDPLUG_AVX512 void score_rows(const Task<T>& task, const Shapes& s, float scale
     __m512 q[kChunks];
     for (int c = 0; c < kChunks; ++c) q[c] = load_floats(task.q + i * dim + 16 * c);
     float* row = scores + i * keys;
-    int64_t j = 0;
-    for (; j + 16 <= keys; j += 16) {  // 16 keys at a time
-      if (i == 0) {
-        for (int64_t ahead = j; ahead < j + 16; ++ahead) prefetch_position(task, ahead, dim);
+    for (int64_t n = 0, first = 0; first < keys; ++n, first += task.block_size) {
+      const Run<T> run = run_at(task, n, first, keys);
+      if (i == 0) prefetch_next_block(run, dim);
+      int64_t j = first;
+      for (; j + 16 <= run.end; j += 16) {  // 16 keys at a time, within the block
+        if (i == 0) {
+          for (int64_t ahead = j; ahead < j + 16; ++ahead) prefetch_position(run, ahead, dim);
+        }
+        __m512 dots[16];
+        for (int k = 0; k < 16; ++k) {
+          const T* key = run.k + (j - first + k) * dim;
+          dots[k] = _mm512_mul_ps(q[0], load_floats(key));
+          for (int c = 1; c < kChunks; ++c) dots[k] = _mm512_fmadd_ps(q[c], load_floats(key + 16 * c), dots[k]);
+        }
+        _mm512_storeu_ps(row + j, _mm512_mask_mul_ps(masked, visible_lanes(sees + j), lane_sums(dots), scales));
       }
-      __m512 dots[16];
-      for (int k = 0; k < 16; ++k) {
-        const T* key = task.k + (j + k) * dim;
-        dots[k] = _mm512_mul_ps(q[0], load_floats(key));
-        for (int c = 1; c < kChunks; ++c) dots[k] = _mm512_fmadd_ps(q[c], load_floats(key + 16 * c), dots[k]);
+      for (; j < run.end; ++j) {  // the block's (or the task's) last few, one by one
+        if (i == 0) prefetch_position(run, j, dim);
+        row[j] = sees[j] ? score_of_key<T, kChunks>(q, run.k + (j - first) * dim, scale) : kMasked;
       }
-      _mm512_storeu_ps(row + j, _mm512_mask_mul_ps(masked, visible_lanes(sees + j), lane_sums(dots), scales));
-    }
-    for (; j < keys; ++j) {
-      if (i == 0) prefetch_position(task, j, dim);
-      row[j] = sees[j] ? score_of_key<T, kChunks>(q, task.k + j * dim, scale) : kMasked;
     }
   }
 }
@@ -347,27 +416,32 @@ NXDPLUG_AVX512_BF16 void score_rows_bf16(const Task<c10::BFloat16>& task, const 
     __m512bh q[kPairs];
     for (int c = 0; c < kPairs; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + 32 * c);
     float* row = scores + i * keys;
-    int64_t j = 0;
-    for (; j + 16 <= keys; j += 16) {
-      if (i == 0) {
-        for (int64_t ahead = j; ahead < j + 16; ++ahead) prefetch_position(task, ahead, dim);
-      }
-      __m512 dots[16];
-      for (int k = 0; k < 16; ++k) {
-        const auto* key = reinterpret_cast<const uint16_t*>(task.k + (j + k) * dim);
-        dots[k] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(key));
-        for (int c = 1; c < kPairs; ++c) {
-          dots[k] = _mm512_dpbf16_ps(dots[k], q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+    for (int64_t n = 0, first = 0; first < keys; ++n, first += task.block_size) {
+      const Run<c10::BFloat16> run = run_at(task, n, first, keys);
+      if (i == 0) prefetch_next_block(run, dim);
+      int64_t j = first;
+      for (; j + 16 <= run.end; j += 16) {
+        if (i == 0) {
+          for (int64_t ahead = j; ahead < j + 16; ++ahead) prefetch_position(run, ahead, dim);
         }
+        __m512 dots[16];
+        for (int k = 0; k < 16; ++k) {
+          const auto* key = reinterpret_cast<const uint16_t*>(run.k + (j - first + k) * dim);
+          dots[k] = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(key));
+          for (int c = 1; c < kPairs; ++c) {
+            dots[k] = _mm512_dpbf16_ps(dots[k], q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+          }
+        }
+        _mm512_storeu_ps(row + j, _mm512_mask_mul_ps(masked, visible_lanes(sees + j), lane_sums(dots), scales));
       }
-      _mm512_storeu_ps(row + j, _mm512_mask_mul_ps(masked, visible_lanes(sees + j), lane_sums(dots), scales));
-    }
-    if (j < keys) {
-      __m512 widened[kChunks];
-      for (int c = 0; c < kChunks; ++c) widened[c] = load_floats(task.q + i * dim + 16 * c);
-      for (; j < keys; ++j) {
-        if (i == 0) prefetch_position(task, j, dim);
-        row[j] = sees[j] ? score_of_key<c10::BFloat16, kChunks>(widened, task.k + j * dim, scale) : kMasked;
+      if (j < run.end) {  // the block's (or the task's) last few, one by one
+        __m512 widened[kChunks];
+        for (int c = 0; c < kChunks; ++c) widened[c] = load_floats(task.q + i * dim + 16 * c);
+        for (; j < run.end; ++j) {
+          if (i == 0) prefetch_position(run, j, dim);
+          const c10::BFloat16* key = run.k + (j - first) * dim;
+          row[j] = sees[j] ? score_of_key<c10::BFloat16, kChunks>(widened, key, scale) : kMasked;
+        }
       }
     }
   }
@@ -434,26 +508,34 @@ int64_t visible_span(const bool* mask, const Shapes& s) {
   return std::min(s.mask_keys, (span + 15) / 16 * 16);
 }
 
+// Row b's position j lies in block table[b * table_stride + j / block_size] of k and v ([blocks,
+// kv_heads, block_size, dim]), at j % block_size; a static cache's line is one block.
 template <typename T>
-void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                const at::Tensor& seq_ids, const at::Tensor& mask, at::Tensor& out, const Shapes& s,
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* table,
+                int64_t table_stride, const at::Tensor& mask, const at::Tensor& out, const Shapes& s,
                 float scale) {
   const T* q_data = q.data_ptr<T>();
-  const T* k_data = k_cache.data_ptr<T>();
-  const T* v_data = v_cache.data_ptr<T>();
-  const int64_t* lines = seq_ids.data_ptr<int64_t>();
+  const T* k_data = k.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
   const bool* mask_data = mask.data_ptr<bool>();
   T* out_data = out.data_ptr<T>();
   const int64_t batch = q.size(0);
+  const int64_t block_stride = s.kv_heads * s.block_size * s.dim;
   at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;
     scores.resize(s.rows() * s.keys);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / s.kv_heads, head = t % s.kv_heads;
-      const int64_t line = (lines[b] * s.kv_heads + head) * s.cache_positions * s.dim;
+      const int64_t head_offset = head * s.block_size * s.dim;
       const int64_t first_row = (b * s.heads + head * s.groups()) * s.queries * s.dim;
-      const Task<T> task{q_data + first_row, k_data + line, v_data + line,
-                         mask_data + b * s.queries * s.mask_keys, out_data + first_row};
+      const Task<T> task{q_data + first_row,
+                         k_data + head_offset,
+                         v_data + head_offset,
+                         table + b * table_stride,
+                         s.block_size,
+                         block_stride,
+                         mask_data + b * s.queries * s.mask_keys,
+                         out_data + first_row};
       Shapes seen = s;
       seen.keys = visible_span(task.mask, s);
       attend<T>(task, seen, scale, scores.data());
@@ -461,42 +543,83 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   });
 }
 
+// The checks both layouts share: `op` names the operator, `storage` the caches or blocks, `shape`
+// their shape and `width` the mask's widest.
+void check_operands(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& mask, int64_t keys, const char* storage, const char* shape,
+                    const char* width) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q [batch, heads, queries, dim] and ",
+              storage, " ", shape, " expected");
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": K and V ", storage, " differ in shape");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), op, ": contiguous ", storage, " expected");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), op, ": q and the ",
+              storage, " must have one dtype");
+  TORCH_CHECK(q.size(3) == k.size(3), op, ": q's head size differs from the ", storage, "'");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, op,
+              ": the query heads must divide into the K/V heads");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == q.size(0) &&
+                  mask.size(1) == 1 && mask.size(2) == q.size(2) && mask.size(3) > 0 && mask.size(3) <= keys,
+              op, ": mask [batch, 1, queries, keys <= ", width, "] bool expected");
+}
+
+template <typename... Args>
+void attend_all_of_dtype(const at::Tensor& q, const Args&... args) {
+  AT_DISPATCH_SWITCH(q.scalar_type(), "decode_attention",
+                     AT_DISPATCH_CASE(at::kFloat, [&] { attend_all<float>(q, args...); })
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] { attend_all<c10::BFloat16>(q, args...); }));
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& seq_ids,
                             const at::Tensor& mask, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
+  TORCH_CHECK(k_cache.dim() == 4,
               "decode_attention: q [batch, heads, queries, dim] and caches [lines, kv_heads, "
               "positions, dim] expected");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "decode_attention: K and V caches differ in shape");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "decode_attention: contiguous caches expected");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "decode_attention: q and the caches must have one dtype");
-  TORCH_CHECK(q.size(3) == k_cache.size(3), "decode_attention: q's head size differs from the cache's");
-  TORCH_CHECK(k_cache.size(1) > 0 && q.size(1) % k_cache.size(1) == 0,
-              "decode_attention: the query heads must divide into the K/V heads");
+  check_operands("decode_attention", q, k_cache, v_cache, mask, k_cache.size(2), "caches",
+                 "[lines, kv_heads, positions, dim]", "positions");
   TORCH_CHECK(seq_ids.scalar_type() == at::kLong && seq_ids.dim() == 1 && seq_ids.size(0) == q.size(0),
               "decode_attention: seq_ids [batch] int64 expected");
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == q.size(0) &&
-                  mask.size(1) == 1 && mask.size(2) == q.size(2) && mask.size(3) > 0 &&
-                  mask.size(3) <= k_cache.size(2),
-              "decode_attention: mask [batch, 1, queries, keys <= positions] bool expected");
   const auto lines = seq_ids.contiguous();
   const int64_t* line = lines.data_ptr<int64_t>();
   for (int64_t b = 0; b < lines.size(0); ++b) {
     TORCH_CHECK(line[b] >= 0 && line[b] < k_cache.size(0), "decode_attention: seq_ids[", b, "] = ",
                 line[b], " is not a cache line");
   }
+  // Each row's line is its one block, of all the cache's positions.
   const Shapes s{q.size(1), k_cache.size(1), q.size(2), q.size(3), k_cache.size(2), mask.size(3), mask.size(3)};
   const auto queries = q.contiguous();
   const auto sees = mask.contiguous();
   auto out = at::empty_like(queries);
-  AT_DISPATCH_SWITCH(
-      q.scalar_type(), "decode_attention",
-      AT_DISPATCH_CASE(at::kFloat, [&] { attend_all<float>(queries, k_cache, v_cache, lines, sees, out, s, scale); })
-      AT_DISPATCH_CASE(at::kBFloat16, [&] {
-        attend_all<c10::BFloat16>(queries, k_cache, v_cache, lines, sees, out, s, scale);
-      }));
+  attend_all_of_dtype(queries, k_cache, v_cache, line, int64_t(1), sees, out, s, float(scale));
+  return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_blocks,
+                                  const at::Tensor& v_blocks, const at::Tensor& block_tables,
+                                  const at::Tensor& mask, double scale) {
+  TORCH_CHECK(k_blocks.dim() == 4 && block_tables.dim() == 2,
+              "paged_decode_attention: q [batch, heads, queries, dim], blocks [blocks, kv_heads, "
+              "block_size, dim] and block_tables [batch, blocks_per_row] expected");
+  const int64_t block_size = k_blocks.size(2);
+  check_operands("paged_decode_attention", q, k_blocks, v_blocks, mask, block_tables.size(1) * block_size,
+                 "blocks", "[blocks, kv_heads, block_size, dim]", "blocks_per_row * block_size");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.size(0) == q.size(0),
+              "paged_decode_attention: block_tables [batch, blocks_per_row] int64 expected");
+  const auto tables = block_tables.contiguous();
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t per_row = tables.size(1), covered = (mask.size(3) + block_size - 1) / block_size;
+  for (int64_t b = 0; b < tables.size(0); ++b) {
+    for (int64_t n = 0; n < covered; ++n) {
+      const int64_t block = table[b * per_row + n];
+      TORCH_CHECK(block >= 0 && block < k_blocks.size(0), "paged_decode_attention: block_tables[", b, ", ", n,
+                  "] = ", block, " is not a block (there are ", k_blocks.size(0), ")");
+    }
+  }
+  const Shapes s{q.size(1), k_blocks.size(1), q.size(2), q.size(3), block_size, mask.size(3), mask.size(3)};
+  const auto queries = q.contiguous();
+  const auto sees = mask.contiguous();
+  auto out = at::empty_like(queries);
+  attend_all_of_dtype(queries, k_blocks, v_blocks, table, per_row, sees, out, s, float(scale));
   return out;
 }
 
@@ -506,6 +629,12 @@ TORCH_LIBRARY(nxdplug_static_kv_cache, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seq_ids, Tensor mask, "
       "float scale) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_blocks, Tensor v_blocks, Tensor block_tables, "
+      "Tensor mask, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(nxdplug_static_kv_cache, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(nxdplug_static_kv_cache, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
