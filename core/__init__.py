@@ -20,6 +20,7 @@ _LAZY_EXPORTS = {
     "FusedSpecNeuronConfig": "nxdplug.config",
     "OnDeviceSamplingConfig": "nxdplug.config",
     "LoraServingConfig": "nxdplug.config",
+    "ChunkedPrefillConfig": "nxdplug.config",
     "load_pretrained_config": "nxdplug.config",
     "HuggingFaceGenerationAdapter": "nxdplug.runtime.generation",
     "NeuronApplicationBase": "nxdplug.runtime.application",

@@ -14,7 +14,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
+from nxdplug import (
+    ChunkedPrefillConfig,
+    HuggingFaceGenerationAdapter,
+    NeuronConfig,
+    OnDeviceSamplingConfig,
+    from_pretrained,
+)
 from nxdplug.engine import Engine, SamplingSettings
 from nxdplug.errors import ConfigError
 from nxdplug.runtime.model_wrapper import ExtendWrapper
@@ -243,6 +249,48 @@ def test_randomized_requests_with_every_feature_get_their_solo_tokens(checkpoint
     assert_all_free(engine)
 
 
+def test_nxd_inferences_chunked_prefill_config_switches_it_on(checkpoint, solo) -> None:
+    """``chunked_prefill_config`` is chunked prefill (its max_num_seqs: rows a chunk call
+    encodes); a budget of 5 tokens a step splits the prompts over several steps."""
+    generator = torch.Generator().manual_seed(7)
+    requests = [(random_tokens(n, generator), 6, None) for n in (19, 11, 26)]
+    app = app_for(
+        checkpoint,
+        chunked_prefill_config=ChunkedPrefillConfig(max_num_seqs=2),
+        max_num_batched_tokens=5,
+    )
+    assert {w.batch_size for w in app.models if isinstance(w, ExtendWrapper)} == {2}
+    engine = Engine(app, eos_token_ids=[])
+    assert engine.batched_tokens == 5
+    tokens = run(engine, requests)
+    assert list(tokens.values()) == [solo(p, m) for p, m, _ in requests]
+    assert_all_free(engine)
+
+
+def test_on_device_sampling_in_async_mode_over_blocks(checkpoint, solo) -> None:
+    """The model chooses the tokens (greedy rows of dynamic on-device sampling) and each decode
+    step starts before the host handles the last one, while prompts find cached blocks, are
+    encoded in chunks and requests are preempted."""
+    generator = torch.Generator().manual_seed(8)
+    shared = random_tokens(17, generator)
+    requests = [(shared + random_tokens(n, generator), 12, None) for n in (2, 9, 4, 13)]
+    app = app_for(
+        checkpoint,
+        on_device_sampling_config=OnDeviceSamplingConfig(dynamic=True, global_topk=32),
+        async_mode=True,
+        pa_num_blocks=10,
+        is_prefix_caching=True,
+        is_chunked_prefill=True,
+        max_num_batched_tokens=7,
+    )
+    engine = Engine(app, eos_token_ids=[])
+    tokens = run(engine, requests, arrive_every=3)
+    engine.close()
+    assert list(tokens.values()) == [solo(p, m) for p, m, _ in requests]
+    assert engine.num_preemptions > 0 and engine.lines.usage().prefix_hits > 0
+    assert_all_free(engine)
+
+
 def test_extension_phases_follow_the_context_buckets(checkpoint) -> None:
     app = from_pretrained(
         checkpoint,
@@ -276,6 +324,10 @@ def test_extension_phases_follow_the_context_buckets(checkpoint) -> None:
         ),
         ({"kv_cache_quant": True}, "'block'.*'fp8'|'fp8'.*'block'"),
         ({"speculation_length": 3}, "is_block_kv_layout with speculation_length"),
+        (
+            {"chunked_prefill_config": {"tkg_model_enabled": False}},
+            "tkg_model_enabled=False is not supported",
+        ),
     ],
 )
 def test_bad_settings_are_one_clear_error_at_start_up(checkpoint, settings, message) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from nxdplug.config.buckets import generate_buckets
+from nxdplug.config.chunked_prefill import ChunkedPrefillConfig
 from nxdplug.config.dtypes import to_torch_dtype
 from nxdplug.config.fused_spec import FusedSpecNeuronConfig
 from nxdplug.config.hf import (
@@ -28,6 +29,7 @@ from nxdplug.config.validation import core_config_problems, unknown_attribute_pr
 __all__ = [
     "CONFIG_FILE",
     "BlockwiseMatmulConfig",
+    "ChunkedPrefillConfig",
     "FusedSpecNeuronConfig",
     "HybridShardingConfig",
     "InferenceConfig",

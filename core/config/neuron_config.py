@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from nxdplug.config.buckets import DEFAULT_MIN_BUCKET, generate_buckets
+from nxdplug.config.chunked_prefill import ChunkedPrefillConfig
 from nxdplug.config.dtypes import optional_torch_dtype, to_torch_dtype
 from nxdplug.config.lora import LoraServingConfig
 from nxdplug.config.sampling import OnDeviceSamplingConfig
@@ -151,6 +152,10 @@ class NeuronConfig(ComparedByValue):
     max_batch_size: int = attrs.field(default=_computed(lambda c: c.batch_size))
     ctx_batch_size: int = attrs.field(default=_computed(lambda c: c.batch_size))
     tkg_batch_size: int = attrs.field(default=_computed(lambda c: c.batch_size))
+    chunked_prefill_config: ChunkedPrefillConfig | None = attrs.field(
+        default=None,
+        converter=section_converter(ChunkedPrefillConfig, "chunked_prefill_config"),
+    )
 
     # Speculative decoding
     speculation_length: int = 0

@@ -106,15 +106,18 @@ class Engine:
         self.max_prompt = neuron_config.max_context_length
         self.max_positions = neuron_config.seq_len
         self.vocab_size = getattr(application.config, "vocab_size", None)
-        # The most new tokens a row may add over cached ones in one call (None: no extension
-        # phase, prompts are encoded whole), and with chunked prefill a step's token budget.
-        self.chunk = max(
-            (w.new_tokens for w in application.models if isinstance(w, ExtendWrapper)),
-            default=None,
+        # The most new tokens a row may add over cached ones in one call and the rows of such a
+        # call (None: no extension phase, prompts are encoded whole), and with chunked prefill
+        # a step's token budget.
+        extensions = [w for w in application.models if isinstance(w, ExtendWrapper)]
+        self.chunk = max((w.new_tokens for w in extensions), default=None)
+        self.chunk_rows = min((w.batch_size for w in extensions), default=self.ctx_rows)
+        chunked = getattr(neuron_config, "is_chunked_prefill", False) or (
+            neuron_config.chunked_prefill_config is not None
         )
         self.batched_tokens = (
             getattr(neuron_config, "max_num_batched_tokens", None) or self.chunk
-            if getattr(neuron_config, "is_chunked_prefill", False)
+            if chunked
             else None
         )
         self.num_preemptions = 0
@@ -348,8 +351,8 @@ class Engine:
             if not chunks:
                 return ran, outputs
             budget = None if budget is None else budget - sum(n for _, n in chunks)
-            for start in range(0, len(chunks), self.ctx_rows):
-                part = chunks[start : start + self.ctx_rows]
+            for start in range(0, len(chunks), self.chunk_rows):
+                part = chunks[start : start + self.chunk_rows]
                 outputs += self._encode_chunks(part)
                 ran |= {r for r, _ in part}
             if budget is not None:

@@ -324,9 +324,10 @@ class ExtendWrapper(ModelWrapper):
         model_cls: type[nn.Module],
         new_tokens: int,
         widths: list[int] | None = None,
+        batch_size: int | None = None,
     ) -> None:
         """``widths``: the cache widths (buckets) of its graphs; token generation's by
-        default."""
+        default. ``batch_size``: rows per call, ctx_batch_size by default."""
         # tokens_per_step 0: forward() never routes a decode here; the runner picks it.
         super().__init__(
             config,
@@ -334,7 +335,7 @@ class ExtendWrapper(ModelWrapper):
             tag=f"{EXTEND_MODEL_TAG}_{new_tokens}",
             tokens_per_step=0,
             is_context_encoding=False,
-            batch_size=config.neuron_config.ctx_batch_size,
+            batch_size=batch_size or config.neuron_config.ctx_batch_size,
         )
         self.new_tokens = new_tokens
         if widths is not None:

@@ -64,6 +64,12 @@ def validate(context: Any) -> Iterable[str]:
     for attribute, why in NOT_WITH_BLOCKS.items():
         if getattr(nc, attribute, None):
             yield f"is_block_kv_layout with {attribute} is not implemented: {why}"
+    chunked = nc.chunked_prefill_config
+    if chunked is not None and not chunked.tkg_model_enabled:
+        yield (
+            "chunked_prefill_config.tkg_model_enabled=False is not supported: decoding keeps "
+            "the token-generation graph, faster than a chunk graph given one real token a row"
+        )
     if not nc.is_continuous_batching and settings.extends:
         yield (
             "is_prefix_caching and is_chunked_prefill serve requests through the engine, which "
@@ -78,12 +84,15 @@ def add_submodels(context: Any) -> Iterable[ModelWrapper]:
     if not getattr(nc, "is_block_kv_layout", False) or not BlockSettings.of(nc).extends:
         return []
     prefixes = getattr(nc, "prefix_buckets", None)
+    chunked = nc.chunked_prefill_config
+    rows = None if chunked is None else chunked.max_num_seqs
     return [
         ExtendWrapper(
             context.config,
             context.model_cls,
             size,
             None if prefixes is None else sorted({min(p + size, nc.seq_len) for p in prefixes}),
+            batch_size=rows,
         )
         for size in new_token_sizes(nc)
     ]

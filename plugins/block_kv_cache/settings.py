@@ -3,9 +3,10 @@
 ``is_block_kv_layout`` switches the layout on; ``pa_block_size`` positions make a block and
 ``pa_num_blocks`` blocks make the cache (by default as many as the lines would take:
 ``max_batch_size x seq_len / pa_block_size``). ``is_prefix_caching`` lets requests share the
-blocks of a common prompt prefix; ``is_chunked_prefill`` encodes long prompts in chunks beside
-the running requests' decoding. Either adds the extension phases (new tokens over a row's cached
-positions), one per context-encoding bucket.
+blocks of a common prompt prefix; ``is_chunked_prefill`` (or NxD Inference's
+``chunked_prefill_config``) encodes long prompts in chunks beside the running requests'
+decoding. Either adds the extension phases (new tokens over a row's cached positions), one per
+context-encoding bucket.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ ENABLED_BY = ("is_block_kv_layout",)
 # The step input (and keyword) holding each row's blocks.
 BLOCK_TABLES = "block_tables"
 # What works over blocks only; each enables the feature, whose checks refuse it without them.
-USES_BLOCKS = ("is_prefix_caching", "is_chunked_prefill")
+USES_BLOCKS = ("is_prefix_caching", "is_chunked_prefill", "chunked_prefill_config")
 DEFAULT_BLOCK_SIZE = 32
 SETTINGS: dict[str, Any] = {
     "is_block_kv_layout": False,
@@ -52,7 +53,8 @@ class BlockSettings:
             num_blocks=num_blocks,
             blocks_per_line=blocks_per_line,
             prefix_caching=bool(getattr(neuron_config, "is_prefix_caching", False)),
-            chunked_prefill=bool(getattr(neuron_config, "is_chunked_prefill", False)),
+            chunked_prefill=bool(getattr(neuron_config, "is_chunked_prefill", False))
+            or neuron_config.chunked_prefill_config is not None,
         )
 
     @property

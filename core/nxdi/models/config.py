@@ -10,6 +10,7 @@ reexport(
         name: f"nxdplug.config:{name}"
         for name in (
             "BlockwiseMatmulConfig",
+            "ChunkedPrefillConfig",
             "FusedSpecNeuronConfig",
             "HybridShardingConfig",
             "InferenceConfig",
