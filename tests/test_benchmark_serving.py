@@ -1,5 +1,6 @@
-"""``nxdplug benchmark-serving``: the load generator against a real ``nxdplug serve`` on a tiny
-checkpoint, and the command end to end (transformers serve is left out: too slow here)."""
+"""``nxdplug benchmark-serving``: the load generator and its workloads against a real ``nxdplug
+serve`` on a tiny checkpoint, and the command end to end (transformers serve is left out: too
+slow here)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
+from nxdplug.benchmark.server_metrics import parse_prometheus_text, server_figures
 from nxdplug.benchmark.server_process import free_port, running_server
 from nxdplug.benchmark.serving_load import (
     ServingLoadResult,
@@ -22,7 +24,13 @@ from nxdplug.benchmark.serving_load import (
     sse_events,
     synthetic_prompts,
 )
-from nxdplug.cli.benchmark_serving import NXDPLUG_COMMAND, build_report, nxdplug_server
+from nxdplug.benchmark.workloads import run_multi_turn_load
+from nxdplug.cli.benchmark_serving import (
+    NXDPLUG_COMMAND,
+    build_report,
+    format_report,
+    nxdplug_server,
+)
 from nxdplug.cli.main import build_parser, main
 from nxdplug.errors import NxdPlugError
 from nxdplug.testing.tiny_models import make_tiny_checkpoint
@@ -227,6 +235,166 @@ def test_several_runs_report_their_medians_and_each_runs_ratio() -> None:
     assert report["nxdplug"]["output_tokens_per_s"] == 1000.0
     assert report["transformers"]["output_tokens_per_s"] == 300.0
     # The median of each run's ratio (3.0, 4.0, 2.0), not the ratio of the medians (3.33).
-    assert report["ratios"]["output_tokens_per_s"] == 3.0
-    assert report["ratios"]["ttft_p99_ms"] == 0.375
-    assert [run["ratios"]["output_tokens_per_s"] for run in report["runs"]] == [3.0, 4.0, 2.0]
+    ratios = report["ratios"]["transformers"]
+    assert ratios["output_tokens_per_s"] == 3.0
+    assert ratios["ttft_p99_ms"] == 0.375
+    per_run = [run["ratios"]["transformers"]["output_tokens_per_s"] for run in report["runs"]]
+    assert per_run == [3.0, 4.0, 2.0]
+    assert "(x3.00)" in format_report(report)
+
+
+def test_compared_servers_get_a_ratio_column_each_and_missing_figures_a_dash() -> None:
+    args = build_parser().parse_args(
+        ["benchmark-serving", "--model-path", "m", "--workload", "multi-turn", *SERVE_OPTIONS]
+    )
+    other = "nxdplug --no-enable-prefix-caching"
+    run = {
+        "nxdplug": {"output_tokens_per_s": 40.0, "prefix_cache_hit_rate": 0.5},
+        other: {"output_tokens_per_s": 20.0, "prefix_cache_hit_rate": 0.0},
+        "transformers": {"output_tokens_per_s": 10.0},
+    }
+    report = build_report(args, [run])
+    assert report["ratios"] == {
+        other: {"output_tokens_per_s": 2.0},  # no ratio to a hit rate of 0
+        "transformers": {"output_tokens_per_s": 4.0},
+    }
+    table = format_report(report)
+    assert f"vs {other}" in table and "vs transformers" in table
+    hit_rate = next(line for line in table.splitlines() if line.startswith("prefix-cache"))
+    # The three servers' values, then the two ratios.
+    assert hit_rate.split()[-5:] == ["0.500", "0.000", "-", "-", "-"]
+    assert f"nxdplug / {other}: output tok/s x2.00" in table
+
+
+def test_the_compared_servers_add_their_options_last(checkpoint: Path) -> None:
+    argv = ["benchmark-serving", "--model-path", str(checkpoint), *SERVE_OPTIONS]
+    argv += ["--serve-options=--enable-prefix-caching --block-size 16"]
+    args = build_parser().parse_args(argv)
+    server = nxdplug_server(args, ["--no-enable-prefix-caching"])
+    assert server.label == "nxdplug --no-enable-prefix-caching"
+    assert server.command[-4:] == [
+        "--enable-prefix-caching", "--block-size", "16", "--no-enable-prefix-caching"
+    ]  # fmt: skip
+    assert nxdplug_server(args).label == "nxdplug"
+
+
+def test_server_metrics_are_read_from_the_prometheus_text() -> None:
+    samples = parse_prometheus_text(
+        "# HELP nxdplug:num_requests_running requests\n"
+        "nxdplug:num_requests_running 3.0\n"
+        'nxdplug:request_success_total{finished_reason="length"} 2.0\n'
+        'nxdplug:request_success_total{finished_reason="stop"} 1.0 1700000000\n'
+        "nxdplug:prefix_cache_hits_total 30.0\n"
+        "nxdplug:prefix_cache_queries_total 100.0\n"
+    )
+    assert samples["nxdplug:num_requests_running"] == 3.0
+    assert samples["nxdplug:request_success_total"] == 3.0
+    before = {"nxdplug:prefix_cache_hits_total": 10.0, "nxdplug:prefix_cache_queries_total": 60.0}
+    # The hits over the timed load alone: (30 - 10) / (100 - 60).
+    assert server_figures(before, samples, [1.0, 4.0, 2.0]) == {
+        "peak_running_requests": 4.0,
+        "server_prefix_cache_hit_rate": 0.5,
+    }
+    assert server_figures({}, {}, []) == {}
+
+
+def test_multi_turn_conversations_resend_what_the_server_replied(
+    checkpoint: Path, base_url: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    system = synthetic_prompts(tokenizer, 1, 8, seed=1)[0]
+    users = [synthetic_prompts(tokenizer, 2, 4, seed=2), synthetic_prompts(tokenizer, 2, 4, seed=3)]
+    result = run_multi_turn_load(base_url, "tiny", system, users, 4, {"ignore_eos": True})
+
+    assert [len(turn) for turn in result.turns] == [2, 2]
+    for first, second in zip(*result.turns, strict=True):
+        assert first.text and first.output_tokens == 4
+        # The second turn sends the first's prompt, its reply and a new user part.
+        assert second.prompt_tokens >= first.prompt_tokens + 4 + 2
+    figures = result.to_dict()
+    assert figures["requests"] == 4
+    assert figures["ttft_first_turn_p50_ms"] > 0 and figures["ttft_later_turns_p99_ms"] > 0
+    assert figures["prefix_cache_hit_rate"] == 0.0  # no prefix caching on this server
+
+
+def test_multi_turn_reports_the_prefix_caches_hits_of_each_server(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "benchmark-serving", "--model-path", str(checkpoint), "--workload", "multi-turn",
+        "--conversations", "2", "--turns", "3", "--system-prompt-length", "48",
+        "--prompt-length", "8", "--max-tokens", "4", "--enforce-eager", "--json", "--quiet",
+        "--seq-len", "128", "--max-context-length", "112", "--torch-dtype", "float32",
+        "--serve-options=--enable-prefix-caching --block-size 16",
+        "--compare-server-options=--no-enable-prefix-caching",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    cached, uncached = report["nxdplug"], report["nxdplug --no-enable-prefix-caching"]
+    assert cached["requests"] == uncached["requests"] == 6
+    assert cached["ttft_later_turns_p50_ms"] > 0
+    assert 0 < cached["prefix_cache_hit_rate"] < 1
+    assert cached["server_prefix_cache_hit_rate"] > 0
+    assert 1 <= cached["peak_running_requests"] <= 2
+    assert uncached["prefix_cache_hit_rate"] == 0
+    assert uncached.get("server_prefix_cache_hit_rate", 0) == 0
+    ratios = report["ratios"]["nxdplug --no-enable-prefix-caching"]
+    assert ratios["output_tokens_per_s"] > 0
+    assert report["config"]["compare_server_options"] == ["--no-enable-prefix-caching"]
+
+
+def test_long_prompt_reports_the_streams_itl_and_the_long_prompts_ttft(
+    checkpoint: Path, base_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "benchmark-serving", "--model-path", str(checkpoint), "--base-url", base_url,
+        "--workload", "long-prompt", "--streams", "2", "--prompt-length", "8",
+        "--max-tokens", "8", "--long-prompt-after", "2", "--long-prompt-length", "24",
+        "--warmup-requests", "1", "--quiet", "--json",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    figures = report["server"]
+    assert 0 < figures["itl_p50_ms"] <= figures["itl_p99_ms"] < float("inf")
+    assert figures["itl_p99_over_p50"] >= 1
+    assert figures["long_prompt_ttft_ms"] > 0
+    assert figures["long_prompt_tokens"] >= 22
+    assert figures["output_tokens"] == 2 * 8 + 4
+    # polled every 100 ms: a load this short may end between two polls
+    assert figures["peak_running_requests"] >= 0
+    assert "long prompt TTFT (ms)" in format_report(report)
+
+
+@pytest.mark.parametrize(
+    ("flags", "code", "message"),
+    [
+        (["--workload", "multi-turn", "--turns", "0"], 2, "argument --turns: expected a positive"),
+        (
+            ["--base-url", "http://127.0.0.1:9/v1", "--compare-server-options=--block-size 16"],
+            1,
+            "--base-url loads a running server",
+        ),
+        (["--conversations", "3"], 1, "--conversations applies to --workload multi-turn"),
+        (
+            ["--workload", "long-prompt", "--long-prompt-after", "64"],
+            1,
+            "--long-prompt-after 64 must be below --max-tokens 64",
+        ),
+        (["--compare-server-options=--bogus"], 1, "unrecognized arguments: --bogus"),
+        (["--compare-server-options= "], 1, "names no option"),
+        (
+            ["--compare-server-options=--batch-size 2"],
+            1,
+            "batch_size is given both as --batch-size",
+        ),
+    ],
+)
+def test_flags_that_cannot_work_are_refused_before_a_server_starts(
+    flags: list[str], code: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["benchmark-serving", "--model-path", "no-such-dir", "--quiet", *flags]
+    assert main(argv) == code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

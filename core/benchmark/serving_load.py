@@ -21,7 +21,7 @@ import itertools
 import json
 import random
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +38,16 @@ FIT_ROUNDS = 20
 @attrs.frozen
 class RequestTimes:
     """One streamed request: ``perf_counter`` at its start, at each chunk with text, and at its
-    end."""
+    end; the text it streamed (a multi-turn conversation's next reply) and the prompt tokens the
+    server found in its prefix cache (None from a server that does not say)."""
 
     start: float
     chunks: tuple[float, ...]
     end: float
     prompt_tokens: int
     output_tokens: int
+    text: str
+    cached_tokens: int | None
 
     @property
     def ttft(self) -> float:
@@ -138,6 +141,23 @@ def run_serving_load(
     """Send ``num_requests`` streamed completions, at most ``concurrency`` at a time; request
     ``i`` takes ``prompts[i % len(prompts)]``. ``extra_body`` carries the server's own fields
     (``{"ignore_eos": True}`` for nxdplug). Any failed request fails the run."""
+    times, duration = send_requests(
+        base_url, model, prompts, max_tokens, concurrency, num_requests, extra_body
+    )
+    return ServingLoadResult.from_requests(times, concurrency, duration)
+
+
+def send_requests(
+    base_url: str,
+    model: str,
+    prompts: Sequence[str],
+    max_tokens: int,
+    concurrency: int,
+    num_requests: int,
+    extra_body: Mapping[str, Any] | None = None,
+) -> tuple[list[RequestTimes], float]:
+    """:func:`run_serving_load`'s requests and their duration in seconds, without the
+    statistics (that a warm-up has no use for, and that a request of one chunk cannot give)."""
     if not prompts:
         raise NxdPlugError("no prompts to send")
     return asyncio.run(
@@ -155,30 +175,34 @@ async def _run_load(
     concurrency: int,
     num_requests: int,
     extra_body: dict[str, Any],
-) -> ServingLoadResult:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(
-        base_url=base_url,
-        api_key="unused",
-        timeout=REQUEST_TIMEOUT_S,
-        max_retries=0,
-        http_client=_aiohttp_client(),
-    )
-    # The openai client's connection pool allows 1000 connections: no queueing there.
+) -> tuple[list[RequestTimes], float]:
+    client = async_client(base_url)
     queue = iter(range(num_requests))
     times: list[RequestTimes] = []
 
     async def client_loop() -> None:
         for index in queue:
             prompt = prompts[index % len(prompts)]
-            times.append(await _timed_request(client, model, prompt, max_tokens, extra_body))
+            times.append(await timed_request(client, model, prompt, max_tokens, extra_body))
 
     start = time.perf_counter()
     async with client:
         await asyncio.gather(*(client_loop() for _ in range(min(concurrency, num_requests))))
-    duration = time.perf_counter() - start
-    return ServingLoadResult.from_requests(times, concurrency, duration)
+    return times, time.perf_counter() - start
+
+
+def async_client(base_url: str) -> Any:
+    """The clients' ``AsyncOpenAI``, over aiohttp, without retries (a failed request fails the
+    run). Its connection pool allows 1000 connections: no queueing there."""
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(
+        base_url=base_url,
+        api_key="unused",
+        timeout=REQUEST_TIMEOUT_S,
+        max_retries=0,
+        http_client=_aiohttp_client(),
+    )
 
 
 _INSTALL_CLIENTS = "pip install 'openai[aiohttp]>=1.89'"
@@ -214,12 +238,20 @@ def _aiohttp_client() -> Any:
         ) from exc
 
 
-async def _timed_request(
-    client: Any, model: str, prompt: str, max_tokens: int, extra_body: dict[str, Any]
+async def timed_request(
+    client: Any,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    extra_body: dict[str, Any],
+    on_chunk: Callable[[int], None] | None = None,
 ) -> RequestTimes:
+    """One streamed completion, timed; ``on_chunk`` is told the number of chunks with text so
+    far after each (the long-prompt workload waits for the streams to be under way)."""
     import openai
 
     chunks: list[float] = []
+    text: list[str] = []
     usage = None
     start = time.perf_counter()
     try:
@@ -236,6 +268,9 @@ async def _timed_request(
                 choices = event.get("choices")
                 if choices and choices[0].get("text"):
                     chunks.append(time.perf_counter())
+                    text.append(choices[0]["text"])
+                    if on_chunk is not None:
+                        on_chunk(len(chunks))
                 usage = event.get("usage") or usage
     except openai.OpenAIError as exc:
         raise NxdPlugError(f"a request to {client.base_url} failed: {exc}") from exc
@@ -254,6 +289,8 @@ async def _timed_request(
         end=end,
         prompt_tokens=usage["prompt_tokens"],
         output_tokens=usage["completion_tokens"],
+        text="".join(text),
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
     )
 
 

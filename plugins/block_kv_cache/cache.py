@@ -11,6 +11,8 @@ token) writes into the null block, so padding never reaches a block a request ow
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager
@@ -31,6 +33,7 @@ class BlockKVCache(KVCacheManager):
             self.register_buffer(f"v_{layer}", torch.zeros(shape, dtype=layout.dtype), False)
         # Registers the kernel now: a compiled graph that calls it can only be loaded once it is.
         paged_decode_attention_op()
+        self._last_step: tuple[Any, torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
     def update_and_read(
         self,
@@ -93,13 +96,25 @@ class BlockKVCache(KVCacheManager):
         seq_ids: torch.Tensor,
     ) -> torch.Tensor:
         """Write the step's keys and values where the rows' tables say; the tables."""
-        step = current_step()
-        table = self.tables(step[BLOCK_TABLES], seq_ids)
-        blocks, offsets = self.slots(table, position_ids, step.attention_mask)
+        table, blocks, offsets = self._addresses(position_ids, seq_ids)
         k_cache, v_cache = self._layer(layer)
         k_cache[blocks, :, offsets] = key.transpose(1, 2).to(k_cache.dtype)
         v_cache[blocks, :, offsets] = value.transpose(1, 2).to(v_cache.dtype)
         return table
+
+    def _addresses(
+        self, position_ids: torch.Tensor, seq_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' tables and the block and offset of each new token, computed once a step
+        (every layer of a step shares them; a graph then holds them once)."""
+        step = current_step()
+        last = self._last_step
+        if last is not None and last[0] is step and last[1] is position_ids:
+            return last[2]
+        table = self.tables(step[BLOCK_TABLES], seq_ids)
+        addresses = (table, *self.slots(table, position_ids, step.attention_mask))
+        self._last_step = (step, position_ids, addresses)
+        return addresses
 
     def tables(self, block_tables: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
         """The rows' block tables, -1 entries resolved to the row's own line of blocks."""
