@@ -291,6 +291,35 @@ def test_on_device_sampling_in_async_mode_over_blocks(checkpoint, solo) -> None:
     assert_all_free(engine)
 
 
+COMPILED = {
+    "is_prefix_caching": True,
+    "is_chunked_prefill": True,
+    "max_num_batched_tokens": 12,
+    "pa_num_blocks": 10,
+    "enable_bucketing": True,
+    "context_encoding_buckets": [32],
+    "token_generation_buckets": [64],
+}
+
+
+def test_compiled_graphs_take_block_tables(checkpoint, solo, tmp_path) -> None:
+    """The same serving over compiled graphs (context encoding, token generation and one
+    extension phase, one bucket each): the block tables are a graph input, the blocks the
+    graphs' state."""
+    generator = torch.Generator().manual_seed(9)
+    shared = random_tokens(20, generator)
+    requests = [(shared + random_tokens(n, generator), 10, None) for n in (1, 6, 0, 11)]
+    app = from_pretrained(checkpoint, NeuronConfig(**(SETTINGS | COMPILED)))
+    app.compile(tmp_path, quiet=True)
+    app.load(tmp_path, quiet=True)
+    assert app.backend_name == "inductor"
+    engine = Engine(app, eos_token_ids=[])
+    tokens = run(engine, requests, arrive_every=2)
+    assert list(tokens.values()) == [solo(p, m) for p, m, _ in requests]
+    assert engine.num_preemptions > 0 and engine.lines.usage().prefix_hits > 0
+    assert_all_free(engine)
+
+
 def test_extension_phases_follow_the_context_buckets(checkpoint) -> None:
     app = from_pretrained(
         checkpoint,
@@ -324,6 +353,10 @@ def test_extension_phases_follow_the_context_buckets(checkpoint) -> None:
         ),
         ({"kv_cache_quant": True}, "'block'.*'fp8'|'fp8'.*'block'"),
         ({"speculation_length": 3}, "is_block_kv_layout with speculation_length"),
+        (
+            {"is_chunked_prefill": True, "max_num_batched_tokens": 3},
+            "max_num_batched_tokens=3 is below max_batch_size=4",
+        ),
         (
             {"chunked_prefill_config": {"tkg_model_enabled": False}},
             "tkg_model_enabled=False is not supported",

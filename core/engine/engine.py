@@ -397,7 +397,7 @@ class Engine:
         done = []
         for row, (request, count) in enumerate(chunks):
             request.computed += count
-            self.lines.commit(request.line, request.token_ids[: request.computed])
+            self.lines.commit(request.line, request.first_tokens(request.computed))
             if not request.encoding:
                 done.append(row)
         if not done:
@@ -413,7 +413,7 @@ class Engine:
         for request in decoding:
             if request.line is None:
                 continue  # preempted for an earlier one
-            self.lines.commit(request.line, request.token_ids[: request.length - 1])
+            self.lines.commit(request.line, request.first_tokens(request.length - 1))
             while request.line is not None and not self.lines.grow(request.line, request.length):
                 self._preempt([r for r in self._running.values() if not r.finished][-1])
         return [r for r in decoding if r.line is not None]

@@ -253,6 +253,10 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def first_tokens(self, count: int) -> Sequence[int]:
+        """Its first ``count`` tokens (prompt, then output), without copying them."""
+        return FirstTokens(self.prompt_ids, self.output_ids, count)
+
     @property
     def encoding(self) -> bool:
         """Whether its tokens are still being encoded (the prompt, or all after a
@@ -271,3 +275,28 @@ class Request:
         out."""
         start, self.emitted_tokens = self.emitted_tokens, len(self.output_ids)
         return self.output_ids[start:], self.logprobs[start:], self.top_logprobs[start:]
+
+
+class FirstTokens(Sequence[int]):
+    """The first ``count`` of a prompt's tokens followed by its output's, read in place (a
+    decode step hands a cache space its request's tokens, which a copy would cost a step)."""
+
+    def __init__(self, prompt: list[int], output: list[int], count: int) -> None:
+        self.prompt, self.output, self.count = prompt, output, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.count)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            head = self.prompt[start:stop]
+            rest = self.output[max(start - len(self.prompt), 0) : max(stop - len(self.prompt), 0)]
+            return head + rest
+        if not -self.count <= index < self.count:
+            raise IndexError(index)
+        index %= self.count
+        prompt = len(self.prompt)
+        return self.prompt[index] if index < prompt else self.output[index - prompt]

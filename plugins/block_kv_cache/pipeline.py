@@ -64,6 +64,13 @@ def validate(context: Any) -> Iterable[str]:
     for attribute, why in NOT_WITH_BLOCKS.items():
         if getattr(nc, attribute, None):
             yield f"is_block_kv_layout with {attribute} is not implemented: {why}"
+    budget = getattr(nc, "max_num_batched_tokens", None)
+    if budget is not None and (not isinstance(budget, int) or budget < nc.max_batch_size):
+        yield (
+            f"max_num_batched_tokens={budget!r} is below max_batch_size={nc.max_batch_size}: "
+            "each step's budget goes to the decoding requests first (one token each), so "
+            "prompts could wait forever; give at least max_batch_size"
+        )
     chunked = nc.chunked_prefill_config
     if chunked is not None and not chunked.tkg_model_enabled:
         yield (

@@ -107,14 +107,9 @@ class BlockSpace(CacheSpace):
         heapq.heappush(self._free_lines, line)
 
     def step_inputs(self, lines: Sequence[int], device: torch.device) -> dict[str, torch.Tensor]:
-        settings = self.settings
-        tables = torch.full(
-            (len(lines), settings.blocks_per_line), settings.null_block, dtype=torch.long
-        )
-        for row, line in enumerate(lines):
-            blocks = self._blocks[line]
-            tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return {BLOCK_TABLES: tables.to(device)}
+        width, null = self.settings.blocks_per_line, self.settings.null_block
+        tables = [self._blocks[line] + [null] * (width - len(self._blocks[line])) for line in lines]
+        return {BLOCK_TABLES: torch.tensor(tables, dtype=torch.long, device=device)}
 
     def usage(self) -> CacheUsage:
         return CacheUsage(
