@@ -17,8 +17,8 @@ import torch
 
 from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager
 from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
-from nxdplug.plugins.static_kv_cache.cache import KERNEL_MAX_QUERIES, kernel_enabled
-from nxdplug.plugins.static_kv_cache.kernel import DTYPES, paged_decode_attention_op
+from nxdplug.plugins.static_kv_cache.cache import kernel_enabled, usable_kernel
+from nxdplug.plugins.static_kv_cache.kernel import paged_decode_attention_op
 from nxdplug.runtime.step import current_step
 
 
@@ -63,15 +63,7 @@ class BlockKVCache(KVCacheManager):
         bfloat16: the static cache's decode kernel, reading each row's blocks where they are
         (``paged_decode_attention``) instead of a copy of them."""
         k_cache, v_cache = self._layer(layer)
-        kernel = (
-            paged_decode_attention_op()
-            if kernel_enabled()
-            and q.device.type == "cpu"
-            and q.shape[2] <= KERNEL_MAX_QUERIES
-            and q.dtype == k_cache.dtype
-            and q.dtype in DTYPES
-            else None
-        )
+        kernel = usable_kernel(paged_decode_attention_op, q, k_cache.dtype)
         if kernel is None:
             return None
         table = self._store(layer, key, value, position_ids, seq_ids)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,15 +63,7 @@ class StaticKVCache(KVCacheManager):
         bfloat16: the kernel reads the positions each row's mask lets it see, where they are
         (``decode_attention``), instead of a copy of every row's line up to the bucket's width."""
         k_cache, v_cache = self._layer(layer)
-        kernel = (
-            decode_attention_op()
-            if kernel_enabled()
-            and q.device.type == "cpu"
-            and q.shape[2] <= KERNEL_MAX_QUERIES
-            and q.dtype == k_cache.dtype
-            and q.dtype in DTYPES
-            else None
-        )
+        kernel = usable_kernel(decode_attention_op, q, k_cache.dtype)
         if kernel is None:
             return None
         write_positions(k_cache, seq_ids, position_ids, key)
@@ -91,6 +85,20 @@ class StaticKVCache(KVCacheManager):
 
     def _layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k_{layer}"), getattr(self, f"v_{layer}")
+
+
+def usable_kernel(build: Callable[[], Any], q: torch.Tensor, cache_dtype: torch.dtype) -> Any:
+    """The kernel ``build`` gives, where it serves these queries: switched on, on the CPU, up
+    to KERNEL_MAX_QUERIES a row, in the cache's dtype, one the kernel takes; else None."""
+    if not (
+        kernel_enabled()
+        and q.device.type == "cpu"
+        and q.shape[2] <= KERNEL_MAX_QUERIES
+        and q.dtype == cache_dtype
+        and q.dtype in DTYPES
+    ):
+        return None
+    return build()
 
 
 def kernel_enabled() -> bool:
