@@ -163,6 +163,26 @@ def test_prefix_hits_on_a_block_boundary_and_inside_a_block(checkpoint, solo) ->
     assert_all_free(engine)
 
 
+def test_an_evicted_prefix_is_encoded_again(checkpoint, solo) -> None:
+    """A pool of 8 blocks: a prompt's 2 cached blocks are evicted (least recently used) by
+    later requests that need the whole pool, and the prompt, asked again, is encoded whole."""
+    generator = torch.Generator().manual_seed(10)
+    prompt = random_tokens(20, generator)
+    others = [random_tokens(30, generator) for _ in range(2)]
+    engine = Engine(app_for(checkpoint, pa_num_blocks=8, is_prefix_caching=True), eos_token_ids=[])
+    found = []
+    for tokens_in, count in [(prompt, 4), (prompt, 4), *((o, 34) for o in others), (prompt, 4)]:
+        engine.add_request(tokens_in, SamplingSettings(count, 0))
+        tokens = []
+        while engine.has_unfinished():
+            for output in engine.step():
+                tokens += output.token_ids
+        assert tokens == solo(tokens_in, count)
+        found.append(output.cached_tokens)
+    assert found == [0, 16, 0, 0, 0]
+    assert_all_free(engine)
+
+
 def test_salts_never_share_blocks(checkpoint, solo) -> None:
     """The same prompt under another cache_salt (a tenant) or none finds nothing cached."""
     generator = torch.Generator().manual_seed(3)
