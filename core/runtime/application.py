@@ -1,9 +1,10 @@
 """Application models: NeuronApplicationBase and NeuronBaseForCausalLM.
 
 An application owns the config, the checkpoint path and its sub-models (``models``, a list of
-ModelWrapper). ``to_cpu()`` builds the model eagerly; ``forward`` routes each call to the context
-encoding or token generation sub-model, doing the host-side work (compacting padded prompts,
-positions, cache masks) so the sub-models see fixed shapes only.
+ModelWrapper). ``to_cpu()`` builds the model eagerly; ``run`` (the runner) takes a
+:class:`~nxdplug.runtime.scheduled_step.ScheduledStep` and calls the phase that computes it,
+doing the host-side work (positions, cache masks) so the sub-models see fixed shapes only;
+``forward`` builds that step from HF's padded tensors.
 """
 
 from __future__ import annotations
@@ -382,7 +383,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         input_capture_hook: Any = None,
         **step_keywords: Any,
     ) -> CausalLMOutputWithTokens:
-        """Route to context encoding (a new prompt) or token generation (one more token).
+        """HF's and NxD Inference's entry point: a new prompt, or more tokens of running ones,
+        given as padded tensors; the same :class:`ScheduledStep` that the engine and
+        ``generate()`` give :meth:`run` is built from them (a prompt where a row's positions
+        start at 0 or nothing is cached yet).
 
         ``attention_mask`` follows the HF convention: [batch, tokens so far], 1 for real tokens,
         padding on either side. The inputs may be on any device (NxD Inference passes CPU
