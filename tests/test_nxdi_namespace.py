@@ -31,6 +31,7 @@ STATIC_EXPORTS = {
         "BlockwiseMatmulConfig": "nxdplug.config:BlockwiseMatmulConfig",
         "RouterConfig": "nxdplug.config:RouterConfig",
         "LoraServingConfig": "nxdplug.config:LoraServingConfig",
+        "ChunkedPrefillConfig": "nxdplug.config:ChunkedPrefillConfig",
         "to_torch_dtype": "nxdplug.config:to_torch_dtype",
     },
     "nxdplug.nxdi.utils.hf_adapter": {
@@ -172,7 +173,7 @@ def test_a_model_module_is_its_plugins_module(family: str) -> None:
         ("nxdplug.nxdi.modules.generation.sampling", "DataParallelSampler"),
         ("nxdplug.nxdi.modules.autobucketing", "generate_buckets_on_chunk_size"),
         ("nxdplug.nxdi.modules.lora_serving", "LoraCheckpoint"),
-        ("nxdplug.nxdi.models.config", "ChunkedPrefillConfig"),
+        ("nxdplug.nxdi.models.config", "MultimodalVisionNeuronConfig"),
         ("nxdplug.nxdi.models.llama.modeling_llama", "NeuronLlamaMLP"),
     ],
 )
