@@ -353,6 +353,16 @@ def test_extension_phases_follow_the_context_buckets(checkpoint) -> None:
     )
     sizes = [(w.new_tokens, w.buckets) for w in app.models if isinstance(w, ExtendWrapper)]
     assert sizes == [(16, [32, 64]), (32, [32, 64])]
+    chunked = NeuronConfig(
+        **SETTINGS,
+        is_chunked_prefill=True,
+        max_num_batched_tokens=12,
+        enable_bucketing=True,
+        context_encoding_buckets=[8, 16, 32],
+    )
+    app = from_pretrained(checkpoint, chunked)
+    sizes = [w.new_tokens for w in app.models if isinstance(w, ExtendWrapper)]
+    assert sizes == [8, 16]  # no chunk is larger than the budget of 12
 
 
 @pytest.mark.parametrize(

@@ -106,6 +106,12 @@ def add_submodels(context: Any) -> Iterable[ModelWrapper]:
 
 
 def new_token_sizes(nc: Any) -> list[int]:
-    """The extension phases' sizes of new tokens: the context-encoding buckets."""
-    sizes = nc.context_encoding_buckets if nc.enable_bucketing else None
-    return sorted(sizes or [nc.max_context_length])
+    """The extension phases' sizes of new tokens: the context-encoding buckets; with chunked
+    prefill only those up to the first that holds a step's budget (no chunk is larger)."""
+    sizes = sorted((nc.context_encoding_buckets if nc.enable_bucketing else None) or [])
+    sizes = sizes or [nc.max_context_length]
+    budget = getattr(nc, "max_num_batched_tokens", None)
+    if BlockSettings.of(nc).chunked_prefill and isinstance(budget, int):
+        holding = [size for size in sizes if size >= budget]
+        sizes = [size for size in sizes if size < budget] + holding[:1]
+    return sizes
