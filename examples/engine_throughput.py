@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from nxdplug import NeuronConfig, from_pretrained
+from nxdplug.cli.options import parse_key_value
 from nxdplug.cli.serve import SERVE_DEFAULTS
 from nxdplug.engine import Engine, SamplingSettings
 
@@ -37,6 +38,7 @@ def build(args: argparse.Namespace) -> Engine:
         settings["context_encoding_buckets"] = args.context_encoding_buckets
     if args.token_generation_buckets:
         settings["token_generation_buckets"] = args.token_generation_buckets
+    settings |= dict(args.neuron_config or ())
     app = from_pretrained(args.model_path, NeuronConfig(**settings))
     if args.compiled_model_path is None:
         app.to_cpu()
@@ -81,6 +83,13 @@ def main() -> None:
     parser.add_argument("--context-encoding-buckets", type=int, nargs="+", metavar="N")
     parser.add_argument("--token-generation-buckets", type=int, nargs="+", metavar="N")
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument(
+        "--neuron-config",
+        action="append",
+        type=parse_key_value,
+        metavar="KEY=VALUE",
+        help="another NeuronConfig setting (repeatable), e.g. is_block_kv_layout=true",
+    )
     args = parser.parse_args()
     concurrency = args.concurrency or args.batch_size
     engine = build(args)

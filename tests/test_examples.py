@@ -95,7 +95,8 @@ def test_engine_throughput_example_serves_every_request(tiny_checkpoint) -> None
     command = [sys.executable, str(EXAMPLES / "engine_throughput.py"), "--model-path", str(path)]
     command += ["--torch-dtype", "float32", "--batch-size", "2", "--requests", "5", "--runs", "1"]
     command += ["--prompt-length", "4", "--max-tokens", "3", "--seq-len", "32"]
-    command += ["--max-context-length", "8"]
+    command += ["--max-context-length", "8", "--neuron-config", "is_block_kv_layout=true"]
+    command += ["--neuron-config", "pa_block_size=8"]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     assert re.fullmatch(
         r"5 requests, 2 at a time: [\d.]+ s, [\d.]+ output tok/s, \d+ steps, "
