@@ -359,6 +359,7 @@ def test_long_prompt_reports_the_streams_itl_and_the_long_prompts_ttft(
     figures = report["server"]
     assert 0 < figures["itl_p50_ms"] <= figures["itl_p99_ms"] < float("inf")
     assert figures["itl_p99_over_p50"] >= 1
+    assert figures["itl_max_ms"] >= figures["itl_p99_ms"]
     assert figures["long_prompt_ttft_ms"] > 0
     assert figures["long_prompt_tokens"] >= 22
     assert figures["output_tokens"] == 2 * 8 + 4

@@ -97,6 +97,7 @@ TABLE_ROWS = {
         ("streams' ITL p50 (ms)", "itl_p50_ms", "{:.1f}"),
         ("streams' ITL p99 (ms)", "itl_p99_ms", "{:.1f}"),
         ("streams' ITL p99 / p50", "itl_p99_over_p50", "{:.2f}"),
+        ("streams' ITL max (ms)", "itl_max_ms", "{:.1f}"),
         ("long prompt TTFT (ms)", "long_prompt_ttft_ms", "{:.1f}"),
         ("long prompt tokens", "long_prompt_tokens", "{:.0f}"),
         ("streams' TTFT p50 (ms)", "ttft_p50_ms", "{:.1f}"),
