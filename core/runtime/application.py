@@ -53,7 +53,7 @@ from nxdplug.runtime.outputs import (
     CausalLMOutputWithTokens,
     join_outputs,
 )
-from nxdplug.runtime.scheduled_step import ScheduledStep
+from nxdplug.runtime.scheduled_step import ScheduledStep, positions_from_mask
 from nxdplug.runtime.speculation import AcceptanceStats
 from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
@@ -453,19 +453,15 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
                 "from 0); this call continues sequences"
             )
         tokens, seq_ids = scheduled.input_ids, scheduled.seq_ids
+        mask, positions = scheduled.cache_mask(), scheduled.positions()
         if scheduled.is_prompt:
             wrapper = selected or self.context_encoding_model
-            mask = torch.arange(scheduled.width, device=tokens.device) < scheduled.num_new[:, None]
-            positions = scheduled.positions()
-            outputs = wrapper(
-                self._step(wrapper, tokens, mask.long(), positions, seq_ids, keywords)
-            )
+            outputs = wrapper(self._step(wrapper, tokens, mask, positions, seq_ids, keywords))
             self.kv_cache_populated = True
             return wrapper.output_of(outputs)
         wrapper = self.decode_model(scheduled.width) if scheduled.is_uniform else None
         if wrapper is None:
             wrapper = self.extend_model(scheduled)
-        mask, positions = scheduled.cache_mask(), scheduled.positions()
         if isinstance(wrapper, ExtendWrapper) and scheduled.rows > wrapper.batch_size:
             return self._run_in_parts(wrapper, scheduled)
         outputs = wrapper(self._step(wrapper, tokens, mask, positions, seq_ids, keywords))
@@ -592,33 +588,6 @@ def refuse_untaken_keywords(context: PipelineContext, keywords: dict[str, Any]) 
     raise NotSupportedError(
         f"forward() was given inputs no enabled plugin takes: {'; '.join(reasons)}"
     )
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """HF's positions for a padded batch: real tokens count from 0, padding gets 1."""
-    positions = attention_mask.long().cumsum(-1) - 1
-    return positions.masked_fill(attention_mask == 0, 1)
-
-
-def compact_left(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Move each row's real tokens to the front (right padding), whatever side was padded.
-
-    Returns tokens and positions [batch, longest], and the mask of real tokens.
-    """
-    real = attention_mask.bool()
-    lengths = real.sum(-1)
-    longest = int(lengths.max())
-    device = input_ids.device
-    tokens = torch.zeros(input_ids.shape[0], longest, dtype=input_ids.dtype, device=device)
-    positions = torch.arange(longest, device=device).expand(input_ids.shape[0], longest).clone()
-    for row in range(input_ids.shape[0]):
-        count = int(lengths[row])
-        tokens[row, :count] = input_ids[row][real[row]]
-        positions[row, :count] = position_ids[row][real[row]]
-    mask = (torch.arange(longest, device=device) < lengths[:, None]).long()
-    return tokens, mask, positions
 
 
 def architecture_for(model_path: str | Path) -> ModelArchitecture:

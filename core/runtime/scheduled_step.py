@@ -66,13 +66,10 @@ class ScheduledStep:
     ) -> ScheduledStep:
         """Prompts given HF's way (padded on either side, ``attention_mask`` 1 for real
         tokens), each into the line of its row."""
-        real = attention_mask.bool()
-        num_new = real.sum(dim=-1)
-        tokens = torch.zeros(
-            input_ids.shape[0], int(num_new.max()), dtype=input_ids.dtype, device=input_ids.device
+        tokens, mask, _ = compact_left(
+            input_ids, attention_mask, positions_from_mask(attention_mask)
         )
-        for row in range(input_ids.shape[0]):
-            tokens[row, : int(num_new[row])] = input_ids[row][real[row]]
+        num_new = mask.sum(dim=-1)
         return cls(
             tokens, num_new, torch.zeros_like(num_new), _lines(input_ids), dict(keywords or {})
         )
@@ -127,6 +124,33 @@ class ScheduledStep:
 
 def _long(values: Any, device: torch.device | str) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """HF's positions for a padded batch: real tokens count from 0, padding gets 1."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+def compact_left(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move each row's real tokens to the front (right padding), whatever side was padded.
+
+    Returns tokens and positions [batch, longest], and the mask of real tokens.
+    """
+    real = attention_mask.bool()
+    lengths = real.sum(-1)
+    longest = int(lengths.max())
+    device = input_ids.device
+    tokens = torch.zeros(input_ids.shape[0], longest, dtype=input_ids.dtype, device=device)
+    positions = torch.arange(longest, device=device).expand(input_ids.shape[0], longest).clone()
+    for row in range(input_ids.shape[0]):
+        count = int(lengths[row])
+        tokens[row, :count] = input_ids[row][real[row]]
+        positions[row, :count] = position_ids[row][real[row]]
+    mask = (torch.arange(longest, device=device) < lengths[:, None]).long()
+    return tokens, mask, positions
 
 
 def _lines(input_ids: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch
 
 from nxdplug.errors import NxdPlugError
 from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG, EAGLE_SPECULATION_TAG
-from nxdplug.runtime.application import compact_left, positions_from_mask
+from nxdplug.runtime.scheduled_step import compact_left, positions_from_mask
 from nxdplug.runtime.speculation import (
     AcceptanceStats,
     GeneratedRows,

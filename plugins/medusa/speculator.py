@@ -28,7 +28,7 @@ import torch
 
 from nxdplug.errors import NotSupportedError, NxdPlugError
 from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_SPECULATION_TAG
-from nxdplug.runtime.application import compact_left, positions_from_mask
+from nxdplug.runtime.scheduled_step import compact_left, positions_from_mask
 from nxdplug.runtime.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest
 from nxdplug.runtime.step import StepInputs
 
