@@ -241,6 +241,28 @@ def test_chunked_prefill_spends_a_token_budget_beside_decoding(checkpoint, solo)
     assert_all_free(engine)
 
 
+def test_only_a_steps_first_chunk_is_cut_by_the_budget(checkpoint, solo) -> None:
+    """Prompts that each fit a step's budget are encoded whole: the one that does not fit
+    what an earlier prompt left of the budget waits for the next step rather than being cut
+    (a cut chunk and its rest would cost two padded calls)."""
+    generator = torch.Generator().manual_seed(9)
+    requests = [(random_tokens(5, generator), 6, None) for _ in range(4)]
+    app = app_for(checkpoint, is_chunked_prefill=True, max_num_batched_tokens=8)
+    encoded_rows = []
+
+    class Runner:
+        def run(self, step):
+            if not (step.num_new == 1).all() or step.num_cached.eq(0).any():
+                encoded_rows.extend(step.num_new.tolist())
+            return app.run(step)
+
+    engine = Engine(app, eos_token_ids=[], runner=Runner())
+    tokens = run(engine, requests)
+    assert list(tokens.values()) == [solo(p, m) for p, m, _ in requests]
+    assert encoded_rows == [5, 5, 5, 5]
+    assert_all_free(engine)
+
+
 def test_randomized_requests_with_every_feature_get_their_solo_tokens(checkpoint, solo) -> None:
     """A bounded stress run: 120 requests from a fixed seed, prompts drawn from 4 shared
     prefixes and salts, arriving at random while others run, over a pool small enough to

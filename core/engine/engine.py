@@ -370,14 +370,18 @@ class Engine:
         self, requests: list[Request], budget: int | None
     ) -> list[tuple[Request, int]]:
         """Each encoding request's next chunk size: all it has left when a whole prompt fits
-        context encoding, else at most the largest extension's new tokens; within ``budget``."""
+        context encoding, else at most the largest extension's new tokens; within ``budget``.
+        Only the step's first chunk may be cut short by the budget: a cut chunk costs a call
+        padded to its bucket and leaves a rest that costs another, so a later request waits
+        for the next step's budget instead."""
         chunks = []
         for request in requests:
             left = request.to_encode - request.computed
             whole = request.computed == 0 and left <= self.max_prompt
             size = left if whole and self.chunk is None else min(left, self.chunk or left)
             if budget is not None:
-                size = min(size, budget - sum(n for _, n in chunks))
+                cut = min(size, budget - sum(n for _, n in chunks))
+                size = cut if cut == size or not chunks else 0
             if size > 0:
                 chunks.append((request, size))
         return chunks
