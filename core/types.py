@@ -239,11 +239,15 @@ class CliExtension(SelectableRecord):
     :class:`nxdplug.cli.extensions.CommandLineExtension`: its ``add_arguments`` runs for every
     installed record (before a config exists); the rest only while the config enables the
     record (``enabled_by``), e.g. to put a draft checkpoint into the config, or to pass a draft
-    application to ``generate()``.
+    application to ``generate()``. ``default_settings``, if given, is a function of the parsed
+    arguments giving the NeuronConfig settings the feature turns on by default where its
+    options leave them unsaid (vLLM's prefix caching in ``serve``); the command drops them,
+    saying why, when they would make the config invalid.
     """
 
     implementation: str = _ref_field()
     commands: tuple[str, ...] = attrs.field(default=("run", "benchmark"), converter=_str_tuple)
+    default_settings: str | None = _ref_field(default=None)
 
 
 def _check_path(instance: object, attribute: attrs.Attribute, value: str) -> None:

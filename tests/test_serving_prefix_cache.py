@@ -1,10 +1,16 @@
-"""``nxdplug serve --enable-prefix-caching``: a chat's later turns find the shared system prompt
-in the cache (OpenAI's ``usage.prompt_tokens_details.cached_tokens``, vLLM's metrics), and get
-HF transformers' greedy replies; another ``cache_salt`` finds nothing."""
+"""``nxdplug serve``'s prefix caching, on by default as vLLM's: a chat's later turns find the
+shared system prompt in the cache (OpenAI's ``usage.prompt_tokens_details.cached_tokens``,
+vLLM's metrics), and get HF transformers' greedy replies; another ``cache_salt`` finds nothing.
+Where the block layout it needs would make the config invalid, the server starts without it
+and says why."""
 
 from __future__ import annotations
 
 import pytest
+
+from nxdplug.cli.main import build_parser
+from nxdplug.cli.options import neuron_config_kwargs
+from nxdplug.cli.serve import SERVE_DEFAULTS, _serving_config
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -35,7 +41,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_later_turns_find_the_system_prompt_cached(checkpoint, tokenizer, greedy) -> None:  # noqa: F811
-    options = ("--seq-len", "256", "--batch-size", "4", "--enable-prefix-caching")
+    options = ("--seq-len", "256", "--batch-size", "4")  # prefix caching: the default
     with running_server(checkpoint, *options, "--block-size", str(BLOCK)) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
         first = None
@@ -66,3 +72,42 @@ def test_later_turns_find_the_system_prompt_cached(checkpoint, tokenizer, greedy
         assert metric(base, "nxdplug:prefix_cache_queries_total") == queried
         assert metric(base, "nxdplug:kv_cache_usage_perc") == 0
         assert metric(base, "nxdplug:num_preemptions_total") == 0
+
+
+def serving_config(checkpoint, *options: str):
+    args = build_parser().parse_args(["serve", "--model-path", str(checkpoint), *options])
+    return _serving_config(args, SERVE_DEFAULTS | neuron_config_kwargs(args))
+
+
+@pytest.mark.parametrize(
+    ("options", "prefix_caching", "blocks"),
+    [
+        ((), True, True),
+        (("--no-enable-prefix-caching",), False, False),
+        (("--neuron-config", "is_prefix_caching=false"), False, True),
+        (("--neuron-config", "is_block_kv_layout=false"), False, False),
+        (("--enable-chunked-prefill",), True, True),
+    ],
+)
+def test_prefix_caching_is_on_unless_a_setting_says(
+    checkpoint,  # noqa: F811
+    options,
+    prefix_caching,
+    blocks,
+) -> None:
+    neuron_config = serving_config(checkpoint, "--seq-len", "256", *options).neuron_config
+    assert getattr(neuron_config, "is_prefix_caching", False) is prefix_caching
+    assert getattr(neuron_config, "is_block_kv_layout", False) is blocks
+
+
+def test_a_config_the_block_layout_refuses_starts_without_it(checkpoint, capsys) -> None:  # noqa: F811
+    """seq_len 200 is no multiple of the 32-position blocks: the lines serve, and the start-up
+    log says why prefix caching is off; asked for by name, it is refused."""
+    neuron_config = serving_config(checkpoint, "--seq-len", "200").neuron_config
+    assert not getattr(neuron_config, "is_block_kv_layout", False)
+    assert (
+        "not turning on is_block_kv_layout=True, is_prefix_caching=True by default: "
+        "pa_block_size=32 does not divide the cache widths [200]" in capsys.readouterr().err
+    )
+    assert serving_config(checkpoint, "--seq-len", "200", "--log-level", "warning")
+    assert capsys.readouterr().err == ""

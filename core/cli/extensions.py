@@ -70,6 +70,15 @@ def extension_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def default_settings(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """The NeuronConfig settings the extensions of ``command`` turn on by default."""
+    kwargs: dict[str, Any] = {}
+    for record in get_registry().records("cli_extensions"):
+        if command in record.commands and record.default_settings is not None:
+            kwargs |= record.load("default_settings")(args)
+    return kwargs
+
+
 def _enabled_records(config: Any) -> Iterator[CliExtension]:
     for record in get_registry().records("cli_extensions"):
         if record.is_enabled_by(config.neuron_config):

@@ -4,7 +4,8 @@
 inference_demo keeps NxD Inference's rule: prefix caching and chunked prefill need
 ``--enable-block-kv-layout`` (the config check says so). ``nxdplug serve`` follows vLLM, whose
 cache is always paged: ``--enable-prefix-caching`` or ``--enable-chunked-prefill`` switches the
-block layout on too.
+block layout on too, and prefix caching is on unless ``--no-enable-prefix-caching`` (or a
+setting the block layout refuses) says otherwise.
 """
 
 from __future__ import annotations
@@ -50,12 +51,20 @@ HELP = {
     "pa_block_size": "positions per KV-cache block (default 32)",
     "max_batch_size": "requests running at once (max_batch_size)",
     "is_block_kv_layout": "the block KV-cache layout (NxD Inference's paged attention)",
-    "is_prefix_caching": "share the cached blocks of common prompt prefixes",
+    "is_prefix_caching": "share the cached blocks of common prompt prefixes (serve: on by "
+    "default where the config allows the block layout)",
     "is_chunked_prefill": "encode long prompts in chunks beside the running requests",
     "prefix_buckets": "cached-prefix lengths the extension graphs are made for (with the "
     "context-encoding buckets as new tokens)",
     "max_num_batched_tokens": "tokens a step may take with chunked prefill (decoding first)",
 }
+
+
+def serve_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's default: prefix caching on (so the block layout too) unless a flag says."""
+    if getattr(args, f"{MARK}_enable_prefix_caching", None) is not None:
+        return {}
+    return {"is_block_kv_layout": True, "is_prefix_caching": True}
 
 
 class BlockCacheFlags(extensions.OptionsOnly):

@@ -60,5 +60,6 @@ def nxdplug_cli_extensions() -> Iterable[CliExtension]:
         name="block-kv-layout-flags",
         implementation=f"{PACKAGE}.cli:BlockCacheFlags",
         commands=("inference_demo", "serve"),
+        default_settings=f"{PACKAGE}.cli:serve_defaults",
         description="--enable-prefix-caching, --enable-chunked-prefill, --pa-num-blocks, ...",
     )
