@@ -50,7 +50,7 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
-STARTED = re.compile(r"at (http://\S+)/v1 ")
+STARTED = re.compile(r"at (https?://\S+)/v1 ")
 SYS_TGKILL = 234  # Linux on x86-64: a signal to one thread of a process
 
 

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,7 @@ from nxdplug.cli.inference import (
     load_tokenizer,
 )
 from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
+from nxdplug.cli.serve_access import add_access_arguments, api_keys, cors_policy, tls_settings
 from nxdplug.errors import NxdPlugError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -93,11 +95,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the model eagerly (to_cpu), compiling nothing (as vLLM's --enforce-eager)",
     )
+    add_access_arguments(parser)
     add_neuron_config_options(parser)
     extensions.add_extension_arguments(parser, "serve")
     parser.epilog = (
         "Serving defaults (each overridable): --is-continuous-batching, --batch-size 8, "
-        "--ctx-batch-size 1, --enable-bucketing; compiled into the cache once per config "
+        "--ctx-batch-size 1, --enable-bucketing, --enable-prefix-caching (where the config "
+        "allows the block layout it needs); compiled into the cache once per config "
         "(--compiled-model-path DIR to choose the folder, --enforce-eager to compile nothing)."
     )
 
@@ -106,8 +110,9 @@ def run_serve(args: argparse.Namespace) -> int:
     _require_serving_packages()
     tool_parser = _tool_parser(args)
     reasoning_parser = _implementation("reasoning_parsers", args.reasoning_parser)
+    access = (api_keys(args), cors_policy(args), tls_settings(args))
     sock = _listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
-    config = inference_config(args.model_path, SERVE_DEFAULTS | neuron_config_kwargs(args))
+    config = _serving_config(args, SERVE_DEFAULTS | neuron_config_kwargs(args))
     extensions.prepare_config(args, config)
     model = load_model(args, config, compile_by_default=True)
     tokenizer = load_tokenizer(args.model_path, "serve")
@@ -127,11 +132,36 @@ def run_serve(args: argparse.Namespace) -> int:
 
         broadcaster = StepBroadcaster(model)
     try:
-        _serve(args, sock, model, tokenizer, broadcaster, (tool_parser, reasoning_parser))
+        _serve(args, sock, model, tokenizer, broadcaster, (tool_parser, reasoning_parser), access)
     finally:
         if broadcaster is not None:
             broadcaster.stop()
     return 0
+
+
+def _serving_config(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
+    """The config of ``settings``, with what features turn on by default in a server (vLLM's
+    prefix caching) where the options leave it unsaid and it keeps the config valid; where it
+    would not, without it, saying why."""
+    from nxdplug.pipeline import config_problems
+
+    config = inference_config(args.model_path, settings)
+    defaults = {
+        name: value
+        for name, value in extensions.default_settings(args, "serve").items()
+        if name not in settings
+    }
+    if not defaults:
+        return config
+    with_defaults = inference_config(args.model_path, defaults | settings)
+    known = set(config_problems(config))
+    added = [p for p in config_problems(with_defaults) if p not in known]
+    if not added:
+        return with_defaults
+    if args.log_level in ("debug", "info"):
+        names = ", ".join(f"{name}={value!r}" for name, value in defaults.items())
+        print(f"nxdplug serve: not turning on {names} by default: {added[0]}", file=sys.stderr)
+    return config
 
 
 def _serve(
@@ -141,22 +171,33 @@ def _serve(
     tokenizer: Any,
     runner: Any,
     parsers: tuple[type | None, type | None],
+    access: tuple[list[str], Any, dict[str, Any]],
 ) -> None:
-    """Serve until stopped; ``parsers``: the tool-call and reasoning parsers, if any."""
+    """Serve until stopped; ``parsers``: the tool-call and reasoning parsers, if any;
+    ``access``: the API keys, the CORS policy and the TLS settings."""
     import uvicorn
 
     from nxdplug.engine import Engine
     from nxdplug.serving.app import build_app
     from nxdplug.serving.engine_loop import EngineLoop
+    from nxdplug.serving.guards import guarded
     from nxdplug.serving.metrics import ServingMetrics
 
     engine = Engine(model, tokenizer, max_waiting=args.max_waiting, runner=runner)
     metrics = ServingMetrics(engine)
     engine_loop = EngineLoop(engine, metrics)
     name = args.served_model_name or str(args.model_path)
-    app = build_app(engine_loop, tokenizer, name, metrics, *parsers)
+    keys, cors, tls = access
+    app = guarded(
+        build_app(engine_loop, tokenizer, name, metrics, *parsers),
+        api_keys=keys,
+        body_limit=args.max_request_body_size,
+        cors=cors,
+    )
     server_config = uvicorn.Config(
         app,
+        root_path=args.root_path,
+        **tls,
         log_level=args.log_level,
         access_log=args.log_level in ("debug", "info"),
         timeout_graceful_shutdown=GRACE_SECONDS,
@@ -178,7 +219,7 @@ def _serve(
     http = threading.Thread(target=serve_http, name="nxdplug-http")
     host, port = sock.getsockname()[:2]
     print(
-        f"nxdplug: serving {name} at http://{_url_host(host)}:{port}/v1 "
+        f"nxdplug: serving {name} at {'https' if tls else 'http'}://{_url_host(host)}:{port}/v1 "
         f"({model.backend_name} backend, batch size {model.neuron_config.max_batch_size})",
         flush=True,
     )

@@ -13,13 +13,13 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from nxdplug.engine import EngineFullError, RequestError, RequestOutput
@@ -55,6 +55,9 @@ from nxdplug.serving.responses import (
 )
 from nxdplug.serving.responses_api import ResponseBuilder, ResponseRequest
 
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
 
 def build_app(
     engine_loop: EngineLoop,
@@ -85,28 +88,37 @@ def build_app(
             return {}
         served = variants()
         if name not in served:
-            names = ", ".join(f"`{n}`" for n in [model_name, *served])
-            raise OpenAIError(
-                404,
-                f"The model `{name}` does not exist; this server serves {names}",
-                param="model",
-                code="model_not_found",
-            )
+            raise not_served(name)
         return served[name]
 
+    def not_served(name: str) -> OpenAIError:
+        names = ", ".join(f"`{n}`" for n in [model_name, *variants()])
+        return OpenAIError(
+            404,
+            f"The model `{name}` does not exist; this server serves {names}",
+            param="model",
+            code="model_not_found",
+        )
+
     @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        keywords = step_keywords_of(body.model)
-        body.refuse_unsupported()
-        prompts = body.prompts(tokenizer)
+    async def completions(request: Request) -> Response:
+        body = await _parsed(request, CompletionRequest)
+
+        def prepare() -> tuple[dict[str, Any], list[list[int]], Any, list[str] | None]:
+            keywords = step_keywords_of(body.model)
+            body.refuse_unsupported()
+            prompts = body.prompts(tokenizer)
+            with _named_as_asked(body):
+                settings = body.settings()
+            return keywords, prompts, settings, body.echoed_texts(tokenizer, prompts)
+
+        keywords, prompts, settings, echoes = await off_loop(prepare)
         with _named_as_asked(body):
-            settings = body.settings()
             stream = await engine_loop.generate_batch(
                 prompts, settings, body.choices, keywords, body.cache_salt
             )
         reply_id = "cmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
-        echoes = body.echoed_texts(tokenizer, prompts)
 
         def echo(index: int) -> tuple[str, list[int], int | None] | None:
             """What choice ``index`` echoes (its prompt is ``index // n``)."""
@@ -132,8 +144,9 @@ def build_app(
         usage = Usage.of(outputs, body.choices)
         return _json(CompletionResult(**head, choices=choices, usage=usage))
 
-    async def start_chat(body: ChatCompletionRequest) -> tuple[OutputStream, list[ReplyReader]]:
-        """The chat's requests queued, and a reader of each choice's reply."""
+    def prepare_chat(body: ChatCompletionRequest) -> tuple[Any, str, list[int], Any, Any]:
+        """The chat's step keywords, prompt (text and ids) and sampling settings, and its tool
+        use; the slow part of a chat request (its template, its tokens), run off the loop."""
         keywords = step_keywords_of(body.model)
         body.refuse_unsupported()
         use = body.tool_use()
@@ -149,6 +162,11 @@ def build_app(
         settings = body.settings(len(prompt_ids), seq_len)
         if use.choice == "auto" and getattr(tool_parser, "keeps_special_tokens", False):
             settings = attrs.evolve(settings, skip_special_tokens=False)
+        return keywords, prompt, prompt_ids, settings, use
+
+    async def start_chat(body: ChatCompletionRequest) -> tuple[OutputStream, list[ReplyReader]]:
+        """The chat's requests queued, and a reader of each choice's reply."""
+        keywords, prompt, prompt_ids, settings, use = await off_loop(prepare_chat, body)
         with _named_as_asked(body):
             stream = await engine_loop.generate(
                 prompt_ids, settings, body.choices, keywords, body.cache_salt
@@ -162,7 +180,8 @@ def build_app(
         return stream, [reader() for _ in range(body.choices)]
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await _parsed(request, ChatCompletionRequest)
         stream, readers = await start_chat(body)
         reply_id = "chatcmpl-" + stream.request_id.removeprefix("req-")
         head = {"id": reply_id, "created": now(), "model": model_name}
@@ -186,9 +205,10 @@ def build_app(
         return _json(ChatCompletion(**head, choices=choices, usage=Usage.of(outputs, body.choices)))
 
     @app.post("/v1/responses")
-    async def responses(request: Request, body: ResponseRequest) -> Response:
+    async def responses(request: Request) -> Response:
+        body = await _parsed(request, ResponseRequest)
         body.refuse_unsupported()
-        stream, (reader,) = await start_chat(body.as_chat())
+        stream, (reader,) = await start_chat(await off_loop(body.as_chat))
         reply = ResponseBuilder(body, stream.request_id, model_name, tokenizer, reader)
         if body.stream:
             return _event_stream(reply.events(stream), named_events=True)
@@ -198,26 +218,35 @@ def build_app(
         return JSONResponse(reply.whole(outputs[0]))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
-        if body.model is not None:
-            step_keywords_of(body.model)
-        ids = body.token_ids(tokenizer)
-        answer: dict[str, Any] = {"count": len(ids), "max_model_len": seq_len, "tokens": ids}
-        if body.return_token_strs:
-            answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-        return JSONResponse(answer)
+    async def tokenize(request: Request) -> Response:
+        body = await _parsed(request, TokenizeRequest)
+
+        def answer() -> dict[str, Any]:
+            if body.model is not None:
+                step_keywords_of(body.model)
+            ids = body.token_ids(tokenizer)
+            answer: dict[str, Any] = {"count": len(ids), "max_model_len": seq_len, "tokens": ids}
+            if body.return_token_strs:
+                answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+            return answer
+
+        return JSONResponse(await off_loop(answer))
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> Response:
-        if body.model is not None:
-            step_keywords_of(body.model)
-        vocabulary = engine_loop.engine.vocab_size or len(tokenizer)
-        if any(not 0 <= token < vocabulary for token in body.tokens):
-            raise bad_request("tokens", f"token ids are in [0, {vocabulary})")
-        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+    async def detokenize(request: Request) -> Response:
+        body = await _parsed(request, DetokenizeRequest)
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+        def answer() -> dict[str, Any]:
+            if body.model is not None:
+                step_keywords_of(body.model)
+            vocabulary = engine_loop.engine.vocab_size or len(tokenizer)
+            if any(not 0 <= token < vocabulary for token in body.tokens):
+                raise bad_request("tokens", f"token ids are in [0, {vocabulary})")
+            return {"prompt": tokenizer.decode(body.tokens)}
+
+        return JSONResponse(await off_loop(answer))
+
+    def model_cards() -> list[dict[str, Any]]:
         card = {
             "object": "model",
             "created": now(),
@@ -225,8 +254,18 @@ def build_app(
             "max_model_len": seq_len,
         }
         cards = [card | {"id": model_name}]
-        cards += [card | {"id": name, "parent": model_name} for name in variants()]
-        return JSONResponse({"object": "list", "data": cards})
+        return cards + [card | {"id": name, "parent": model_name} for name in variants()]
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": model_cards()})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        cards = {card["id"]: card for card in model_cards()}
+        if model not in cards:
+            raise not_served(model)
+        return JSONResponse(cards[model])
 
     _add_plugin_routes(app, engine_loop)
 
@@ -408,6 +447,28 @@ def _route(engine_loop: EngineLoop, handler: Any) -> Any:
     return route
 
 
+async def off_loop(work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` on a worker thread, so that a request's slow part (parsing a large body,
+    a chat template, tokenizing a long prompt) never stalls the event loop, which streams every
+    other client's tokens and answers ``/health``."""
+    return await asyncio.to_thread(work, *args)
+
+
+async def _parsed(request: Request, model: type[M]) -> M:
+    """The request's JSON body as ``model``, parsed and checked off the event loop; a body
+    that does not validate as FastAPI's own check would refuse it."""
+    raw = await request.body()
+    return await off_loop(_validated, model, raw)
+
+
+def _validated(model: type[M], raw: bytes) -> M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        raise RequestValidationError([e | {"loc": ("body", *e["loc"])} for e in errors]) from None
+
+
 def _json(body: BaseModel) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"))
 
@@ -429,6 +490,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         if error["type"] == "json_invalid":
             detail = error.get("ctx", {}).get("error", error["msg"])
             return answer(400, f"malformed JSON body: {detail}")
+        if param is None:  # the body as a whole: not an object
+            return answer(400, f"the body must be a JSON object: {error['msg']}")
         if error["type"] == "extra_forbidden":
             return answer(400, f"{param}: not supported by this server", param)
         return answer(400, f"{param}: {error['msg']}", param)

@@ -34,7 +34,9 @@ ANY_OBJECT = '{"type": "object"}'
 
 ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
