@@ -4,7 +4,9 @@ each gets the tokens PEFT gives its prompt alone with that adapter."""
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,28 +283,41 @@ def test_serve_names_each_adapter_as_a_model(adapters, peft_solo) -> None:
         assert streamed == tokenizer.decode(peft_solo(PROMPTS[3], "math"), skip_special_tokens=True)
         with pytest.raises(openai.NotFoundError, match="`code`, `chat`, `math`"):
             client.completions.create(model="poetry", prompt=[1, 2], max_tokens=2)
-        status, error = post(base, "unload_lora_adapter", {"lora_name": "code"})
-        assert status == 400 and "enable_dynamic_multi_lora=True" in error["error"]["message"]
+        status, _ = post(base, "unload_lora_adapter", {"lora_name": "code"})
+        assert status == 404  # the adapter routes exist only with the server's opt-in
     finally:
         stop([process])
 
 
 def test_serve_loads_and_unloads_adapters_at_run_time(adapters, peft_solo) -> None:
-    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter with dynamic multi-LoRA: a
-    loaded adapter is a model at once; one that a request uses is not unloaded under it."""
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter with dynamic multi-LoRA and
+    the server's opt-in: a loaded adapter is a model at once; one that a request uses is not
+    unloaded under it; a path outside the allowed folder is refused, however it gets there
+    (``..``, a link)."""
     openai = pytest.importorskip("openai")
     from test_serving import MODEL, post, start_server, stop
 
     checkpoint, paths = adapters
+    allowed = Path(paths["math"]).parent
+    outside = allowed.parent / "elsewhere"
+    shutil.copytree(paths["chat"], outside / "chat", dirs_exist_ok=True)
+    link = allowed / "link-out"
+    link.unlink(missing_ok=True)
+    link.symlink_to(outside / "chat")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     process, base = start_server(
         checkpoint, "--seq-len", "64", "--batch-size", "4", "--enable-dynamic-multi-lora",
         "--lora-modules", f"code={paths['code']}", "--max-loras", "2", "--max-cpu-loras", "2",
+        "--allow-runtime-lora-updating", "--allowed-lora-paths", str(allowed),
     )  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
         common = {"max_tokens": NEW_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
         assert [m.id for m in client.models.list().data] == [MODEL, "code"]
+        for path in (f"{allowed}/../elsewhere/chat", str(link), str(outside / "chat")):
+            status, error = post(base, "load_lora_adapter", {"lora_name": "c", "lora_path": path})
+            assert status == 400, path
+            assert "not in a folder this server reads adapters from" in error["error"]["message"]
         body = {"lora_name": "math", "lora_path": paths["math"]}
         assert post(base, "load_lora_adapter", body) == (
             200,
@@ -351,7 +366,8 @@ def test_two_ranks_load_and_unload_adapters_on_every_rank(adapters, peft_solo) -
     options = (
         "--seq-len", "64", "--batch-size", "2", "--tp-degree", "2",
         "--enable-dynamic-multi-lora", "--max-loras", "2", "--max-cpu-loras", "2",
-        "--max-lora-rank", "8",
+        "--max-lora-rank", "8", "--allow-runtime-lora-updating",
+        "--allowed-lora-paths", str(Path(paths["math"]).parent),
     )  # fmt: skip
     with two_rank_servers(checkpoint, *options) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
@@ -368,3 +384,24 @@ def test_two_ranks_load_and_unload_adapters_on_every_rank(adapters, peft_solo) -
             client.completions.create(model="math", prompt=[1, 2], max_tokens=2)
         reply = client.completions.create(model="chat", prompt=PROMPTS[1], **common)
         assert reply.choices[0].text == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--allow-runtime-lora-updating"], "set enable_dynamic_multi_lora"),
+        (
+            ["--allow-runtime-lora-updating", "--enable-dynamic-multi-lora"],
+            "allow_runtime_lora_updating needs allowed_lora_paths",
+        ),
+        (["--allowed-lora-paths", "."], "only allow_runtime_lora_updating"),
+    ],
+)
+def test_adapter_routes_need_the_opt_in_and_its_folders(adapters, capsys, options, message):
+    from nxdplug.cli.main import main
+
+    checkpoint, paths = adapters
+    argv = ["serve", "--model-path", str(checkpoint), "--port", "0", "--enforce-eager"]
+    code = main([*argv, "--lora-modules", f"code={paths['code']}", *options])
+    error = capsys.readouterr().err
+    assert code == 1 and message in error and "Traceback" not in error

@@ -147,6 +147,34 @@ def targets(config: Any) -> tuple[str, ...]:
     return tuple(name for name in TARGETS if name in trained)
 
 
+def _route_problems(neuron_config: Any) -> list[str]:
+    """The adapter routes' opt-in needs dynamic multi-LoRA and the folders they may read."""
+    allowed = getattr(neuron_config, "allowed_lora_paths", None)
+    if not getattr(neuron_config, "allow_runtime_lora_updating", False):
+        if allowed:
+            return [
+                "allowed_lora_paths (--allowed-lora-paths) are read by the adapter routes, which "
+                "only allow_runtime_lora_updating (--allow-runtime-lora-updating) opens"
+            ]
+        return []
+    problems = []
+    if not neuron_config.lora_config.enable_dynamic_multi_lora:
+        problems.append(
+            "allow_runtime_lora_updating opens /v1/load_lora_adapter, which loads adapters into "
+            "the slots at run time: set enable_dynamic_multi_lora (--enable-dynamic-multi-lora)"
+        )
+    if not allowed:
+        problems.append(
+            "allow_runtime_lora_updating needs allowed_lora_paths (--allowed-lora-paths DIR): "
+            "the folders /v1/load_lora_adapter may read adapters from, so that a client cannot "
+            "make the server read any path on its disk"
+        )
+    for folder in allowed or ():
+        if not Path(folder).is_dir():
+            problems.append(f"allowed_lora_paths: {folder} is not a folder")
+    return problems
+
+
 def validate(context: Any) -> list[str]:
     """The ``validate`` callback of the multi-lora feature: every problem at once."""
     neuron_config = context.neuron_config
@@ -157,6 +185,7 @@ def validate(context: Any) -> list[str]:
     ]
     if lora_config.base_model_quantized != bool(neuron_config.quantized):
         problems.append(_quantized_contradiction(neuron_config.quantized))
+    problems += _route_problems(neuron_config)
     try:
         paths = adapter_paths(lora_config)
         host_paths = adapter_paths(lora_config, on_host=True)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,8 @@ from nxdplug.cli.options import GENERIC_NEURON_CONFIG_DEST, positive_int
 from nxdplug.errors import NxdPlugError
 
 BASE_MODEL = "none"
+RUNTIME_UPDATING_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+TRUE = ("1", "true", "yes")
 
 
 def _id_and_path(text: str) -> tuple[str, str]:
@@ -22,6 +25,21 @@ def _id_and_path(text: str) -> tuple[str, str]:
             f"expected ID=PATH (e.g. code=adapters/code); got {text!r}"
         )
     return adapter_id, path
+
+
+def _route_settings(args: argparse.Namespace, from_environment: bool = True) -> dict[str, Any]:
+    """The adapter routes' opt-in and allowed folders (serve only); ``from_environment``:
+    the opt-in may come from vLLM's variable."""
+    opt_in = getattr(args, "allow_runtime_lora_updating", None)
+    environment = os.environ.get(RUNTIME_UPDATING_VARIABLE, "").lower() in TRUE
+    if opt_in is None and from_environment and environment:
+        opt_in = True
+    settings: dict[str, Any] = {}
+    if opt_in:
+        settings["allow_runtime_lora_updating"] = True
+    if getattr(args, "allowed_lora_paths", None):
+        settings["allowed_lora_paths"] = list(args.allowed_lora_paths)
+    return settings
 
 
 class LoraCommandLine:
@@ -50,6 +68,22 @@ class LoraCommandLine:
         group.add_argument(
             "--max-cpu-loras", type=positive_int, metavar="N", help="adapters held on the host"
         )
+        if command == "serve":
+            group.add_argument(
+                "--allow-runtime-lora-updating",
+                action="store_true",
+                default=None,
+                help="open /v1/load_lora_adapter and /v1/unload_lora_adapter (with "
+                "--enable-dynamic-multi-lora and --allowed-lora-paths; "
+                f"or {RUNTIME_UPDATING_VARIABLE}=true)",
+            )
+            group.add_argument(
+                "--allowed-lora-paths",
+                nargs="+",
+                metavar="DIR",
+                help="the folders /v1/load_lora_adapter may read adapters from (links and "
+                "'..' resolved first)",
+            )
         if command in ("run", "benchmark"):
             group.add_argument(
                 "--adapter-ids",
@@ -63,7 +97,7 @@ class LoraCommandLine:
         listing = getattr(args, "lora_ckpt_json", None)
         dynamic = getattr(args, "enable_dynamic_multi_lora", False)
         if paths is None and listing is None and not dynamic:
-            return {}
+            return _route_settings(args, from_environment=False)  # refused: without effect
         from nxdplug.config import LoraServingConfig
 
         settings: dict[str, Any] = {"lora_ckpt_paths": dict(paths) if paths else None}
@@ -78,7 +112,7 @@ class LoraCommandLine:
         # As inference_demo: the adapters are served on a quantized base when it is quantized.
         given = dict(getattr(args, GENERIC_NEURON_CONFIG_DEST, None) or ())
         settings["base_model_quantized"] = given.get("quantized") is True
-        return {"lora_config": LoraServingConfig(**settings)}
+        return {"lora_config": LoraServingConfig(**settings)} | _route_settings(args)
 
     def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
         mode = getattr(args, "check_accuracy_mode", "skip")

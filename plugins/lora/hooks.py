@@ -20,6 +20,10 @@ from nxdplug.types import CliExtension, Feature, ServingRoute, StateDictConverte
 NXDPLUG_API_VERSION = 1
 
 ENABLED_BY = ("lora_config",)
+# The server's opt-in to the adapter routes (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), and the
+# folders they may read adapters from: what the server allows, not what the graphs are.
+ROUTE_SETTINGS = {"allow_runtime_lora_updating": False, "allowed_lora_paths": None}
+ROUTES_ENABLED_BY = ("allow_runtime_lora_updating",)
 PACKAGE = "nxdplug.plugins.lora"
 
 
@@ -30,6 +34,8 @@ def nxdplug_features() -> Iterable[Feature]:
         enabled_by=ENABLED_BY,
         validate=f"{PACKAGE}.adapters:validate",
         transform_model=f"{PACKAGE}.layers:add_lora_weights",
+        settings=ROUTE_SETTINGS,
+        runtime_settings=tuple(ROUTE_SETTINGS),
         description="PEFT LoRA adapters in fixed slots, chosen per row by adapter_ids",
     )
 
@@ -81,13 +87,13 @@ def nxdplug_serving_routes() -> Iterable[ServingRoute]:
         name="load-lora-adapter",
         path="/v1/load_lora_adapter",
         handler=f"{PACKAGE}.routes:load_lora_adapter",
-        enabled_by=ENABLED_BY,
+        enabled_by=ROUTES_ENABLED_BY,
         description="vLLM's runtime adapter loading (dynamic multi-LoRA)",
     )
     yield ServingRoute(
         name="unload-lora-adapter",
         path="/v1/unload_lora_adapter",
         handler=f"{PACKAGE}.routes:unload_lora_adapter",
-        enabled_by=ENABLED_BY,
+        enabled_by=ROUTES_ENABLED_BY,
         description="vLLM's runtime adapter unloading (dynamic multi-LoRA)",
     )
