@@ -74,7 +74,7 @@ def test_later_turns_find_the_system_prompt_cached(checkpoint, tokenizer, greedy
         assert metric(base, "nxdplug:num_preemptions_total") == 0
 
 
-def serving_config(checkpoint, *options: str):
+def serving_config(checkpoint, *options: str):  # noqa: F811
     args = build_parser().parse_args(["serve", "--model-path", str(checkpoint), *options])
     return _serving_config(args, SERVE_DEFAULTS | neuron_config_kwargs(args))
 
