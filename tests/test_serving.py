@@ -1055,6 +1055,7 @@ def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
         asyncio.run(scenario())
     stepper.join(timeout=10)
     assert not stepper.is_alive() and not engine_loop.is_serving()
+    assert str(engine_loop.failure) == "the device fell off"  # the server exits with it
 
 
 # --- compiled by default ----------------------------------------------------------------------
@@ -1078,28 +1079,54 @@ def test_without_a_folder_the_server_compiles_into_the_cache_once(
     checkpoint: Path, greedy, tmp_path: Path
 ) -> None:
     """No --compiled-model-path and no --enforce-eager: the graphs are compiled into the cache
-    (NXDPLUG_CACHE_DIR here), without weights (read from the checkpoint at each start), and a
-    second start reuses them."""
+    (NXDPLUG_CACHE_DIR here), without weights (read from the checkpoint at each start). A
+    start killed (SIGKILL) half-way through compiling leaves no folder that looks complete;
+    two servers then started at once on that cache both serve, one compiling while the other
+    waits and reuses its folder, the only one the cache holds."""
     env = {"NXDPLUG_CACHE_DIR": str(tmp_path)}
-    options = ("--seq-len", "64", "--batch-size", "2")
-    for start in ("first", "second"):
-        process, base = start_server(checkpoint, *options, env=env, eager=False)
-        try:
+    # lines, not blocks: the extension graphs prefix caching adds would double the compile
+    options = ("--seq-len", "64", "--batch-size", "2", "--no-enable-prefix-caching")
+    compiled = tmp_path / "compiled"
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "nxdplug.cli.main", "serve", "--model-path", str(checkpoint),
+         "--port", "0", "--torch-dtype", "float32", *options],
+        env=os.environ | {"HF_HUB_OFFLINE": "1"} | env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(1200):  # until the first graph is written into the staged folder
+            if any(compiled.glob(".*.partial/graphs/*")) or killed.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert killed.poll() is None, "the server ended before compiling"
+    finally:
+        killed.kill()
+        killed.wait()
+    assert [p.name for p in compiled.iterdir() if not p.name.startswith(".")] == []
+
+    with ThreadPoolExecutor(2) as pool:
+        starts = list(
+            pool.map(lambda _: start_server(checkpoint, *options, env=env, eager=False), range(2))
+        )
+    stderrs = []
+    try:
+        for _, base in starts:
             assert_greedy_completion(base, greedy, 12)
-            if start == "first":  # a server without --enable-prompt-logprobs says what to add
-                code, reply = post(base, "completions", SCORED)
-                assert code == 400 and reply["error"]["param"] == "prompt_logprobs", reply
-                assert "--enable-prompt-logprobs" in reply["error"]["message"]
+        code, reply = post(starts[0][1], "completions", SCORED)
+        # a server without --enable-prompt-logprobs says what to add
+        assert code == 400 and reply["error"]["param"] == "prompt_logprobs", reply
+        assert "--enable-prompt-logprobs" in reply["error"]["message"]
+        for process, _ in starts:
             process.send_signal(signal.SIGTERM)
-            _, stderr = process.communicate(timeout=60)
-            assert process.returncode == 0, stderr
-        finally:
+            stderrs.append(process.communicate(timeout=60)[1])
+            assert process.returncode == 0, stderrs[-1]
+    finally:
+        for process, _ in starts:
             if process.poll() is None:
                 process.kill()
-        (folder,) = (tmp_path / "compiled").iterdir()
-        assert (folder / "manifest.json").is_file() and not (folder / "weights").exists()
-        reused = "already holds these graphs" in stderr
-        assert reused is (start == "second"), stderr
+    (folder,) = [p for p in compiled.iterdir() if not p.name.endswith(".lock")]
+    assert (folder / "manifest.json").is_file() and not (folder / "weights").exists()
+    assert sorted("already holds these graphs" in e for e in stderrs) == [False, True], stderrs
 
 
 # --- tensor parallelism ------------------------------------------------------------------------
@@ -1131,13 +1158,50 @@ def two_rank_servers(
             follower.kill()
 
 
+def test_a_follower_rank_killed_mid_generation_stops_the_first(checkpoint: Path) -> None:
+    """A tensor-parallel follower killed while a stream runs: the first rank answers that
+    stream with an error and exits non-zero within seconds, never hangs."""
+    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    launch |= {"OMP_NUM_THREADS": "1"}
+    options = ("--seq-len", "512", "--batch-size", "2", "--tp-degree", "2")
+    follower, _ = start_server(checkpoint, *options, env=launch | {"RANK": "1", "LOCAL_RANK": "1"})
+    try:
+        first, base = start_server(
+            checkpoint, *options, env=launch | {"RANK": "0", "LOCAL_RANK": "0"}
+        )
+        try:
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+            stream = client.completions.create(
+                model=MODEL, prompt="a b", max_tokens=500, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            chunks = iter(stream)
+            next(chunks)
+            follower.kill()
+            killed = time.monotonic()
+            with pytest.raises(openai.APIError):
+                for _ in chunks:
+                    pass
+            _, stderr = first.communicate(timeout=30)
+            assert first.returncode == 1 and time.monotonic() - killed < 30
+            assert "the engine failed, so the server stopped" in stderr, stderr
+        finally:
+            if first.poll() is None:
+                first.kill()
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+
+
 @pytest.mark.slow
 def test_two_ranks_serve_hf_greedy_and_stop_together(
     checkpoint: Path, greedy, tmp_path: Path
 ) -> None:
     """As ``torchrun --nproc-per-node 2 nxdplug serve ... --tp-degree 2`` launches it, without a
     folder: the ranks compile their graphs into one folder of the cache and serve from it."""
+    # lines, not blocks: the extension graphs prefix caching adds would double the compile
     options = ("--seq-len", "64", "--batch-size", "2", "--tp-degree", "2")
+    options += ("--no-enable-prefix-caching",)
     cache = {"NXDPLUG_CACHE_DIR": str(tmp_path)}
     with two_rank_servers(checkpoint, *options, env=cache, eager=False) as base:
         assert_greedy_completion(base, greedy, 16)

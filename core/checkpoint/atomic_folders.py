@@ -1,11 +1,13 @@
 """Folders and files that appear complete or not at all.
 
 Everything is written under a temporary name beside its destination and renamed into place, so
-an interrupted run never leaves something half-written that looks finished.
+an interrupted run never leaves something half-written that looks finished. Processes that may
+write the same destination at once take :func:`writer_lock` first.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import uuid
@@ -26,6 +28,22 @@ def staged_folder(destination: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     replace_folder(staging, destination)
+
+
+@contextmanager
+def writer_lock(destination: Path) -> Iterator[None]:
+    """Hold the lock of ``destination`` (a file beside it) while the block runs: another process
+    taking it waits until this one is done, then sees what it wrote. Staged folders of
+    ``destination`` left by a process killed while it held the lock are removed once taken."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with open(destination.parent / f".{destination.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            for stale in destination.parent.glob(f".{destination.name}.*.partial"):
+                shutil.rmtree(stale, ignore_errors=True)
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def replace_folder(source: Path, destination: Path) -> None:

@@ -229,9 +229,13 @@ def _serve(
             engine_loop.run()
         finally:
             engine_loop.stop()
+            if engine_loop.failure is not None:  # the requests have their error: stop too
+                server.should_exit = True
             http.join()
     if http_failures:
         raise http_failures[0]
+    if engine_loop.failure is not None:
+        raise NxdPlugError(f"the engine failed, so the server stopped: {engine_loop.failure}")
 
 
 def _tool_parser(args: argparse.Namespace) -> type | None:

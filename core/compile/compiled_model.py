@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from nxdplug import __version__
-from nxdplug.checkpoint.atomic_folders import save_text_atomically, staged_folder
+from nxdplug.checkpoint.atomic_folders import save_text_atomically, staged_folder, writer_lock
 from nxdplug.checkpoint.state_dict import (
     check_state_dict,
     dtype_keeping_names,
@@ -250,6 +250,16 @@ def _phase_function(skeleton: Skeleton, wrapper: Any) -> GraphFunction:
 
 
 def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: bool = False) -> None:
+    """Compile ``app`` into ``path``, or reuse what it holds. A single process holds the
+    folder's writer lock throughout, so that servers started at once on an empty cache compile
+    it once and load one complete folder (the ranks of a tensor-parallel group, which compile
+    together, do not lock)."""
+    single = tp_world_size() == 1
+    with writer_lock(path) if single else nullcontext():
+        _compile_or_reuse(app, path, debug=debug, quiet=quiet)
+
+
+def _compile_or_reuse(app: Any, path: Path, *, debug: bool, quiet: bool) -> None:
     record, backend = choose_backend(app.neuron_config)
     config = _config_for_backend(app, record.name)
     validate(config, source=f"compile with the {record.name!r} backend")

@@ -12,6 +12,7 @@ each rank runs on its own application.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -55,7 +56,8 @@ class StepBroadcaster:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        with self._lock:
+        # a follower may be gone (what made the engine fail): then nobody hears it
+        with self._lock, contextlib.suppress(RuntimeError):
             _send(STOP)
         self._heartbeat.join()
 

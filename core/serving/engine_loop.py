@@ -123,6 +123,8 @@ class EngineLoop:
         self._between_steps: list[tuple[Callable[[], Any], Report]] = []
         self._accepting = True
         self._stopping = False
+        # what made the engine fail, once it has (the server then stops, exiting non-zero)
+        self.failure: Exception | None = None
 
     def is_serving(self) -> bool:
         """True until the loop is stopped or the engine failed."""
@@ -260,7 +262,8 @@ class EngineLoop:
 
     def run(self) -> None:
         """Step the engine until :meth:`stop` was called and no request is left, or until the
-        engine fails (the server then answers 503); closes the engine."""
+        engine fails (``failure``: every request is answered with the error, new ones with
+        503); closes the engine."""
         try:
             while self._wait_for_work():
                 self._run_between_steps()
@@ -269,6 +272,7 @@ class EngineLoop:
                     self._deliver(outputs, time.monotonic())
         except Exception as exc:
             logger.exception("the engine failed; the server stops taking requests")
+            self.failure = exc
             with self._wake:
                 self._accepting = False
                 consumers, self._consumers = list(self._consumers.values()), {}
