@@ -16,6 +16,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # the next) compiles at -O0 here, ~10% off each compiled test. It computes the same; nxdplug's
 # own default stays torch's -O1 (the README's Serving section says what -O0 costs at run time).
 os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
+# Under pytest-xdist (`make test`: a worker per core) each worker, and the servers and ranks it
+# starts, computes on one thread: two workers with a thread pool each the size of the machine
+# spin against each other (4 files: 124 s with torch's default, 106 s with one thread). Set
+# before torch is imported, which reads it once.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
