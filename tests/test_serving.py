@@ -1133,11 +1133,12 @@ def test_without_a_folder_the_server_compiles_into_the_cache_once(
 
 
 @contextlib.contextmanager
-def two_rank_servers(
+def two_rank_processes(
     checkpoint: Path, *options: str, env: dict[str, str] | None = None, eager: bool = True
-) -> Iterator[str]:
+) -> Iterator[tuple[subprocess.Popen, subprocess.Popen, str]]:
     """The two processes ``torchrun --nproc-per-node 2 nxdplug serve ...`` starts (one OpenMP
-    thread each); the first rank's base URL. Both must exit 0 on Ctrl-C, as from a terminal."""
+    thread each): the first rank, the follower, and the first rank's base URL; killed at the
+    end if still running."""
     launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     launch |= {"OMP_NUM_THREADS": "1"} | (env or {})
     follower, _ = start_server(
@@ -1148,49 +1149,46 @@ def two_rank_servers(
             checkpoint, *options, env=launch | {"RANK": "0", "LOCAL_RANK": "0"}, eager=eager
         )
         try:
-            yield base
-            stop([first, follower], signal.SIGINT)
+            yield first, follower, base
         finally:
             if first.poll() is None:
                 first.kill()
     finally:
         if follower.poll() is None:
             follower.kill()
+
+
+@contextlib.contextmanager
+def two_rank_servers(
+    checkpoint: Path, *options: str, env: dict[str, str] | None = None, eager: bool = True
+) -> Iterator[str]:
+    """Two ranks serving (:func:`two_rank_processes`); the first rank's base URL. Both must
+    exit 0 on Ctrl-C, as from a terminal."""
+    with two_rank_processes(checkpoint, *options, env=env, eager=eager) as (first, follower, base):
+        yield base
+        stop([first, follower], signal.SIGINT)
 
 
 def test_a_follower_rank_killed_mid_generation_stops_the_first(checkpoint: Path) -> None:
     """A tensor-parallel follower killed while a stream runs: the first rank answers that
     stream with an error and exits non-zero within seconds, never hangs."""
-    launch = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
-    launch |= {"OMP_NUM_THREADS": "1"}
     options = ("--seq-len", "512", "--batch-size", "2", "--tp-degree", "2")
-    follower, _ = start_server(checkpoint, *options, env=launch | {"RANK": "1", "LOCAL_RANK": "1"})
-    try:
-        first, base = start_server(
-            checkpoint, *options, env=launch | {"RANK": "0", "LOCAL_RANK": "0"}
-        )
-        try:
-            client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
-            stream = client.completions.create(
-                model=MODEL, prompt="a b", max_tokens=500, stream=True,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            chunks = iter(stream)
-            next(chunks)
-            follower.kill()
-            killed = time.monotonic()
-            with pytest.raises(openai.APIError):
-                for _ in chunks:
-                    pass
-            _, stderr = first.communicate(timeout=30)
-            assert first.returncode == 1 and time.monotonic() - killed < 30
-            assert "the engine failed, so the server stopped" in stderr, stderr
-        finally:
-            if first.poll() is None:
-                first.kill()
-    finally:
-        if follower.poll() is None:
-            follower.kill()
+    with two_rank_processes(checkpoint, *options) as (first, follower, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+        stream = client.completions.create(
+            model=MODEL, prompt="a b", max_tokens=500, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        follower.kill()
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in chunks:
+                pass
+        _, stderr = first.communicate(timeout=30)
+        assert first.returncode == 1 and time.monotonic() - killed < 30
+        assert "the engine failed, so the server stopped" in stderr, stderr
 
 
 @pytest.mark.slow
