@@ -145,17 +145,18 @@ def _serving_config(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
     would not, without it, saying why."""
     from nxdplug.pipeline import config_problems
 
-    config = inference_config(args.model_path, settings)
     defaults = {
         name: value
         for name, value in extensions.default_settings(args, "serve").items()
         if name not in settings
     }
-    if not defaults:
-        return config
     with_defaults = inference_config(args.model_path, defaults | settings)
+    problems = config_problems(with_defaults) if defaults else []
+    if not problems:
+        return with_defaults
+    config = inference_config(args.model_path, settings)
     known = set(config_problems(config))
-    added = [p for p in config_problems(with_defaults) if p not in known]
+    added = [p for p in problems if p not in known]
     if not added:
         return with_defaults
     if args.log_level in ("debug", "info"):

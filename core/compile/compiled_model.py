@@ -257,87 +257,86 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
     record, backend = choose_backend(app.neuron_config)
     config = _config_for_backend(app, record.name)
     validate(config, source=f"compile with the {record.name!r} backend")
+    with writer_lock(path) if tp_world_size() == 1 else nullcontext():
+        _reuse_or_compile(app, path, record, backend, config, debug=debug, quiet=quiet)
+
+
+def _reuse_or_compile(
+    app: Any, path: Path, record: Any, backend: Backend, config: Any, *, debug: bool, quiet: bool
+) -> None:
+    """What :func:`compile_application` does once the config is checked (and locked)."""
     digest, versions, plugins = _fingerprint(app, record.name, backend)
     compiler_args = app.get_compiler_args()
     frozen = backend.embeds_weights(compiler_args)
     save_weights = bool(app.neuron_config.save_sharded_checkpoint) and not frozen
-    with writer_lock(path) if tp_world_size() == 1 else nullcontext():
-        if _reusable(path, digest, save_weights):
-            _say(
-                f"{path} already holds these graphs (config hash {digest[:12]}); reusing it", quiet
-            )
-            app.is_compiled = True
-            return
-
-        # A missing checkpoint is reported before the graphs are compiled, not after them
-        # (skip_sharding may copy the weights of the folder instead: it is read only then).
-        if save_weights and not app.neuron_config.skip_sharding:
-            app.weights_source(app.model_path, app.config)
-        skeleton = build_skeleton(app)
-        shapes = skeleton.weight_shapes(_weight_dtype(app))
-        if frozen:  # the graphs hold the weights: trace on the real ones
-            real = checkpoint_weights(app, skeleton)
-            example_weights = [real[name] for name in shapes]
-        else:  # the graphs take the weights as inputs: shapes are all tracing needs
-            example_weights = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
-        # Graphs holding weights are not shared: the store is keyed by config, not by checkpoint.
-        # Neither are those of several ranks (each rank would have to fetch its own).
-        store = None if frozen or tp_world_size() > 1 else store_folder()
-        started = time.perf_counter()
-        with _staged_folder_of_all_ranks(path) as staging:
-            from_store = store is not None and fetch_graphs(store, digest, staging)
-            if from_store:
-                _say(f"graphs for config hash {digest[:12]} found in the store {store}", quiet)
-            plan = list(_graph_plan(app, backend.artefact_suffix))
-            for wrapper, _, example, relative in tqdm(
-                plan,
-                desc=f"compiling ({record.name})",
-                unit="graph",
-                disable=quiet or from_store or not is_first_rank(),
-            ):
-                if not from_store:
-                    backend.compile_graph(
-                        _phase_function(skeleton, wrapper),
-                        (
-                            example_weights,
-                            skeleton.caches,
-                            *example.flatten(wrapper.extra_input_names),
-                        ),
-                        staging / relative,
-                        debug=debug,
-                        compiler_args=compiler_args,
-                    )
-            if save_weights:
-                _write_weights(app, path, staging, skeleton)
-            wait_for_all_ranks()  # every rank's files are in place
-            if is_first_rank():
-                entries = _graph_entries(app, backend.artefact_suffix)
-                weights = (
-                    tuple(weights_file(r) for r in range(tp_world_size())) if save_weights else ()
-                )
-                config.save(staging)
-                files = {
-                    str(p.relative_to(staging)): file_digest(p)
-                    for p in sorted(staging.rglob("*"))
-                    if p.is_file()
-                }
-                manifest = Manifest(
-                    digest,
-                    record.name,
-                    versions,
-                    plugins,
-                    entries,
-                    weights,
-                    files,
-                    frozen,
-                    tp_world_size(),
-                )
-                save_text_atomically(staging / MANIFEST, manifest.to_json())
-            if store is not None and not from_store:
-                publish_graphs(store, digest, staging / GRAPHS)
-        seconds = time.perf_counter() - started
-        _say(f"compiled {len(plan)} graph(s) into {path} in {seconds:.1f} s", quiet)
+    if _reusable(path, digest, save_weights):
+        _say(f"{path} already holds these graphs (config hash {digest[:12]}); reusing it", quiet)
         app.is_compiled = True
+        return
+
+    # A missing checkpoint is reported before the graphs are compiled, not after them
+    # (skip_sharding may copy the weights of the folder instead: it is read only then).
+    if save_weights and not app.neuron_config.skip_sharding:
+        app.weights_source(app.model_path, app.config)
+    skeleton = build_skeleton(app)
+    shapes = skeleton.weight_shapes(_weight_dtype(app))
+    if frozen:  # the graphs hold the weights: trace on the real ones
+        real = checkpoint_weights(app, skeleton)
+        example_weights = [real[name] for name in shapes]
+    else:  # the graphs take the weights as inputs: shapes are all tracing needs
+        example_weights = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes.values()]
+    # Graphs holding weights are not shared: the store is keyed by config, not by checkpoint.
+    # Neither are those of several ranks (each rank would have to fetch its own).
+    store = None if frozen or tp_world_size() > 1 else store_folder()
+    started = time.perf_counter()
+    with _staged_folder_of_all_ranks(path) as staging:
+        from_store = store is not None and fetch_graphs(store, digest, staging)
+        if from_store:
+            _say(f"graphs for config hash {digest[:12]} found in the store {store}", quiet)
+        plan = list(_graph_plan(app, backend.artefact_suffix))
+        for wrapper, _, example, relative in tqdm(
+            plan,
+            desc=f"compiling ({record.name})",
+            unit="graph",
+            disable=quiet or from_store or not is_first_rank(),
+        ):
+            if not from_store:
+                backend.compile_graph(
+                    _phase_function(skeleton, wrapper),
+                    (example_weights, skeleton.caches, *example.flatten(wrapper.extra_input_names)),
+                    staging / relative,
+                    debug=debug,
+                    compiler_args=compiler_args,
+                )
+        if save_weights:
+            _write_weights(app, path, staging, skeleton)
+        wait_for_all_ranks()  # every rank's files are in place
+        if is_first_rank():
+            entries = _graph_entries(app, backend.artefact_suffix)
+            weights = tuple(weights_file(r) for r in range(tp_world_size())) if save_weights else ()
+            config.save(staging)
+            files = {
+                str(p.relative_to(staging)): file_digest(p)
+                for p in sorted(staging.rglob("*"))
+                if p.is_file()
+            }
+            manifest = Manifest(
+                digest,
+                record.name,
+                versions,
+                plugins,
+                entries,
+                weights,
+                files,
+                frozen,
+                tp_world_size(),
+            )
+            save_text_atomically(staging / MANIFEST, manifest.to_json())
+        if store is not None and not from_store:
+            publish_graphs(store, digest, staging / GRAPHS)
+    seconds = time.perf_counter() - started
+    _say(f"compiled {len(plan)} graph(s) into {path} in {seconds:.1f} s", quiet)
+    app.is_compiled = True
 
 
 def _write_weights(app: Any, previous: Path, staging: Path, skeleton: Skeleton) -> None:

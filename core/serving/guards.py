@@ -55,21 +55,17 @@ class RequireApiKey:
         self.keys = [key.encode() for key in keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or self._open(scope):
-            await self.app(scope, receive, send)
-            return
-        if self._authorized(scope):
+        if (
+            scope["type"] != "http"
+            or scope["method"] == "OPTIONS"
+            or scope["path"].removeprefix(scope.get("root_path", "")) in OPEN_PATHS
+            or self._authorized(scope)
+        ):
             await self.app(scope, receive, send)
             return
         message = "missing or incorrect API key: send the header Authorization: Bearer KEY"
         body = error_body(401, message, code="invalid_api_key")
         await _answer(send, 401, body, [(b"www-authenticate", b"Bearer")])
-
-    @staticmethod
-    def _open(scope: Scope) -> bool:
-        root = scope.get("root_path", "")
-        path = scope["path"]
-        return path.removeprefix(root) in OPEN_PATHS if root else path in OPEN_PATHS
 
     def _authorized(self, scope: Scope) -> bool:
         given = b""
