@@ -37,6 +37,7 @@ NEURON_DEFAULTS = {
     "max_context_length": 128,
     "max_new_tokens": None,
     "max_length": 128,
+    "allow_input_truncation": False,
     "n_active_tokens": 128,
     "n_positions": 128,
     "torch_dtype": torch.bfloat16,

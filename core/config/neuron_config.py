@@ -86,6 +86,8 @@ class NeuronConfig(ComparedByValue):
     max_context_length: int = attrs.field(default=_computed(lambda c: c.seq_len))
     max_new_tokens: int | None = attrs.field(default=_computed(_max_new_tokens))
     max_length: int = attrs.field(default=_computed(lambda c: c.seq_len))
+    # Cut a prompt longer than max_context_length (with a warning) instead of refusing it.
+    allow_input_truncation: bool = False
     n_active_tokens: int = attrs.field(default=_computed(lambda c: c.seq_len))
     n_positions: int = attrs.field(default=_computed(lambda c: c.seq_len))
     torch_dtype: torch.dtype = attrs.field(default=torch.bfloat16, converter=to_torch_dtype)

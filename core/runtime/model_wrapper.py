@@ -7,6 +7,7 @@ sees only the fixed shapes of one bucket, so each bucket can be traced once.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -150,12 +151,15 @@ class ModelWrapper(nn.Module):
         raise NxdPlugError(
             f"the {what} needs {length} positions but the largest {self.tag} bucket is "
             f"{self.buckets[-1]}; use a shorter {what} or raise {limit} (and the buckets)"
+            + (", or set allow_input_truncation=True to cut it" if self.is_context_encoding else "")
         )
 
     def forward(self, step: StepInputs) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Pad to a bucket and to the batch size, run the model, drop the padding rows."""
         rows = step.rows
         self.check_ready(rows)
+        if self.is_context_encoding:
+            step = self.truncate_prompt(step)
         needed = step.input_ids.shape[-1] if self.is_context_encoding else None
         step = self.pad_to_bucket(step, needed)
         if rows > self.batch_size:  # context encoding only (check_ready)
@@ -230,6 +234,91 @@ class ModelWrapper(nn.Module):
                 f"{self.batch_size}; raise batch_size (or ctx/tkg/spec_batch_size)"
             )
 
+    def truncate_prompt(self, step: StepInputs) -> StepInputs:
+        """A prompt wider than the largest bucket cut to its first columns, with a warning,
+        when ``allow_input_truncation`` says so (NxD Inference's rule); else unchanged (and
+        :meth:`bucket_for` refuses it)."""
+        largest = self.buckets[-1]
+        width = step.input_ids.shape[-1]
+        if width <= largest or not self.neuron_config.allow_input_truncation:
+            return step
+        warnings.warn(
+            f"Truncating input ({width} tokens) to max_context_length ({largest} tokens) "
+            "because allow_input_truncation is set; the outputs continue the cut prompt",
+            stacklevel=2,
+        )
+        return step.replace(
+            input_ids=step.input_ids[:, :largest],
+            attention_mask=step.attention_mask[:, :largest],
+            position_ids=step.position_ids[:, :largest],
+        )
+
+    def get_target_bucket(self, *args: torch.Tensor, strategy: str = "first_fit") -> int:
+        """NxD Inference's bucket choice for ``args`` (input_ids, attention_mask, ...), by the
+        attention mask's width: ``"first_fit"`` the smallest bucket holding it (the one
+        :meth:`forward` runs), ``"second_fit"`` the bucket after that (or the largest).
+        Past the largest bucket: the largest with ``allow_input_truncation``, else ValueError.
+        """
+        if strategy not in ("first_fit", "second_fit"):
+            raise ValueError(f"strategy must be 'first_fit' or 'second_fit'; got {strategy!r}")
+        width = args[1].shape[1]
+        fitting = [i for i, bucket in enumerate(self.buckets) if width <= bucket]
+        if not fitting:
+            if self.neuron_config.allow_input_truncation:
+                return self.buckets[-1]
+            raise ValueError(
+                f"Input len {width} exceeds largest bucket ({self.buckets[-1]}) for {self.tag}; "
+                "set allow_input_truncation=True to cut it"
+            )
+        step_up = 1 if strategy == "second_fit" else 0
+        return self.buckets[min(fitting[0] + step_up, len(self.buckets) - 1)]
+
+    def pad_inputs(self, *args: Any, pad_type: str = "first_fit") -> tuple[Any, ...]:
+        """NxD Inference's padding of a phase's positional inputs (input_ids, attention_mask,
+        position_ids, then the rest, returned unchanged) to a bucket: ``"max"`` the largest,
+        ``"first_fit"`` / ``"second_fit"`` as :meth:`get_target_bucket` chooses.
+
+        Context encoding pads input_ids with the pad token (0 without one), the mask with 0
+        and position_ids with 1; the other phases pad the mask only. Inputs wider than the
+        bucket are cut to it, with a warning, when ``allow_input_truncation`` is set, and
+        refused with ValueError otherwise."""
+        if pad_type not in ("max", "first_fit", "second_fit"):
+            raise ValueError(
+                f"pad_type must be 'max', 'first_fit' or 'second_fit'; got {pad_type!r}"
+            )
+        if pad_type == "max":
+            bucket = self.buckets[-1]
+        else:
+            bucket = self.get_target_bucket(*args, strategy=pad_type)
+        to_pad = args[:3] if self.is_context_encoding else args[1:2]
+        self._check_width(max(tensor.shape[1] for tensor in to_pad), bucket)
+        if self.is_context_encoding:
+            pad_token = getattr(self.config, "pad_token_id", None) or 0
+            padded = [
+                _pad_or_cut(tensor, bucket, value)
+                for tensor, value in zip(to_pad, (pad_token, 0, 1), strict=True)
+            ]
+            return (*padded, *args[3:])
+        input_ids, attention_mask, *rest = args
+        return (input_ids, _pad_or_cut(attention_mask, bucket, 0), *rest)
+
+    def _check_width(self, width: int, bucket: int) -> None:
+        """Refuse inputs wider than ``bucket``, or warn that they are cut with
+        ``allow_input_truncation``."""
+        if width <= bucket:
+            return
+        limit = "max_context_length" if self.is_context_encoding else "max_length"
+        if not self.neuron_config.allow_input_truncation:
+            raise ValueError(
+                f"Inputs supplied ({width} positions) are longer than {limit} ({bucket} "
+                f"positions) for {self.tag}. To truncate inputs, set allow_input_truncation=True."
+            )
+        warnings.warn(
+            f"Truncating input ({width} positions) to {limit} ({bucket} positions). This may "
+            "cause unexpected outputs.",
+            stacklevel=3,
+        )
+
     def pad_to_bucket(self, step: StepInputs, needed: int | None = None) -> StepInputs:
         """The step with its mask widened to the smallest bucket holding ``needed`` positions
         (the mask's width by default); in context encoding the tokens and positions too."""
@@ -274,6 +363,11 @@ class ModelWrapper(nn.Module):
         return step.map_rows(lambda t: _repeat_first_row(t, missing)).replace(
             seq_ids=torch.cat([seq_ids, pad_seq_ids])
         )
+
+
+def _pad_or_cut(tensor: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    """``tensor`` [rows, columns] padded on the right with ``value``, or cut, to ``width``."""
+    return nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)
 
 
 def _repeat_first_row(tensor: torch.Tensor, times: int) -> torch.Tensor:
