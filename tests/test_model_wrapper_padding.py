@@ -108,3 +108,18 @@ def test_forward_cuts_a_long_prompt_only_when_allowed(llama_path, app) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cutting(input_ids=ids[:, :20], attention_mask=mask[:, :20])  # fits: no warning
+
+
+def test_generate_continues_the_cut_prompt(llama_path) -> None:
+    from nxdplug import HuggingFaceGenerationAdapter
+
+    ids, mask, _ = prompt(40)
+    cutting = make_app(llama_path, allow_input_truncation=True)
+    with pytest.warns(UserWarning, match="Truncating input"):
+        out = HuggingFaceGenerationAdapter(cutting).generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False
+        )
+    hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+    expected = hf.generate(ids[:, :32], max_new_tokens=6, do_sample=False)
+    assert out.tolist() == expected.tolist()
+    assert len(set(out[0, 32:].tolist())) > 1  # the greedy path varies

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -252,6 +253,23 @@ class HuggingFaceGenerationAdapter:
             config.pad_token_id = _token_ids(config.eos_token_id)[0]
         return config
 
+    def _cut_long_prompts(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompts wider than max_context_length cut to their first columns, with a warning,
+        when ``allow_input_truncation`` is set (context encoding would cut them the same way;
+        cutting here keeps the later steps' positions and cache in step with it)."""
+        neuron_config = self.neuron_model.neuron_config
+        limit = neuron_config.max_context_length
+        if input_ids.shape[1] <= limit or not neuron_config.allow_input_truncation:
+            return input_ids, attention_mask
+        warnings.warn(
+            f"Truncating input ({input_ids.shape[1]} tokens) to max_context_length ({limit} "
+            "tokens) because allow_input_truncation is set; generation continues the cut prompt",
+            stacklevel=3,
+        )
+        return input_ids[:, :limit], attention_mask[:, :limit]
+
     def _new_token_budget(self, config: GenerationConfig, prompt_length: int) -> int:
         """New tokens allowed by the prepared ``max_length``, checked against ``seq_len``."""
         total = config.max_length
@@ -303,6 +321,7 @@ class HuggingFaceGenerationAdapter:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         attention_mask = attention_mask.to(input_ids.device)
+        input_ids, attention_mask = self._cut_long_prompts(input_ids, attention_mask)
         input_ids, attention_mask = expand_for_return_sequences(config, input_ids, attention_mask)
         parts = generation_parts(
             config,
