@@ -379,28 +379,37 @@ def test_prepare_sampling_params_rows() -> None:
 @pytest.mark.parametrize(
     ("row", "message"),
     [
-        ([1.5, 1.0, 1.0], "whole numbers"),
-        ([300, 1.0, 1.0], "global_topk=256"),
-        ([-2, 1.0, 1.0], "top_k must be -1"),
-        ([5, 0.0, 1.0], "top_p"),
-        ([5, 1.2, 1.0], "top_p"),
-        ([5, 1.0, -0.5], "temperature must be 0 or more"),
-        ([0, 1.0, 0.0], "temperature 0 is greedy"),
+        ([1.5, 1.0, 1.0], "Invalid top-k values found. .*whole numbers"),
+        ([300, 1.0, 1.0], "Invalid top-k values found. .*global_topk=256"),
+        ([-2, 1.0, 1.0], "Invalid top-k values found. top-k must be -1"),
+        ([5, 0.0, 1.0], "Invalid top-p values found"),
+        ([5, 1.2, 1.0], "Invalid top-p values found"),
+        ([5, 1.0, -0.5], "Invalid temperature values found"),
+        ([0, 1.0, 0.0], "Invalid sampling parameters found. Temperature = 0 enables greedy"),
     ],
 )
 def test_invalid_sampling_params_raise(row, message) -> None:
+    """NxD Inference's ValueErrors, each message starting with its wording."""
     config = OnDeviceSamplingConfig()
     params = torch.tensor([[1, 1.0, 1.0], row])
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=f"^{message}"):
         validate_sampling_params(params, config)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=f"^{message}"):
         sampler(dynamic=True)(LOGITS[:2], params)
+
+
+def test_infer_sampling_params_makes_greedy_rows_top_k_1() -> None:
+    from nxdplug.nxdi.modules.generation.sampling import infer_sampling_params
+
+    params = torch.tensor([[50, 0.9, 0.0], [50, 0.9, 0.7]])
+    assert infer_sampling_params(params) is params
+    assert params.tolist() == [[1.0, 1.0, 0.0], [50.0, pytest.approx(0.9), pytest.approx(0.7)]]
 
 
 def test_valid_sampling_params_pass() -> None:
     params = torch.tensor([[-1, 1.0, 1.0], [0, 0.5, 0.7], [256, 1.0, 0.0], [1, 0.1, 2.0]])
     validate_sampling_params(params, {"global_topk": 256})
-    with pytest.raises(ValueError, match=r"shape \[batch, 3\]"):
+    with pytest.raises(ValueError, match=r"^Expected tensor of shape \(batch_size, 3\)"):
         validate_sampling_params(params[:, :2], {"global_topk": 256})
 
 

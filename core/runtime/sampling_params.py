@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SamplingValues = torch.Tensor | Sequence[float] | float
 
@@ -41,7 +44,7 @@ def validate_sampling_params(
     params: torch.Tensor, on_device_sampling_config: Mapping[str, Any] | Any
 ) -> None:
     """Raise ValueError unless every row of ``params`` [batch, 3] is a valid
-    ``(top_k, top_p, temperature)``.
+    ``(top_k, top_p, temperature)``, each message starting as NxD Inference's does.
 
     As NxD Inference's sampler: ``top_k`` a whole number, -1 or 0..``global_topk`` (-1 and 0
     draw uniformly from the ``global_topk`` candidates), ``top_p`` in (0, 1], ``temperature``
@@ -49,8 +52,8 @@ def validate_sampling_params(
     """
     if params.dim() != 2 or params.shape[1] != 3:
         raise ValueError(
-            f"params must have shape [batch, 3], rows (top_k, top_p, temperature); got "
-            f"{list(params.shape)}"
+            f"Expected tensor of shape (batch_size, 3), but got {params.shape}: rows "
+            "(top_k, top_p, temperature)"
         )
     if isinstance(on_device_sampling_config, Mapping):
         global_topk = on_device_sampling_config["global_topk"]
@@ -59,16 +62,35 @@ def validate_sampling_params(
     top_k, top_p, temperature = params.to(torch.float32).unbind(dim=1)
     if not bool(((top_k == -1) | ((top_k >= 0) & (top_k <= global_topk))).all()):
         raise ValueError(
-            f"top_k must be -1 or in 0..global_topk={global_topk}; got {top_k.tolist()}"
+            "Invalid top-k values found. top-k must be -1 or in 0..global_topk="
+            f"{global_topk}; got {top_k.tolist()}"
         )
     if not torch.equal(top_k, top_k.floor()):
-        raise ValueError(f"top_k must be whole numbers; got {top_k.tolist()}")
+        raise ValueError(
+            f"Invalid top-k values found. top-k must be whole numbers; got {top_k.tolist()}"
+        )
     if not bool(((top_p > 0) & (top_p <= 1)).all()):
-        raise ValueError(f"top_p must be in (0, 1]; got {top_p.tolist()}")
+        raise ValueError(
+            f"Invalid top-p values found. top-p must be in (0, 1]; got {top_p.tolist()}"
+        )
     if not bool((temperature >= 0).all()):
-        raise ValueError(f"temperature must be 0 or more; got {temperature.tolist()}")
+        raise ValueError(
+            "Invalid temperature values found. Temperature must be 0 or more; got "
+            f"{temperature.tolist()}"
+        )
     if bool(((temperature == 0) & (top_k <= 0)).any()):
         raise ValueError(
-            "temperature 0 is greedy sampling and needs top_k 1 or more; got rows "
-            f"{params.tolist()}"
+            "Invalid sampling parameters found. Temperature = 0 enables greedy sampling: set "
+            f"top_k to 1 or more; got rows {params.tolist()}"
         )
+
+
+def infer_sampling_params(params: torch.Tensor) -> torch.Tensor:
+    """NxD Inference's: rows with temperature 0 (greedy) get top_k and top_p 1, in place;
+    returns ``params``."""
+    greedy = params[:, 2] == 0
+    if bool(greedy.any()):
+        logger.warning("Temperature = 0 enables greedy sampling; setting top_k and top_p to 1")
+        params[greedy, 0] = 1
+        params[greedy, 1] = 1
+    return params

@@ -11,5 +11,6 @@ reexport(
         "Sampler": "nxdplug.runtime.batch_sampler:Sampler",
         "prepare_sampling_params": "nxdplug.runtime.sampling_params:prepare_sampling_params",
         "validate_sampling_params": "nxdplug.runtime.sampling_params:validate_sampling_params",
+        "infer_sampling_params": "nxdplug.runtime.sampling_params:infer_sampling_params",
     },
 )
