@@ -19,9 +19,9 @@ import torch
 from nxdplug.cli.inference_demo import main as inference_demo_main
 from nxdplug.cli.inference_demo import neuron_config_options
 from nxdplug.cli.inference_demo_flags import add_run_flags, attribute_flags
-from nxdplug.cli.inference_demo_run import shift_right
 from nxdplug.cli.main import UsageError, build_parser, main
 from nxdplug.config import MoENeuronConfig, OnDeviceSamplingConfig
+from nxdplug.runtime.accuracy import shift_right
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAD = ["inference_demo", "--model-type", "llama", "--task-type", "causal-lm", "run"]

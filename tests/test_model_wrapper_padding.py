@@ -91,6 +91,7 @@ def test_too_wide_inputs_are_refused_unless_truncation_is_allowed(llama_path, ap
     with pytest.warns(UserWarning, match="Truncating input"):
         ids, mask, positions = cutting.context_encoding_model.pad_inputs(*prompt(40))
     assert ids[0].tolist() == list(range(5, 37))
+    assert mask[0].tolist() == [1] * 32
     assert positions[0].tolist() == list(range(32))
 
 

@@ -8,13 +8,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from nxdplug.lazy import resolve_ref
-from nxdplug.nxdi.reexport import NotProvidedError
+from nxdplug.nxdi.reexport import NotProvidedAttributeError, NotProvidedError
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = ROOT / "core" / "nxdi"
@@ -46,6 +47,12 @@ STATIC_EXPORTS = {
         "check_accuracy_logits": "nxdplug.runtime.logit_accuracy:check_accuracy_logits",
         "check_accuracy_logits_v2": "nxdplug.runtime.logit_accuracy:check_accuracy_logits_v2",
         "logit_validation": "nxdplug.runtime.logit_validation:logit_validation",
+        "prepare_inputs_from_prompt": "nxdplug.runtime.accuracy:prepare_inputs_from_prompt",
+        "shift_inputs_by_offset": "nxdplug.runtime.accuracy:shift_inputs_by_offset",
+        "HuggingFaceGenerationAdapter": "nxdplug:HuggingFaceGenerationAdapter",
+        "LogitMatchingValidationError": (
+            "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
+        ),
     },
     "nxdplug.nxdi.utils.benchmark": {
         "BENCHMARK_REPORT_PATH": "nxdplug.benchmark.sampling_benchmark:BENCHMARK_REPORT_PATH",
@@ -77,6 +84,61 @@ STATIC_EXPORTS = {
         "Sampler": "nxdplug.runtime.batch_sampler:Sampler",
         "prepare_sampling_params": "nxdplug.runtime.sampling_params:prepare_sampling_params",
         "validate_sampling_params": "nxdplug.runtime.sampling_params:validate_sampling_params",
+        "infer_sampling_params": "nxdplug.runtime.sampling_params:infer_sampling_params",
+    },
+    "nxdplug.nxdi.models.model_base": {
+        "NeuronBaseModel": "nxdplug.runtime.model_base:NeuronBaseModel",
+        "NeuronBaseForCausalLM": "nxdplug:NeuronBaseForCausalLM",
+    },
+    "nxdplug.nxdi.models.model_wrapper": {
+        "ModelWrapper": "nxdplug.runtime.model_wrapper:ModelWrapper",
+        **{
+            f"{phase}_TAG": f"nxdplug.runtime.model_wrapper:{phase}_TAG"
+            for phase in (
+                "CONTEXT_ENCODING_MODEL",
+                "TOKEN_GENERATION_MODEL",
+                "SPECULATION_MODEL",
+                "FUSED_SPECULATION_MODEL",
+            )
+        },
+    },
+    "nxdplug.nxdi.models.application_base": {
+        "NeuronApplicationBase": "nxdplug.runtime.application:NeuronApplicationBase",
+    },
+    "nxdplug.nxdi.modules.attention.gqa": {
+        "GQA": "nxdplug.modules.gqa:GQA",
+        "determine_sharding_strategy": "nxdplug.modules.gqa:determine_sharding_strategy",
+        "get_shardable_head_counts": "nxdplug.modules.gqa:shardable_head_counts",
+    },
+    "nxdplug.nxdi.utils.argparse_utils": {
+        "AUTO": "nxdplug.cli.inference_demo_flags:AUTO",
+        "StringOrIntegers": "nxdplug.cli.inference_demo_flags:StringOrIntegers",
+    },
+    "nxdplug.nxdi.utils.constants": {
+        "TEST_PROMPT": "nxdplug.runtime.accuracy:TEST_PROMPT",
+        "BENCHMARK_REPORT_PATH": "nxdplug.benchmark.sampling_benchmark:BENCHMARK_REPORT_PATH",
+        "END_TO_END_MODEL": "nxdplug.benchmark.sampling_benchmark:END_TO_END_MODEL",
+        **{
+            phase: f"nxdplug.runtime.model_wrapper:{phase}_TAG"
+            for phase in (
+                "CONTEXT_ENCODING_MODEL",
+                "TOKEN_GENERATION_MODEL",
+                "SPECULATION_MODEL",
+                "FUSED_SPECULATION_MODEL",
+            )
+        },
+    },
+    "nxdplug.nxdi.inference_demo": {
+        "main": "nxdplug.cli.inference_demo:main",
+        "setup_run_parser": "nxdplug.cli.inference_demo_flags:add_run_flags",
+        "parse_args": "nxdplug.cli.inference_demo:parse_args",
+        "create_neuron_config": "nxdplug.cli.inference_demo:create_neuron_config",
+        "LogitMatchingValidationError": (
+            "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
+        ),
+        "BENCHMARK_REPORT_PATH": "nxdplug.benchmark.sampling_benchmark:BENCHMARK_REPORT_PATH",
+        "load_pretrained_config": "nxdplug:load_pretrained_config",
+        "benchmark_sampling": "nxdplug.benchmark.sampling_benchmark:benchmark_sampling",
     },
 }
 FAMILIES = ["llama", "mistral", "mixtral", "dbrx", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
@@ -179,13 +241,73 @@ def test_a_model_module_is_its_plugins_module(family: str) -> None:
 )
 def test_a_name_nxdplug_lacks_says_it_is_not_implemented(module_name: str, name: str) -> None:
     nxdi_name = module_name.replace("nxdplug.nxdi", "neuronx_distributed_inference")
-    with pytest.raises(ImportError, match=rf"{nxdi_name}\.{name} is not implemented in nxdplug"):
+    said = rf"{nxdi_name}\.{name} is not implemented in nxdplug"
+    with pytest.raises(NotProvidedError, match=said):
         exec(f"from {module_name} import {name}", {})
     module = importlib.import_module(module_name)
-    with pytest.raises(NotProvidedError) as raised:
+    with pytest.raises(NotProvidedAttributeError, match=said) as raised:
         getattr(module, name)
     assert isinstance(raised.value, NotImplementedError) and raised.value.name == name
+    # As any module: hasattr and getattr with a default see an AttributeError.
+    assert not hasattr(module, name)
+    assert getattr(module, name, "default") == "default"
     assert not hasattr(module, "_private") and not hasattr(module, "__wrapped__")
+
+
+def test_patching_a_name_changes_what_nxdplug_calls(tiny_checkpoint) -> None:
+    """mock.patch where NxD Inference's code would be patched reaches nxdplug's callers, and
+    everything is as before after the ``with`` (nested patches included)."""
+    from nxdplug.nxdi.utils import accuracy
+    from nxdplug.runtime import logit_accuracy
+
+    original = accuracy.generate_expected_logits
+    with mock.patch("nxdplug.nxdi.utils.accuracy.generate_expected_logits") as outer:
+        assert logit_accuracy.generate_expected_logits is outer
+        with mock.patch.object(accuracy, "generate_expected_logits") as inner:
+            assert accuracy.generate_expected_logits is inner
+            assert logit_accuracy.generate_expected_logits is inner
+        assert logit_accuracy.generate_expected_logits is outer
+    assert accuracy.generate_expected_logits is original
+    assert logit_accuracy.generate_expected_logits is original
+    assert "generate_expected_logits" not in vars(accuracy)
+
+    # The patched function is the one check_accuracy_logits runs.
+    from nxdplug import NeuronConfig, from_pretrained
+
+    app = from_pretrained(
+        tiny_checkpoint("llama"), NeuronConfig(torch_dtype="float32", seq_len=32, batch_size=1)
+    )
+    app.to_cpu()
+
+    class Stop(Exception):
+        pass
+
+    with (
+        mock.patch.object(accuracy, "logit_validation", side_effect=Stop) as validation,
+        pytest.raises(Stop),
+    ):
+        accuracy.check_accuracy_logits(
+            app, generation_config=None, num_tokens_to_check=2, inputs=_one_prompt()
+        )
+    assert validation.called
+
+
+def _one_prompt():
+    from transformers import BatchEncoding
+
+    ids = torch.tensor([[5, 17, 42, 9]])
+    return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+
+def test_patching_names_a_module_lacks_works_as_on_any_module() -> None:
+    from nxdplug.nxdi.utils import accuracy
+
+    with mock.patch("nxdplug.nxdi.utils.accuracy.open", create=True) as fake_open:
+        assert accuracy.open is fake_open
+    assert not hasattr(accuracy, "open")
+    with mock.patch.object(accuracy, "print", create=True):
+        pass
+    assert "print" not in vars(accuracy)
 
 
 def test_a_module_nxdplug_lacks_is_not_found() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import nn
@@ -24,6 +25,24 @@ from nxdplug.runtime.model_base import NeuronBaseModel
 
 class LlamaNeuronConfig(NeuronConfig):
     """NeuronConfig for Llama; no extra attributes, kept for NxD Inference scripts."""
+
+
+def get_updated_configs(config: InferenceConfig) -> list[InferenceConfig]:
+    """NxD Inference's per-layer configs: ``config`` for each decoder layer, or for a layer
+    whose MLP ``modules_to_not_convert`` names, a copy with the quantized-MLP kernel settings
+    off (Neuron kernel hints: no effect on the CPU and CUDA backends)."""
+    skipped = config.neuron_config.modules_to_not_convert or []
+    configs = []
+    for layer in range(config.num_hidden_layers):
+        if not any(f"layers.{layer}.mlp" in module for module in skipped):
+            configs.append(config)
+            continue
+        plain = copy.deepcopy(config)
+        plain.neuron_config.quantized_mlp_kernel_enabled = False
+        plain.neuron_config.activation_quantization_type = None
+        plain.neuron_config.quantize_clamp_bound = float("inf")
+        configs.append(plain)
+    return configs
 
 
 class LlamaInferenceConfig(InferenceConfig):

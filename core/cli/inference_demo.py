@@ -72,6 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     return nxdplug_main([COMMAND, *(sys.argv[1:] if argv is None else argv)])
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """NxD Inference's ``inference_demo.parse_args``: the flags (``sys.argv``'s by default)
+    parsed as ``nxdplug inference_demo`` parses them."""
+    from nxdplug.cli.main import build_parser
+
+    return build_parser().parse_args([COMMAND, *(sys.argv[1:] if argv is None else argv)])
+
+
+def create_neuron_config(model_cls: Any, args: argparse.Namespace) -> Any:
+    """NxD Inference's ``inference_demo.create_neuron_config``: the model class's NeuronConfig
+    of the parsed flags, the features' sub-configs included."""
+    return model_cls.get_neuron_config_cls()(**neuron_config_options(args))
+
+
 def console_main() -> NoReturn:
     """The ``inference_demo`` console script, ending as ``nxdplug`` does."""
     from nxdplug.cli.main import exit_with

@@ -85,14 +85,29 @@ def accuracy_mode(text: str) -> str:
     return ACCURACY_MODES[text]
 
 
-def capture_index(text: str) -> int | str:
-    """A pass index (0: context encoding, n: the n-th token-generation pass), or ``auto``."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers or 'auto'; got {text!r}") from None
+AUTO = "auto"
+
+
+class StringOrIntegers(argparse.Action):
+    """NxD Inference's action for ``nargs="+"`` flags taking integers or the one word ``auto``:
+    the namespace gets the list of integers, or the string ``"auto"``."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        words = [values] if isinstance(values, str) else list(values)
+        if any(word.lower() == AUTO for word in words):
+            if len(words) > 1:
+                raise argparse.ArgumentError(
+                    self, f"'{AUTO}' can only be used once and not with other arguments."
+                )
+            setattr(namespace, self.dest, AUTO)
+            return
+        try:
+            setattr(namespace, self.dest, [int(word) for word in words])
+        except ValueError:
+            bad = next(word for word in words if not word.lstrip("-").isdigit())
+            raise argparse.ArgumentError(
+                self, f"'{bad}' is not a valid input. It must be '{AUTO}' or an integer."
+            ) from None
 
 
 def load_json_file(text: str) -> Any:
@@ -152,7 +167,12 @@ DEMO_FLAGS: tuple[DemoFlag, ...] = (
     _demo("--do-sample", default=False),
     _demo("--pad-token-id", "the id finished rows are padded with", type=int, default=0),
     # Basic config
-    _demo("--allow-input-truncation", "cut prompts to max_context_length", action="store_true"),
+    DemoFlag(
+        "--allow-input-truncation",
+        "config",
+        {"action": "store_true"},
+        "cut prompts to max_context_length",
+    ),
     _hint("--vocab-parallel"),
     _hint("--layer-boundary-markers"),
     _hint("--weight-gather-seq-len-threshold", action="store", type=int),
@@ -213,7 +233,7 @@ DEMO_FLAGS: tuple[DemoFlag, ...] = (
         "save the model's inputs at these passes (0: context encoding), or 'auto': where "
         "logit matching fails",
         nargs="+",
-        type=capture_index,
+        action=StringOrIntegers,
     ),
     _demo("--input-capture-save-dir", "where captured inputs go (default: here)", type=Path),
     _demo("--skip-compile", "load a compiled model without compiling", action="store_true"),

@@ -44,7 +44,7 @@ def run_loaded(args: argparse.Namespace, model: Any, draft: Any) -> int:
     except LogitMatchingValidationError as exc:
         logit_error = exc
     indices = args.capture_indices
-    if indices == ["auto"]:
+    if indices == "auto":
         indices = None if logit_error is None else [logit_error.get_divergence_index()]
     hook = capture_hook(indices, args.input_capture_save_dir) if indices else None
 
@@ -169,22 +169,10 @@ def _encode(
             "--allow-input-truncation"
         )
     if args.input_start_offsets:
+        from nxdplug.runtime.accuracy import shift_right
+
         ids, mask = shift_right(ids, mask, args.input_start_offsets, tokenizer.pad_token_id)
     return ids, mask
-
-
-def shift_right(
-    ids: torch.Tensor, mask: torch.Tensor, offsets: list[int], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row moved right by its offset (one offset: every row's), padding before it."""
-    rows, width = ids.shape
-    offsets = offsets * rows if len(offsets) == 1 else offsets
-    shifted_ids = ids.new_full((rows, width + max(offsets)), pad_id)
-    shifted_mask = mask.new_zeros((rows, width + max(offsets)))
-    for row, offset in enumerate(offsets):
-        shifted_ids[row, offset : offset + width] = ids[row]
-        shifted_mask[row, offset : offset + width] = mask[row]
-    return shifted_ids, shifted_mask
 
 
 def capture_hook(indices: list[int], folder: Path | None) -> Callable[[Any, list], None]:

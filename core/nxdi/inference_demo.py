@@ -10,6 +10,15 @@ reexport(
     __name__,
     {
         "main": "nxdplug.cli.inference_demo:main",
+        "parse_args": "nxdplug.cli.inference_demo:parse_args",
+        "create_neuron_config": "nxdplug.cli.inference_demo:create_neuron_config",
+        # What NxD Inference's inference_demo imports from its other modules.
+        "LogitMatchingValidationError": (
+            "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
+        ),
+        "BENCHMARK_REPORT_PATH": "nxdplug.benchmark.sampling_benchmark:BENCHMARK_REPORT_PATH",
+        "load_pretrained_config": "nxdplug.config:load_pretrained_config",
+        "benchmark_sampling": "nxdplug.benchmark.sampling_benchmark:benchmark_sampling",
         "setup_run_parser": "nxdplug.cli.inference_demo_flags:add_run_flags",
     },
 )

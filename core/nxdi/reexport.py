@@ -9,24 +9,27 @@ registry finds under the family's name. A public name the module does not provid
 
 from __future__ import annotations
 
+import dis
 import importlib
 import sys
 from collections.abc import Callable, Mapping
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 from nxdplug.errors import NotSupportedError
 from nxdplug.lazy import resolve_ref
 
 NXDI_PACKAGE = "neuronx_distributed_inference"
+_IMPORT_FROM = dis.opmap["IMPORT_FROM"]
 
 
 class NotProvidedError(NotSupportedError, ImportError):
-    """A name of NxD Inference's API that nxdplug does not implement.
+    """A name of NxD Inference's API that nxdplug does not implement, asked for by
+    ``from nxdplug.nxdi... import Name``."""
 
-    An ImportError, so that ``from nxdplug.nxdi... import Name`` shows this message (Python
-    replaces an AttributeError there with a bare "cannot import name").
-    """
+
+class NotProvidedAttributeError(NotSupportedError, AttributeError):
+    """The same, asked for as an attribute (``module.Name``, ``getattr``, ``hasattr``)."""
 
 
 def reexport(module_name: str, exports: Mapping[str, str]) -> None:
@@ -64,38 +67,87 @@ def reexport_model_module(module_name: str) -> None:
     _install(sys.modules[module_name], exports)
 
 
-def _install(module: ModuleType, exports: Callable[[], dict[str, str]]) -> None:
-    def __getattr__(name: str) -> Any:
+class _ReexportModule(ModuleType):
+    """A namespace module: its exported names are read from, and assigned to, the nxdplug
+    module each comes from, so that patching one where NxD Inference's code would be patched
+    changes what nxdplug calls; ``del`` (as ``mock.patch`` does on exit) undoes the latest
+    assignment. Names it does not export behave as on any module."""
+
+    __nxdi_exports__: Callable[[], dict[str, str]]
+    __nxdi_replaced__: dict[str, list[Any]]
+
+    def __getattr__(self, name: str) -> Any:
         if name == "__all__":
-            return sorted(exports())
+            return sorted(self.__nxdi_exports__())
         if name.startswith("_"):
-            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}")
-        if hasattr(module, "__path__"):  # a package: its submodules come first
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        if hasattr(self, "__path__"):  # a package: its submodules come first
             try:
-                return importlib.import_module(f"{module.__name__}.{name}")
+                return importlib.import_module(f"{self.__name__}.{name}")
             except ModuleNotFoundError as exc:
-                if exc.name != f"{module.__name__}.{name}":
+                if exc.name != f"{self.__name__}.{name}":
                     raise
-        table = exports()
+        table = self.__nxdi_exports__()
         if name not in table:
-            raise _not_provided(module.__name__, name, sorted(table))
-        value = resolve_ref(table[name])
-        setattr(module, name, value)
-        return value
+            raise _not_provided(self.__name__, name, sorted(table), sys._getframe(1))
+        return resolve_ref(table[name])
 
-    def __dir__() -> list[str]:
-        return sorted({*vars(module), *exports()})
+    def __setattr__(self, name: str, value: Any) -> None:
+        source = self._source_of(name)
+        if source is None:
+            super().__setattr__(name, value)
+            return
+        owner, attribute = source
+        self.__nxdi_replaced__.setdefault(name, []).append(getattr(owner, attribute))
+        setattr(owner, attribute, value)
 
-    module.__getattr__ = __getattr__  # type: ignore[method-assign]
-    module.__dir__ = __dir__  # type: ignore[method-assign]
+    def __delattr__(self, name: str) -> None:
+        replaced = self.__nxdi_replaced__.get(name)
+        if not replaced:
+            super().__delattr__(name)
+            return
+        owner, attribute = self._source_of(name)  # type: ignore[misc]
+        setattr(owner, attribute, replaced.pop())
+
+    def __dir__(self) -> list[str]:
+        return sorted({*vars(self), *self.__nxdi_exports__()})
+
+    def _source_of(self, name: str) -> tuple[Any, str] | None:
+        """The object and attribute an exported ``name`` is read from; None for other names."""
+        if name.startswith("_"):
+            return None
+        ref = self.__nxdi_exports__().get(name)
+        if ref is None:
+            return None
+        module_name, _, path = ref.partition(":")
+        owner_path, _, attribute = path.rpartition(".")
+        if owner_path:
+            return resolve_ref(f"{module_name}:{owner_path}"), attribute
+        return importlib.import_module(module_name), attribute
 
 
-def _not_provided(module_name: str, name: str, provided: list[str]) -> NotProvidedError:
+def _install(module: ModuleType, exports: Callable[[], dict[str, str]]) -> None:
+    module.__class__ = _ReexportModule
+    vars(module)["__nxdi_exports__"] = exports
+    vars(module)["__nxdi_replaced__"] = {}
+
+
+def _not_provided(
+    module_name: str, name: str, provided: list[str], caller: FrameType
+) -> NotProvidedError | NotProvidedAttributeError:
     nxdi_module = module_name.replace("nxdplug.nxdi", NXDI_PACKAGE, 1)
     listing = ", ".join(provided) or "nothing yet"
-    error = NotProvidedError(
+    message = (
         f"{nxdi_module}.{name} is not implemented in nxdplug: {module_name} provides {listing}. "
         "See the README's 'Porting an NxD Inference script' for what ports and what does not."
     )
+    # ``from module import name`` turns an AttributeError into a bare "cannot import name",
+    # losing this message, while hasattr(), getattr(m, n, default) and mock.patch need an
+    # AttributeError; no class can be both (CPython's layouts of the two conflict), so the
+    # statement being run decides.
+    if caller.f_code.co_code[caller.f_lasti] == _IMPORT_FROM:
+        error: NotProvidedError | NotProvidedAttributeError = NotProvidedError(message)
+    else:
+        error = NotProvidedAttributeError(message)
     error.name = name
     return error

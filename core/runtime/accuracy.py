@@ -126,3 +126,44 @@ def _unpadded(token_ids: torch.Tensor, pad_token_id: int, limit: int | None) -> 
             f"{[len(row) for row in rows]}"
         )
     return torch.stack(rows)
+
+
+def prepare_inputs_from_prompt(neuron_model: Any, tokenizer: Any, prompt: str | None = None) -> Any:
+    """NxD Inference's: the tokenizer's padded batch of ``prompt`` (TEST_PROMPT by default),
+    one row per sequence the model runs at once (``batch_size``; ``max_num_seqs`` with
+    chunked prefill)."""
+    if tokenizer is None:
+        raise ValueError("A tokenizer is required to prepare inputs")
+    neuron_config = neuron_model.config.neuron_config
+    chunked_prefill = neuron_config.chunked_prefill_config
+    rows = neuron_config.batch_size if chunked_prefill is None else chunked_prefill.max_num_seqs
+    return tokenizer(
+        [TEST_PROMPT if prompt is None else prompt] * rows, padding=True, return_tensors="pt"
+    )
+
+
+def shift_inputs_by_offset(
+    inputs: Any, input_start_offsets: list[int] | None, pad_token_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NxD Inference's: ``inputs``' input_ids and attention_mask moved right by each row's
+    offset (one offset: every row's), padded before with ``pad_token_id`` and 0; unchanged
+    without offsets."""
+    if not input_start_offsets:
+        return inputs.input_ids, inputs.attention_mask
+    return shift_right(
+        inputs.input_ids, inputs.attention_mask, list(input_start_offsets), pad_token_id
+    )
+
+
+def shift_right(
+    ids: torch.Tensor, mask: torch.Tensor, offsets: list[int], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row moved right by its offset (one offset: every row's), padding before it."""
+    rows, width = ids.shape
+    offsets = offsets * rows if len(offsets) == 1 else offsets
+    shifted_ids = ids.new_full((rows, width + max(offsets)), pad_id)
+    shifted_mask = mask.new_zeros((rows, width + max(offsets)))
+    for row, offset in enumerate(offsets):
+        shifted_ids[row, offset : offset + width] = ids[row]
+        shifted_mask[row, offset : offset + width] = mask[row]
+    return shifted_ids, shifted_mask

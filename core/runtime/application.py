@@ -99,6 +99,11 @@ class NeuronApplicationBase(nn.Module):
         return InferenceConfig
 
     @classmethod
+    def get_neuron_config_cls(cls) -> type[NeuronConfig]:
+        """The NeuronConfig class of this model's config class (NxD Inference's accessor)."""
+        return cls.get_config_cls().get_neuron_config_cls()
+
+    @classmethod
     def config_for_path(
         cls, model_path: str | Path, neuron_config: NeuronConfig | None = None
     ) -> InferenceConfig:

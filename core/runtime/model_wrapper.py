@@ -19,6 +19,9 @@ from nxdplug.runtime.step import Phase, StepInputs, in_phase
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
+# The speculation plugins' verification phases, under NxD Inference's tags.
+SPECULATION_MODEL_TAG = "speculation_model"
+FUSED_SPECULATION_MODEL_TAG = "fused_speculation_model"
 
 
 class ModelWrapper(nn.Module):

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from nxdplug.runtime.model_wrapper import ModelWrapper
-
-SPECULATION_MODEL_TAG = "speculation_model"
+from nxdplug.runtime.model_wrapper import SPECULATION_MODEL_TAG, ModelWrapper
 
 
 def validate(context: Any) -> Iterable[str]:

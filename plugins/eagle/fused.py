@@ -5,7 +5,7 @@ Two phases are compiled (besides the core's target-only context encoding):
 - ``eagle_context_encoding_model`` (:class:`EagleContextPhase`): the target encodes the prompt
   and returns the last token's logits and feature; in the same graph the draft encodes the
   prompt's pairs ``(x_{t+1}, f_t)`` for t = 0..P-2 into its cache.
-- ``eagle_speculation_model`` (:class:`EagleSpeculationPhase`): (1) the draft encodes the
+- ``fused_speculation_model`` (:class:`EagleSpeculationPhase`): (1) the draft encodes the
   *pending pairs* (up to k+1 pairs whose real target features the previous call produced;
   the rest are masked out by their positions and later overwritten), (2) drafts k tokens
   autoregressively on its own predicted features, (3) the target verifies
@@ -26,11 +26,10 @@ import torch
 from torch import nn
 
 from nxdplug.runtime.model_base import last_token_states
-from nxdplug.runtime.model_wrapper import ModelWrapper
+from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG, ModelWrapper
 from nxdplug.runtime.step import StepInputs
 
 EAGLE_CONTEXT_TAG = "eagle_context_encoding_model"
-EAGLE_SPECULATION_TAG = "eagle_speculation_model"
 
 
 def gather_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -143,7 +142,7 @@ class EagleSpeculationWrapper(ModelWrapper):
         super().__init__(
             config,
             model_cls,
-            tag=EAGLE_SPECULATION_TAG,
+            tag=FUSED_SPECULATION_MODEL_TAG,
             tokens_per_step=0,
             batch_size=config.neuron_config.spec_batch_size,
         )

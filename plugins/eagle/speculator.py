@@ -11,7 +11,7 @@ Context call (``eagle_context_encoding_model``): target over the prompt (f_0..f_
 of x_P), draft over the pairs t = 0..P-2. The host picks x_P; the pending pair is
 (x_P, f_{P-1}) at t = P-1.
 
-Each speculation call (``eagle_speculation_model``) re-encodes the pending pairs, drafts
+Each speculation call (``fused_speculation_model``) re-encodes the pending pairs, drafts
 d_1..d_k, and the target scores [x_{L-1}, d_1..d_k] at positions L-1..L-1+k. The host keeps
 the leading drafts the rule accepts plus one target token (greedy: the target's argmax;
 sampling: speculative sampling with q the draft's ``softmax(logits / T)``, so the output is
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from nxdplug.errors import NxdPlugError
-from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG, EAGLE_SPECULATION_TAG
+from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
+from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG
 from nxdplug.runtime.scheduled_step import compact_left, positions_from_mask
 from nxdplug.runtime.speculation import (
     AcceptanceStats,
@@ -53,7 +54,7 @@ class EagleSpeculator:
     def __init__(self, application: Any) -> None:
         self.application = application
         self.context = application.submodel(EAGLE_CONTEXT_TAG)
-        self.speculation = application.submodel(EAGLE_SPECULATION_TAG)
+        self.speculation = application.submodel(FUSED_SPECULATION_MODEL_TAG)
         self.k = application.neuron_config.speculation_length
 
     def generate(self, request: SpeculativeRequest) -> torch.Tensor:

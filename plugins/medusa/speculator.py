@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from nxdplug.errors import NotSupportedError, NxdPlugError
-from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_SPECULATION_TAG
+from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_MODEL_TAG
 from nxdplug.runtime.scheduled_step import compact_left, positions_from_mask
 from nxdplug.runtime.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest
 from nxdplug.runtime.step import StepInputs
@@ -39,7 +39,7 @@ class MedusaSpeculator:
     def __init__(self, application: Any) -> None:
         self.application = application
         self.context = application.submodel(MEDUSA_CONTEXT_TAG)
-        self.verifier = application.submodel(MEDUSA_SPECULATION_TAG)
+        self.verifier = application.submodel(MEDUSA_MODEL_TAG)
         self.tree = self.verifier.tree.on(application.device)
 
     def _check(self, request: SpeculativeRequest, prompt_length: int) -> None:

@@ -28,7 +28,9 @@ from nxdplug.runtime.model_wrapper import ModelWrapper
 from nxdplug.runtime.step import StepInputs
 
 MEDUSA_CONTEXT_TAG = "medusa_context_encoding_model"
-MEDUSA_SPECULATION_TAG = "medusa_speculation_model"
+
+# NxD Inference's tag of the verification phase.
+MEDUSA_MODEL_TAG = "medusa_speculation_model"
 
 
 def head_candidates(model: nn.Module, hidden: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -96,7 +98,7 @@ class MedusaTreeWrapper(ModelWrapper):
         super().__init__(
             config,
             model_cls,
-            tag=MEDUSA_SPECULATION_TAG,
+            tag=MEDUSA_MODEL_TAG,
             tokens_per_step=0,
             batch_size=config.neuron_config.spec_batch_size,
         )
