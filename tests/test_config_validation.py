@@ -15,6 +15,7 @@ from nxdplug.config import (
     unknown_attribute_problems,
 )
 from nxdplug.config.neuron_config import LNC_ENV
+from nxdplug.errors import ConfigError
 from nxdplug.hookspecs import hookimpl
 from nxdplug.pipeline import config_problems
 from nxdplug.testing import temporary_plugin
@@ -134,8 +135,6 @@ FAILING = [
     ({"torch_dtype": "int8"}, None, "torch_dtype is int8; use one of bfloat16, float16, float32"),
     ({"torch_dtype": "bf16"}, None, "torch_dtype is 'bf16'"),
     ({"rpl_reduce_dtype": torch.float64}, None, "rpl_reduce_dtype is float64"),
-    ({"cast_type": "declared"}, None, "cast_type is 'declared'"),
-    ({"attention_dtype": "float32"}, None, "needs cast_type='as-declared'"),
     ({"on_device_sampling_config": {"top_p": 0.0}}, None, "top_p is 0.0; it must be in (0, 1]"),
     ({"on_device_sampling_config": {"temperature": 0}}, None, "temperature is 0"),
     ({"on_device_sampling_config": {"global_topk": 0}}, None, "global_topk is 0"),
@@ -162,6 +161,22 @@ def test_each_rule_reports_its_problem(
 ) -> None:
     problems = problems_of(model, **neuron)
     assert any(expected in problem for problem in problems), problems
+
+
+def test_precision_settings_are_refused_at_construction_as_nxd_inference_does() -> None:
+    """An unknown cast_type is NxD Inference's ValueError, an attention dtype under the global
+    cast its AssertionError (both config errors); set later, validation still reports them."""
+    with pytest.raises(ValueError, match="cast_type must be one of config, as-declared"):
+        NeuronConfig(cast_type="declared")
+    with pytest.raises(AssertionError, match="set cast_type='as-declared'") as raised:
+        NeuronConfig(attention_dtype="float32")
+    assert isinstance(raised.value, ConfigError)
+    config = InferenceConfig(NeuronConfig(), num_attention_heads=8)
+    config.neuron_config.cast_type = "declared"
+    assert any("cast_type is 'declared'" in p for p in core_config_problems(config))
+    config.neuron_config.cast_type = "config"
+    config.neuron_config.attention_dtype = torch.float32
+    assert any("needs cast_type='as-declared'" in p for p in core_config_problems(config))
 
 
 # What a feature needs of the rest of the config: its plugin's check, run by config_problems

@@ -198,6 +198,28 @@ class NeuronConfig(ComparedByValue):
         self.__attrs_init__(**kwargs)
         for name, value in extras.items():
             setattr(self, name, value)
+        self._check_precision()
+
+    def _check_precision(self) -> None:
+        """NxD Inference's checks at construction (validation repeats them at build, after
+        attributes may have changed)."""
+        if self.cast_type not in ("config", "as-declared"):
+            raise CastTypeError(
+                [f"cast_type must be one of config, as-declared; got {self.cast_type!r}"]
+            )
+        attention = self.attention_dtype
+        if (
+            attention is not None
+            and attention != self.torch_dtype
+            and self.cast_type != "as-declared"
+        ):
+            raise AttentionDtypeError(
+                [
+                    "attention dtype and torch dtype are different, however global cast is "
+                    f"enabled (attention_dtype {attention}, torch_dtype {self.torch_dtype}). To "
+                    "enable running multiple precisions, set cast_type='as-declared'"
+                ]
+            )
 
     @classmethod
     def known_attribute_names(cls) -> frozenset[str]:
@@ -224,6 +246,15 @@ class NeuronConfig(ComparedByValue):
     def to_dict(self) -> dict[str, Any]:
         """Every attribute, JSON-ready: dtypes as names, sub-configs as dicts."""
         return to_jsonable(vars(self), type(self).__name__)
+
+
+class CastTypeError(ConfigError, ValueError):
+    """An unknown ``cast_type``: the ValueError NxD Inference raises."""
+
+
+class AttentionDtypeError(ConfigError, AssertionError):
+    """``attention_dtype`` other than ``torch_dtype`` without ``cast_type='as-declared'``: the
+    AssertionError NxD Inference raises."""
 
 
 def _warn_deprecated(old: str, new: str) -> None:
