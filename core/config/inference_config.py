@@ -30,6 +30,10 @@ CONFIG_FILE = "neuron_config.json"
 Self = TypeVar("Self", bound="InferenceConfig")
 
 
+class MissingAttributesError(ConfigError, AssertionError):
+    """Required config attributes not set: what NxD Inference's ``validate_config`` raises."""
+
+
 class InferenceConfig(ComparedByValue):
     """A NeuronConfig (``neuron_config``) and the model's attributes, as plain attributes.
 
@@ -95,12 +99,13 @@ class InferenceConfig(ComparedByValue):
         return []
 
     def validate_config(self) -> None:
-        """Raise a ConfigError listing every required attribute that is not set."""
+        """Raise a ConfigError (an AssertionError, as NxD Inference's assert) listing every
+        required attribute that is not set."""
         missing = [
             name for name in self.get_required_attributes() if not _has_attribute_path(self, name)
         ]
         if missing:
-            raise ConfigError(
+            raise MissingAttributesError(
                 f"{type(self).__name__} requires the attribute {name!r}, which is not set: pass "
                 "it as a keyword argument or load the model's attributes with "
                 "load_config=load_pretrained_config(model_path)"
