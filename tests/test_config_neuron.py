@@ -105,7 +105,7 @@ MOE_DEFAULTS = {
     "return_router_logits": False,
     "blockwise_matmul_config": BlockwiseMatmulConfig(),
     "capacity_factor": None,
-    "glu_mlp": False,
+    "glu_mlp": True,  # NxD Inference's default
     "glu_type": "glu",
     "hidden_act_scaling_factor": 1.0,
     "hidden_act_bias": 0.0,

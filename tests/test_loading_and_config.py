@@ -290,9 +290,14 @@ def test_router_keywords_set_the_router_the_moe_block_uses() -> None:
     assert MoENeuronConfig().router_config == RouterConfig()
 
 
-def test_router_keywords_with_a_router_config_are_refused() -> None:
-    with pytest.raises(ConfigError, match="router_act_fn and router_config both set"):
-        MoENeuronConfig(router_act_fn="sigmoid", router_config={"act_fn": "softmax"})
+def test_a_router_config_wins_over_the_router_keywords_with_a_warning() -> None:
+    """As NxD Inference: the router_config dict decides; the keywords are ignored, said."""
+    with pytest.warns(UserWarning, match="router_config wins"):
+        config = MoENeuronConfig(
+            router_act_fn="sigmoid", router_dtype="bfloat16", router_config={"act_fn": "softmax"}
+        )
+    assert (config.router_config.act_fn, config.router_config.dtype) == ("softmax", torch.float32)
+    assert not hasattr(config, "router_act_fn")
 
 
 def test_disable_normalize_top_k_affinities() -> None:

@@ -105,6 +105,8 @@ def test_mixtral_refuses_a_dense_neuron_config(tiny_checkpoint) -> None:
         from_pretrained(path, NeuronConfig(**SETTINGS))
     with pytest.raises(ConfigError, match="set glu_mlp=True"):
         from_pretrained(path, MoENeuronConfig(glu_mlp=False, **SETTINGS))
+    # Left unset, glu_mlp is gated (NxD Inference's default): only an explicit False is refused.
+    assert from_pretrained(path, MoENeuronConfig(**SETTINGS)).neuron_config.glu_mlp is True
 
 
 def test_mixtral_default_neuron_config_has_gated_experts(tiny_checkpoint) -> None:

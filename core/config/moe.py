@@ -5,6 +5,7 @@ them. Enumerations of NxD (``GLUType``, ``BlockShardStrategy``) are stored by na
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import attrs
@@ -129,7 +130,7 @@ class MoENeuronConfig(NeuronConfig):
         converter=section_converter(BlockwiseMatmulConfig, "blockwise_matmul_config"),
     )
     capacity_factor: float | None = None
-    glu_mlp: bool = False
+    glu_mlp: bool = True
     glu_type: str = "glu"
     hidden_act_scaling_factor: float = 1.0
     hidden_act_bias: float = 0.0
@@ -152,12 +153,14 @@ class MoENeuronConfig(NeuronConfig):
             for keyword, field in ROUTER_KEYWORDS.items()
             if keyword in kwargs
         }
-        if router:
-            if kwargs.get("router_config") is not None:
-                given = ", ".join(f"router_{name}" for name in router)
-                raise ConfigError(
-                    [f"{given} and router_config both set the router; give one of them"]
-                )
+        if router and kwargs.get("router_config") is not None:
+            given = ", ".join(f"router_{name}" for name in router)
+            warnings.warn(
+                f"router_config and {given} both set the router: router_config wins, as in "
+                f"NxD Inference, and {given} is ignored",
+                stacklevel=2,
+            )
+        elif router:
             kwargs["router_config"] = build_section(RouterConfig, router, "router_config")
         if "disable_normalize_top_k_affinities" in kwargs:
             disable = kwargs.pop("disable_normalize_top_k_affinities")
