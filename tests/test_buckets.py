@@ -100,3 +100,37 @@ def test_sub_model_functions_without_bucketing() -> None:
     assert generate_buckets_for_cte(config) == [300]
     assert generate_buckets_for_tkg(config) == [1000]
     assert generate_buckets_for_speculation(config.neuron_config) == [1000]
+
+
+def test_token_generation_batches_give_batch_and_length_pairs() -> None:
+    """NxD Inference's batch bucketing: [batch, seq] pairs, largest batch first, the token
+    generation batch size always among them; speculation keeps plain lengths."""
+    neuron_config = NeuronConfig(
+        batch_size=8,
+        seq_len=512,
+        enable_bucketing=True,
+        token_generation_buckets=[256, 512],
+        token_generation_batches=[4, 1],
+    )
+    assert neuron_config.token_generation_batches == [1, 4]
+    config = InferenceConfig(neuron_config)
+    assert generate_buckets_for_tkg(config) == [
+        [8, 256], [8, 512], [4, 256], [4, 512], [1, 256], [1, 512],
+    ]  # fmt: skip
+    assert generate_buckets_for_speculation(config) == [256, 512]
+    assert generate_buckets_for_tkg(
+        InferenceConfig(NeuronConfig(seq_len=64, token_generation_batches=1))
+    ) == [[1, 64]]
+
+
+def test_token_generation_batches_are_checked_and_refused_at_build() -> None:
+    with pytest.raises(AssertionError, match=r"should be <= token generation batch size \(2\)"):
+        NeuronConfig(batch_size=2, token_generation_batches=[1, 4])
+    problems = core_config_problems(
+        InferenceConfig(
+            NeuronConfig(batch_size=4, token_generation_batches=[2]), num_attention_heads=4
+        )
+    )
+    assert any(
+        "token_generation_batches=[2] (batch bucketing) is not implemented" in p for p in problems
+    )

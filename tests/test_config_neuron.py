@@ -76,6 +76,7 @@ NEURON_DEFAULTS = {
     "max_batch_size": 1,
     "ctx_batch_size": 1,
     "tkg_batch_size": 1,
+    "token_generation_batches": None,
     "chunked_prefill_config": None,
     "speculation_length": 0,
     "spec_batch_size": 1,

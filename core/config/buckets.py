@@ -58,20 +58,31 @@ def generate_buckets_for_cte(inference_config: Any) -> list[int]:
     )
 
 
-def generate_buckets_for_tkg(inference_config: Any) -> list[int]:
+def generate_buckets_for_tkg(inference_config: Any) -> list[int] | list[list[int]]:
     """Token-generation buckets: ``token_generation_buckets`` when given, else
-    ``generate_buckets(128, max_length)``; ``[max_length]`` without bucketing."""
+    ``generate_buckets(128, max_length)``; ``[max_length]`` without bucketing. With
+    ``token_generation_batches`` (NxD Inference's batch bucketing), ``[batch, seq]`` pairs:
+    each batch size (tkg_batch_size included), largest first, with each sequence bucket."""
     neuron_config = _neuron_config(inference_config)
+    buckets = _token_generation_lengths(neuron_config)
+    batches = getattr(neuron_config, "token_generation_batches", None)
+    if batches is None:
+        return buckets
+    sizes = sorted({*batches, neuron_config.tkg_batch_size}, reverse=True)
+    return [[size, bucket] for size in sizes for bucket in buckets]
+
+
+def _token_generation_lengths(neuron_config: Any) -> list[int]:
     return _sub_model_buckets(
         neuron_config, neuron_config.token_generation_buckets, neuron_config.max_length
     )
 
 
 def generate_buckets_for_speculation(inference_config: Any) -> list[int]:
-    """Buckets of the (non-fused) speculation sub-model: the token-generation buckets."""
-    return generate_buckets_for_tkg(inference_config)
+    """Buckets of the (non-fused) speculation sub-model: the token-generation lengths."""
+    return _token_generation_lengths(_neuron_config(inference_config))
 
 
 def generate_buckets_for_fused_spec(inference_config: Any) -> list[int]:
-    """Buckets of the fused-speculation sub-model: the token-generation buckets."""
-    return generate_buckets_for_tkg(inference_config)
+    """Buckets of the fused-speculation sub-model: the token-generation lengths."""
+    return _token_generation_lengths(_neuron_config(inference_config))

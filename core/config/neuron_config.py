@@ -36,6 +36,12 @@ def _computed(compute: Any) -> Any:
     return attrs.Factory(compute, takes_self=True)
 
 
+def _sorted_batches(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    return sorted(value) if isinstance(value, list | tuple) else [value]
+
+
 def _optional_list(value: Any) -> Any:
     return None if value is None else list(value)
 
@@ -154,6 +160,11 @@ class NeuronConfig(ComparedByValue):
     max_batch_size: int = attrs.field(default=_computed(lambda c: c.batch_size))
     ctx_batch_size: int = attrs.field(default=_computed(lambda c: c.batch_size))
     tkg_batch_size: int = attrs.field(default=_computed(lambda c: c.batch_size))
+    # NxD Inference's batch bucketing (token-generation graphs for fewer rows): the buckets
+    # functions list them; building a model with them is refused (not implemented).
+    token_generation_batches: list[int] | None = attrs.field(
+        default=None, converter=_sorted_batches
+    )
     chunked_prefill_config: ChunkedPrefillConfig | None = attrs.field(
         default=None,
         converter=section_converter(ChunkedPrefillConfig, "chunked_prefill_config"),
@@ -198,11 +209,19 @@ class NeuronConfig(ComparedByValue):
         self.__attrs_init__(**kwargs)
         for name, value in extras.items():
             setattr(self, name, value)
-        self._check_precision()
+        self._check_at_construction()
 
-    def _check_precision(self) -> None:
-        """NxD Inference's checks at construction (validation repeats them at build, after
-        attributes may have changed)."""
+    def _check_at_construction(self) -> None:
+        """NxD Inference's checks at construction (validation repeats the precision ones at
+        build, after attributes may have changed)."""
+        batches = self.token_generation_batches
+        if batches is not None and batches[-1] > self.tkg_batch_size:
+            raise BatchBucketsError(
+                [
+                    f"Token generation batch buckets {batches} should be <= token generation "
+                    f"batch size ({self.tkg_batch_size})"
+                ]
+            )
         if self.cast_type not in ("config", "as-declared"):
             raise CastTypeError(
                 [f"cast_type must be one of config, as-declared; got {self.cast_type!r}"]
@@ -250,6 +269,10 @@ class NeuronConfig(ComparedByValue):
 
 class CastTypeError(ConfigError, ValueError):
     """An unknown ``cast_type``: the ValueError NxD Inference raises."""
+
+
+class BatchBucketsError(ConfigError, AssertionError):
+    """``token_generation_batches`` above ``tkg_batch_size``: NxD Inference's AssertionError."""
 
 
 class AttentionDtypeError(ConfigError, AssertionError):

@@ -289,8 +289,18 @@ def _async_mode(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
         )
 
 
+def _batch_bucketing(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    if nc.token_generation_batches is not None:
+        yield (
+            f"token_generation_batches={nc.token_generation_batches} (batch bucketing) is not "
+            f"implemented: token generation runs tkg_batch_size={nc.tkg_batch_size} rows; "
+            "unset it"
+        )
+
+
 RULES: tuple[Rule, ...] = (
     _choices,
+    _batch_bucketing,
     _dtypes,
     _counts,
     _lengths,
