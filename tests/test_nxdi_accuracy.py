@@ -165,6 +165,30 @@ def test_the_reference_is_float32_for_a_bfloat16_checkpoint() -> None:
     check_accuracy(app, AutoTokenizer.from_pretrained(shipped), prompt="class Stack:")
 
 
+def test_expected_logits_use_the_model_classes_own_load_hf_model(app, inputs, expected_logits):
+    """generate_expected_logits calls ``load_hf_model(model_path)`` as NxD Inference does, so
+    a model class overriding it with that signature is used; the reference is cast to float32."""
+    calls = []
+    original = type(app).load_hf_model
+
+    class OwnLoader(type(app)):
+        @staticmethod
+        def load_hf_model(model_path):
+            calls.append(model_path)
+            return original(model_path, dtype=torch.bfloat16)
+
+    app.__class__ = OwnLoader
+    try:
+        logits = generate_expected_logits(app, inputs.input_ids, inputs.attention_mask, None, 2)
+    finally:
+        app.__class__ = OwnLoader.__base__
+    assert calls == [app.model_path] and logits.dtype == torch.float32
+    # A bf16 model cast up: the float32 reference's greedy tokens, within bf16 rounding.
+    assert logits.argmax(-1).tolist() == expected_logits[:2].argmax(-1).tolist()
+    finite = logits.isfinite()
+    torch.testing.assert_close(logits[finite], expected_logits[:2][finite], atol=0.1, rtol=0.05)
+
+
 # --- logit validation on made-up logits ------------------------------------------------------
 
 

@@ -20,10 +20,11 @@ TEST_PROMPT = "Hello, I am a language model, and I am here to help,"
 
 
 def reference_model(neuron_model: Any) -> torch.nn.Module:
-    """HF transformers' model of the application's checkpoint in float32: NxD Inference's
-    reference (transformers 4 loads float32 by default; transformers 5 would keep a bf16
-    checkpoint in bf16)."""
-    return neuron_model.load_hf_model(neuron_model.model_path, dtype=torch.float32).eval()
+    """HF transformers' model of the application's checkpoint in float32, NxD Inference's
+    reference: ``load_hf_model(model_path)`` called as NxD Inference calls it (so a model
+    class's own override works), then cast (transformers 4 loaded float32 by default;
+    transformers 5 keeps a bf16 checkpoint in bf16, and the cast up is exact)."""
+    return neuron_model.load_hf_model(neuron_model.model_path).to(torch.float32).eval()
 
 
 def get_generate_outputs(
