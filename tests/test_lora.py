@@ -138,7 +138,7 @@ def test_bad_adapters_are_refused_naming_them(adapters, tmp_path) -> None:
     (dora / "adapter_config.json").write_text(
         json.dumps(settings | {"use_dora": True, "target_modules": ["lm_head"]})
     )
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigError) as error, pytest.warns(UserWarning, match="max_loras raised"):
         make_app(
             checkpoint, {"code": paths["code"], "dora": str(dora), "gone": str(tmp_path / "no")}
         )
@@ -146,7 +146,26 @@ def test_bad_adapters_are_refused_naming_them(adapters, tmp_path) -> None:
     assert "LoRA adapter 'dora'" in message and "use_dora=True is not supported" in message
     assert "trains 'lm_head', which is not served" in message and "has no adapter_model" in message
     assert "LoRA adapter 'gone'" in message and "no readable adapter_config.json" in message
-    assert "names 3 adapters but max_loras is 2" in message
+
+
+def test_the_config_fits_the_adapters_as_nxd_inference_does(adapters, expected) -> None:
+    """max_loras, max_lora_rank and target_modules follow the adapters' configs (with
+    warnings), and the fitted config still serves PEFT's tokens."""
+    checkpoint, paths = adapters
+    with pytest.warns(UserWarning) as said:
+        lora_config = LoraServingConfig(
+            max_loras=1, max_lora_rank=1, target_modules=["q_proj"], lora_ckpt_paths=paths
+        )
+    assert (lora_config.max_loras, lora_config.max_lora_rank) == (2, 8)  # ADAPTERS' largest r
+    assert lora_config.target_modules[0] == "q_proj"
+    assert sorted(lora_config.target_modules) == sorted(ALL)
+    assert [str(w.message).split(":")[1].split()[0] for w in said] == [
+        "max_loras", "max_lora_rank", "target_modules",
+    ]  # fmt: skip
+    config = NeuronConfig(torch_dtype="float32", batch_size=3, seq_len=32, lora_config=lora_config)
+    app = from_pretrained(checkpoint, config)
+    app.to_cpu()
+    assert torch.equal(generate(app), expected)
 
 
 def test_an_adapter_for_another_model_is_refused(adapters, tiny_checkpoint) -> None:

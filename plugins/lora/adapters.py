@@ -51,29 +51,6 @@ class Adapter:
     targets: tuple[str, ...]
 
 
-def adapter_paths(lora_config: Any, on_host: bool = False) -> dict[str, Path]:
-    """Adapter id -> folder of the adapters loaded into slots at start-up (``lora_ckpt_paths``),
-    or with ``on_host`` of those held on the host (``lora_ckpt_paths_cpu``); from the
-    ``lora_ckpt_json`` file (``lora-ckpt-paths``, ``lora-ckpt-paths-cpu``) when it is set."""
-    if lora_config.lora_ckpt_json is None:
-        given = lora_config.lora_ckpt_paths_cpu if on_host else lora_config.lora_ckpt_paths
-        return {name: Path(path) for name, path in (given or {}).items()}
-    source = Path(lora_config.lora_ckpt_json)
-    try:
-        listing = json.loads(source.read_text())
-        folder = Path(listing.get("lora-ckpt-dir", source.parent))
-        paths = listing.get("lora-ckpt-paths-cpu", {}) if on_host else listing["lora-ckpt-paths"]
-        return {name: folder / path for name, path in paths.items()}
-    except (OSError, ValueError, KeyError, AttributeError) as exc:
-        raise ConfigError(
-            [
-                f"lora_ckpt_json {source}: expected a JSON object with 'lora-ckpt-paths' (adapter "
-                "id -> path), and optionally 'lora-ckpt-paths-cpu' and 'lora-ckpt-dir' "
-                f"({type(exc).__name__}: {exc})"
-            ]
-        ) from exc
-
-
 def read_adapter(adapter_id: str, path: Path) -> Adapter:
     """The adapter at ``path``; a CheckpointError naming every problem of it."""
     where = f"LoRA adapter {adapter_id!r} ({path})"
@@ -118,7 +95,8 @@ def read_adapter(adapter_id: str, path: Path) -> Adapter:
 def adapters(config: Any) -> list[Adapter]:
     """The configured adapters in slot order (slot i + 1 is the i-th)."""
     return [
-        read_adapter(i, path) for i, path in adapter_paths(config.neuron_config.lora_config).items()
+        read_adapter(i, path)
+        for i, path in config.neuron_config.lora_config.adapter_paths().items()
     ]
 
 
@@ -131,7 +109,7 @@ def slots(config: Any) -> dict[str, int]:
     """The adapters in a slot at start-up: the first ``max_loras`` listed, in slots 1, 2, ...;
     slot 0 is the base model."""
     lora_config = config.neuron_config.lora_config
-    listed = list(adapter_paths(lora_config))[: lora_config.max_loras]
+    listed = list(lora_config.adapter_paths())[: lora_config.max_loras]
     return {adapter_id: slot for slot, adapter_id in enumerate(listed, start=1)}
 
 
@@ -187,8 +165,8 @@ def validate(context: Any) -> list[str]:
         problems.append(_quantized_contradiction(neuron_config.quantized))
     problems += _route_problems(neuron_config)
     try:
-        paths = adapter_paths(lora_config)
-        host_paths = adapter_paths(lora_config, on_host=True)
+        paths = lora_config.adapter_paths()
+        host_paths = lora_config.adapter_paths(on_host=True)
     except ConfigError as exc:
         return problems + exc.problems
     if host_paths and not lora_config.enable_dynamic_multi_lora:

@@ -24,7 +24,6 @@ from nxdplug.errors import CheckpointError, NotSupportedError, NxdPlugError
 from nxdplug.plugins.lora.adapters import (
     Adapter,
     adapter_matrices,
-    adapter_paths,
     read_adapter,
     slots,
 )
@@ -41,8 +40,8 @@ class AdapterStore:
         self.max_slots = lora_config.max_loras
         self.max_on_host = lora_config.max_cpu_loras
         self.max_rank = lora_config.max_lora_rank
-        self.paths: dict[str, Path] = adapter_paths(lora_config) | adapter_paths(
-            lora_config, on_host=True
+        self.paths: dict[str, Path] = lora_config.adapter_paths() | lora_config.adapter_paths(
+            on_host=True
         )
         self.initial_slots = slots(config)
         self.slot_of: dict[str, int] = dict(self.initial_slots)
