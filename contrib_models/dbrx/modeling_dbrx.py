@@ -76,10 +76,8 @@ def top_k_weighting(p: float | None, top_k: int) -> tuple[bool, bool]:
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
 class DbrxNeuronConfig(MoENeuronConfig):
-    """MoENeuronConfig with gated experts by default: DBRX's experts are GLU MLPs.
+    """MoENeuronConfig for DBRX, whose experts are GLU MLPs (``glu_mlp``, True unless set).
     ``normalize_top_k_affinities`` follows the checkpoint's ``moe_normalize_expert_weights``."""
-
-    glu_mlp: bool = True
 
 
 class DbrxInferenceConfig(InferenceConfig):

@@ -46,7 +46,6 @@ class GptOssNeuronConfig(MoENeuronConfig):
     softmax left as it is. A checkpoint's ``swiglu_alpha`` / ``swiglu_limit`` replace the
     defaults (see :meth:`GptOssInferenceConfig.add_derived_config`)."""
 
-    glu_mlp: bool = True
     glu_type: str = "swiglu"
     hidden_act_scaling_factor: float = DEFAULT_SWIGLU_ALPHA
     hidden_act_bias: float = 1.0

@@ -20,9 +20,8 @@ from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
 class MixtralNeuronConfig(MoENeuronConfig):
-    """MoENeuronConfig with gated experts by default: Mixtral's experts are SwiGLU MLPs."""
-
-    glu_mlp: bool = True
+    """MoENeuronConfig for Mixtral, whose experts are SwiGLU MLPs: ``glu_mlp`` (True unless
+    set) must stay True."""
 
 
 class MixtralInferenceConfig(InferenceConfig):

@@ -27,10 +27,8 @@ from nxdplug.modules.moe.checkpoint_settings import (
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
 class Qwen3MoeNeuronConfig(MoENeuronConfig):
-    """MoENeuronConfig with gated experts by default: Qwen3-MoE's experts are SwiGLU MLPs.
-    ``normalize_top_k_affinities`` follows the checkpoint's ``norm_topk_prob``."""
-
-    glu_mlp: bool = True
+    """MoENeuronConfig for Qwen3-MoE, whose experts are SwiGLU MLPs (``glu_mlp``, True unless
+    set). ``normalize_top_k_affinities`` follows the checkpoint's ``norm_topk_prob``."""
 
 
 class Qwen3MoeInferenceConfig(InferenceConfig):

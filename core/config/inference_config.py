@@ -176,8 +176,8 @@ class InferenceConfig(ComparedByValue):
             )
         try:
             return cls(**merged)
-        except ConfigError as exc:
-            raise ConfigError(exc.problems, exc.source or source) from exc
+        except ConfigError as exc:  # the same type (NxD Inference's, for some), with the file
+            raise type(exc)(exc.problems, exc.source or source) from exc
         except (TypeError, ValueError, KeyError) as exc:
             raise ConfigError([f"cannot build {cls.__name__}: {exc}"], source) from exc
 

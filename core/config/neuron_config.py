@@ -235,8 +235,9 @@ class NeuronConfig(ComparedByValue):
             raise AttentionDtypeError(
                 [
                     "attention dtype and torch dtype are different, however global cast is "
-                    f"enabled (attention_dtype {attention}, torch_dtype {self.torch_dtype}). To "
-                    "enable running multiple precisions, set cast_type='as-declared'"
+                    "enabled. To enable running multiple precisions, set cast-type to "
+                    f"'as-declared' (attention_dtype {attention}, torch_dtype "
+                    f"{self.torch_dtype}: set cast_type='as-declared', or drop attention_dtype)"
                 ]
             )
 

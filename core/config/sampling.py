@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 
 
-@attrs.define(kw_only=True)
+@attrs.define(kw_only=True, slots=False)
 class OnDeviceSamplingConfig:
     """How the model turns logits into tokens; setting it enables on-device sampling.
 
@@ -17,6 +17,10 @@ class OnDeviceSamplingConfig:
     ``on_device_sampling_config``, ``top_k_kernel_enabled`` and ``sampling_dp_degree`` are
     NxD Inference's too (a marker, a Neuron kernel switch, how the sampling work is split over
     ranks): kept in the config, the tokens do not depend on them.
+
+    As NxD Inference's plain class, it takes any attribute assignment (``config.global_topk =
+    0``, ``config.topk = 1``); values and names are checked when the config is used to build a
+    model (:mod:`nxdplug.config.validation`), an unknown name with a did-you-mean.
     """
 
     do_sample: bool = False

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 from nxdplug.config.dtypes import dtype_name
@@ -250,6 +251,13 @@ def _sampling(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
         yield (
             f"on_device_sampling_config.global_topk is {sampling.global_topk!r}; it must be "
             "a whole number, 1 or more"
+        )
+    known = {field.name for field in attrs.fields(type(sampling))}
+    for name in sorted(set(vars(sampling)) - known):
+        yield (
+            f"on_device_sampling_config.{name} is set, but OnDeviceSamplingConfig has no "
+            f"setting {name!r}{did_you_mean(name, known)}, so it would be ignored; fix the "
+            "name or remove it"
         )
 
 
