@@ -65,7 +65,7 @@ def generate_buckets_for_tkg(inference_config: Any) -> list[int] | list[list[int
     each batch size (tkg_batch_size included), largest first, with each sequence bucket."""
     neuron_config = _neuron_config(inference_config)
     buckets = _token_generation_lengths(neuron_config)
-    batches = getattr(neuron_config, "token_generation_batches", None)
+    batches = neuron_config.token_generation_batches
     if batches is None:
         return buckets
     sizes = sorted({*batches, neuron_config.tkg_batch_size}, reverse=True)

@@ -36,6 +36,10 @@ def _computed(compute: Any) -> Any:
     return attrs.Factory(compute, takes_self=True)
 
 
+# How parameters take their dtypes: all cast to torch_dtype, or each keeps the one declared.
+CAST_TYPES = ("config", "as-declared")
+
+
 def _sorted_batches(value: Any) -> list[int] | None:
     if value is None:
         return None
@@ -222,16 +226,12 @@ class NeuronConfig(ComparedByValue):
                     f"batch size ({self.tkg_batch_size})"
                 ]
             )
-        if self.cast_type not in ("config", "as-declared"):
+        if self.cast_type not in CAST_TYPES:
             raise CastTypeError(
                 [f"cast_type must be one of config, as-declared; got {self.cast_type!r}"]
             )
         attention = self.attention_dtype
-        if (
-            attention is not None
-            and attention != self.torch_dtype
-            and self.cast_type != "as-declared"
-        ):
+        if self.attention_dtype_under_global_cast:
             raise AttentionDtypeError(
                 [
                     "attention dtype and torch dtype are different, however global cast is "
@@ -240,6 +240,17 @@ class NeuronConfig(ComparedByValue):
                     f"{self.torch_dtype}: set cast_type='as-declared', or drop attention_dtype)"
                 ]
             )
+
+    @property
+    def attention_dtype_under_global_cast(self) -> bool:
+        """``attention_dtype`` differs from ``torch_dtype``, which the global cast
+        (``cast_type="config"``) would override."""
+        attention = self.attention_dtype
+        return (
+            attention is not None
+            and attention != self.torch_dtype
+            and self.cast_type != "as-declared"
+        )
 
     @classmethod
     def known_attribute_names(cls) -> frozenset[str]:

@@ -17,7 +17,7 @@ import torch
 
 from nxdplug.config.dtypes import dtype_name
 from nxdplug.config.moe import routed_mlp_problems
-from nxdplug.config.neuron_config import NeuronConfig
+from nxdplug.config.neuron_config import CAST_TYPES, NeuronConfig
 from nxdplug.config.suggestions import did_you_mean
 from nxdplug.errors import ConfigError
 from nxdplug.modules.gqa import determine_sharding_strategy, shardable_head_counts
@@ -29,7 +29,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "padding_side": ("left", "right"),
-    "cast_type": ("config", "as-declared"),
+    "cast_type": CAST_TYPES,
 }
 AT_LEAST_ONE = (
     "batch_size",
@@ -130,7 +130,7 @@ def _dtypes(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
         if value not in SUPPORTED_DTYPES:
             yield f"{name} is {_describe_dtype(value)}; use one of {supported}"
     attention = nc.attention_dtype
-    if attention is not None and attention != nc.torch_dtype and nc.cast_type != "as-declared":
+    if nc.attention_dtype_under_global_cast:
         yield (
             f"attention_dtype ({_describe_dtype(attention)}) differs from torch_dtype "
             f"({_describe_dtype(nc.torch_dtype)}), which needs cast_type='as-declared' so "
