@@ -266,13 +266,14 @@ def test_on_device_sampling_with_logits_chooses_on_the_host(pair, path) -> None:
     assert torch.equal(ours, both(pair, **kwargs)[1])
 
 
-def test_speculation_refuses_processors_streamers_and_copies(path, greedy) -> None:
+def test_speculation_refuses_criteria_and_streamers(path, greedy) -> None:
+    """Processors run at every verified position (tests/test_speculation_processors.py);
+    stopping criteria and streamers are refused."""
     adapter = HuggingFaceGenerationAdapter(
         build(path, speculation_length=3, trace_tokengen_model=False)
     )
     lookup = COMMON | {"prompt_lookup_num_tokens": 2}
     for extra, name in [
-        ({"repetition_penalty": 1.3}, "RepetitionPenaltyLogitsProcessor"),
         ({"stopping_criteria": StoppingCriteriaList([StopAfter(1)])}, "StopAfter"),
         ({"streamer": TextStreamer(None)}, "streamer"),
     ]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -163,6 +165,52 @@ def test_the_reference_is_float32_for_a_bfloat16_checkpoint() -> None:
     app = application(shipped, batch_size=1, seq_len=128, max_context_length=64)
 
     check_accuracy(app, AutoTokenizer.from_pretrained(shipped), prompt="class Stack:")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol_map", "divergence_difference_tol"),
+    [(torch.bfloat16, {50: (1e-5, 0.04)}, 0.13), (torch.float32, None, 0.001)],
+    ids=["bfloat16", "float32"],
+)
+def test_nxd_inference_cpu_accuracy_thresholds(dtype, tol_map, divergence_difference_tol):
+    """NxD Inference's CPU accuracy test (``CPU_ACCURACY_THRESHOLDS`` of its Llama 3.1 8B
+    4-layer dtype test) run as it runs there: random 16-token inputs, two rows, 64 tokens
+    checked, its thresholds per dtype. The shipped pycoder-tiny stands in for the 8B layers.
+
+    In bfloat16 it passes because its ``tol_map`` checks the 50 likeliest tokens only: the
+    default map's ``"1000"`` and ``"all"`` entries compare near-zero tail logits, whose relative
+    error in bfloat16 is far above any rtol (same scoring: allclose per entry after the -inf
+    and the fitted shift are removed)."""
+    shipped = Path(__file__).resolve().parents[1] / "examples" / "models" / "pycoder-tiny"
+    config = NeuronConfig(
+        tp_degree=1,
+        batch_size=2,
+        seq_len=256,
+        max_context_length=256,
+        torch_dtype=dtype,
+        on_cpu=True,
+    )
+    app = from_pretrained(shipped, config)
+    app.to_cpu()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = (torch.rand((2, 16), generator=generator) * app.config.vocab_size).to(torch.int32)
+    inputs = Namespace(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    settings = {
+        "generation_config": GenerationConfig(do_sample=False, pad_token_id=0),
+        "num_tokens_to_check": 64,
+        "inputs": inputs,
+        "input_start_offsets": None,
+        "pad_token_id": 0,
+        "divergence_difference_tol": divergence_difference_tol,
+    }
+    results = check_accuracy_logits(app, tol_map=tol_map, **settings)
+    assert [len(row) for row in results] == [64, 64]
+    if dtype == torch.bfloat16:
+        with pytest.raises(LogitMatchingValidationError) as raised:
+            check_accuracy_logits(app, tol_map=None, **settings)
+        failed = [token["error_map"] for row in raised.value.results for token in row]
+        assert max(errors["50"] for errors in failed) < 0.04
+        assert min(errors["all"] for errors in failed) > 0.05
 
 
 def test_expected_logits_use_the_model_classes_own_load_hf_model(app, inputs, expected_logits):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PrefixConstrainedLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from nxdplug.errors import NotSupportedError, NxdPlugError
@@ -34,7 +34,7 @@ from nxdplug.runtime.generate_processors import (
 )
 from nxdplug.runtime.sampling import SamplingParams
 from nxdplug.runtime.scheduled_step import ScheduledStep
-from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice
+from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice, VerifiedProcessors
 from nxdplug.runtime.step_ahead import HostOverlap
 
 # transformers' own fallbacks for settings neither the model nor the caller gives (its
@@ -336,9 +336,9 @@ class HuggingFaceGenerationAdapter:
         new_tokens = self._new_token_budget(config, input_ids.shape[1])
         speculation_mode = self.neuron_model.plugins.speculation_mode
         if speculation_mode is not None or assistant_model is not None:
-            self._refuse_with_speculation(parts, step_keywords, streamer)
+            self._refuse_with_speculation(parts, step_keywords, streamer, input_ids.shape[0])
             return self._speculate(
-                speculation_mode, config, input_ids, attention_mask, new_tokens, assistant_model
+                speculation_mode, parts, input_ids, attention_mask, new_tokens, assistant_model
             )
         if config.prompt_lookup_num_tokens:
             raise NotSupportedError(
@@ -407,12 +407,19 @@ class HuggingFaceGenerationAdapter:
 
     @staticmethod
     def _refuse_with_speculation(
-        parts: GenerationParts, step_keywords: dict[str, Any], streamer: Any
+        parts: GenerationParts, step_keywords: dict[str, Any], streamer: Any, rows: int
     ) -> None:
-        """Speculation modes choose and stop tokens their own way: refuse what they would
-        ignore."""
+        """Speculation modes run the processors at each verified position but stop and stream
+        their own way: refuse what they would ignore."""
         given = sorted(step_keywords)
-        given += [type(p).__name__ for p in parts.host_processors]
+        if rows > 1:
+            # Verified positions are processed with filler sequences in the other rows, which
+            # the function would be asked about.
+            given += [
+                f"{type(p).__name__} with {rows} rows"
+                for p in parts.host_processors
+                if isinstance(p, PrefixConstrainedLogitsProcessor)
+            ]
         given += [type(c).__name__ for c in parts.extra_criteria]
         if streamer is not None:
             given.append("streamer")
@@ -421,20 +428,20 @@ class HuggingFaceGenerationAdapter:
         if given:
             raise NotSupportedError(
                 f"{', '.join(given)} cannot be used with speculative decoding: the speculation "
-                "mode makes its own steps and chooses tokens from the temperature, top_k and "
-                "top_p alone; generate without speculation to use them"
+                "mode makes its own steps; generate without speculation to use them"
             )
 
     def _speculate(
         self,
         speculation_mode: Any,
-        config: GenerationConfig,
+        parts: GenerationParts,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         new_tokens: int,
         assistant_model: Any,
     ) -> torch.Tensor:
         """Hand the generation to the speculation mode's speculator."""
+        config = parts.config
         if speculation_mode is None:
             raise NotSupportedError(
                 "assistant_model needs a target that verifies several tokens per call: build "
@@ -461,6 +468,9 @@ class HuggingFaceGenerationAdapter:
             pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
             assistant_model=assistant_model,
             prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
+            processors=(
+                VerifiedProcessors(parts.processors, input_ids) if parts.host_processors else None
+            ),
         )
         speculator = speculation_mode.load("implementation")(self.neuron_model)
         return speculator.generate(request)

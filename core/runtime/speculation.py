@@ -9,12 +9,16 @@ agrees with and add one token of the target's own, so the output is the target's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
 import torch
 
 from nxdplug.runtime.sampling import SamplingParams
+
+# The settings under which a sampler leaves scores as they are (already processed and warped).
+NEUTRAL_PARAMS = SamplingParams()
 
 
 @attrs.frozen
@@ -36,6 +40,70 @@ class TokenChoice:
         """One token per row of [batch, vocab] logits."""
         return self.sampler(logits, self.params)
 
+    def of_processed_scores(self) -> TokenChoice:
+        """The same choice over scores the generation's warpers have already processed."""
+        return attrs.evolve(self, params=NEUTRAL_PARAMS)
+
+
+@attrs.frozen
+class VerifiedProcessors:
+    """transformers' processors at the positions a speculating target scores.
+
+    As HF's assisted generation does, the processors (and the warpers, when sampling) run at
+    every verified position with the sequence that position follows: the prompt as
+    ``generate()`` got it (padding included, as without speculation), the row's committed
+    tokens, then the proposals before that position. Rows commit different numbers of tokens,
+    so one call takes the positions whose sequences have one length, at most one per row, in
+    the whole batch: each row keeps its index (processors hold per-row state, such as a padded
+    prompt's extent), and the other rows are filler whose scores are dropped.
+    """
+
+    processors: Any  # a transformers LogitsProcessorList
+    prompt: torch.Tensor  # [batch, prompt]
+
+    def first(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scores of the token after the prompt, from [batch, vocab] logits."""
+        return self.processors(self.prompt, logits.float())
+
+    def verified(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[int],
+        committed: Sequence[Sequence[int]],
+        continuations: Sequence[Sequence[Sequence[int]]],
+    ) -> torch.Tensor:
+        """Scores from [len(rows), n, vocab] logits: position j of ``rows[i]`` follows that
+        row's ``committed`` tokens, then ``continuations[i][j]``."""
+        scores = logits.float().clone()
+        by_length: dict[int, list[tuple[int, int, int, list[int]]]] = {}
+        for i, row in enumerate(rows):
+            for j, continuation in enumerate(continuations[i]):
+                tail = [*committed[row], *continuation]
+                by_length.setdefault(len(tail), []).append((row, i, j, tail))
+        for length, positions in by_length.items():
+            while positions:
+                seen: set[int] = set()
+                call = [p for p in positions if not (p[0] in seen or seen.add(p[0]))]
+                positions = [p for p in positions if p not in call]
+                self._process(scores, length, call)
+        return scores
+
+    def _process(
+        self, scores: torch.Tensor, length: int, call: list[tuple[int, int, int, list[int]]]
+    ) -> None:
+        """One processors call over the batch for ``call``'s positions (one per row), each
+        followed by ``length`` tokens after the prompt; their scores are replaced in place."""
+        batch, width = self.prompt.shape
+        sequences = self.prompt.new_zeros(batch, width + length)
+        sequences[:, :width] = self.prompt
+        batch_scores = scores.new_zeros(batch, scores.shape[-1])
+        for row, i, j, tail in call:
+            sequences[row, width:] = torch.tensor(tail, dtype=sequences.dtype)
+            batch_scores[row] = scores[i, j]
+        processed = self.processors(sequences, batch_scores)
+        for row, i, j, _ in call:
+            scores[i, j] = processed[row]
+
 
 @attrs.frozen
 class SpeculativeRequest:
@@ -43,7 +111,10 @@ class SpeculativeRequest:
 
     ``input_ids`` / ``attention_mask`` [batch, prompt] (padding on either side);
     ``assistant_model``: a draft application, for draft-model speculation;
-    ``prompt_lookup_num_tokens``: propose by n-gram lookup in the sequence instead.
+    ``prompt_lookup_num_tokens``: propose by n-gram lookup in the sequence instead;
+    ``processors``: transformers' processors of the call, None when the sampler alone decides.
+    ``choice`` proposes; the target's tokens come from :meth:`first_scores` /
+    :meth:`chain_scores` / :meth:`scores` with :attr:`target_choice`.
     """
 
     input_ids: torch.Tensor
@@ -54,6 +125,44 @@ class SpeculativeRequest:
     pad_token_id: int
     assistant_model: Any = None
     prompt_lookup_num_tokens: int | None = None
+    processors: VerifiedProcessors | None = None
+
+    @property
+    def target_choice(self) -> TokenChoice:
+        """How the target's token is chosen from its scores."""
+        return self.choice if self.processors is None else self.choice.of_processed_scores()
+
+    def first_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's scores of the first new token, from [batch, vocab] logits."""
+        return logits if self.processors is None else self.processors.first(logits)
+
+    def scores(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[int],
+        committed: Sequence[Sequence[int]],
+        continuations: Sequence[Sequence[Sequence[int]]],
+    ) -> torch.Tensor:
+        """The target's scores at verified positions (see :meth:`VerifiedProcessors.verified`);
+        the logits themselves without processors."""
+        if self.processors is None:
+            return logits
+        return self.processors.verified(logits, rows, committed, continuations)
+
+    def chain_scores(
+        self, logits: torch.Tensor, active: torch.Tensor, rows: GeneratedRows, drafts: torch.Tensor
+    ) -> torch.Tensor:
+        """The target's scores of a chain: [batch, k+1, vocab] logits whose position j follows
+        a row's committed tokens and its first j ``drafts`` ([batch, k]); only ``active`` rows
+        are processed."""
+        if self.processors is None:
+            return logits
+        chosen = active.nonzero().squeeze(-1).tolist()
+        continuations = [[row[:j] for j in range(len(row) + 1)] for row in drafts[chosen].tolist()]
+        scores = logits.float().clone()
+        processed = self.processors.verified(logits[chosen], chosen, rows.tokens, continuations)
+        scores[chosen] = processed
+        return scores
 
 
 class Speculator(Protocol):
@@ -185,17 +294,20 @@ def rejection_acceptance(
 
 
 def accept(
-    choice: TokenChoice,
+    request: SpeculativeRequest,
     drafts: torch.Tensor,
     draft_logits: torch.Tensor | None,
-    target_logits: torch.Tensor,
+    target_scores: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The acceptance rule for ``choice``: greedy matching, or rejection sampling (with the
-    draft's logits, or None for a proposer without a distribution)."""
+    """The acceptance rule of ``request``: greedy matching, or rejection sampling (with the
+    logits ``request.choice`` drew the drafts from, or None for a proposer without a
+    distribution)."""
+    choice = request.choice
     if not choice.do_sample:
-        return greedy_acceptance(drafts, target_logits)
+        return greedy_acceptance(drafts, target_scores)
     draft_probabilities = None if draft_logits is None else choice.probabilities(draft_logits)
-    return rejection_acceptance(drafts, draft_probabilities, choice.probabilities(target_logits))
+    target_probabilities = request.target_choice.probabilities(target_scores)
+    return rejection_acceptance(drafts, draft_probabilities, target_probabilities)
 
 
 class GeneratedRows:

@@ -347,11 +347,16 @@ def derived_checkpoint(
 
 
 def exact_top_k_marginals(
-    checkpoint: str | Path, prompt: torch.Tensor, steps: int, top_k: int
+    checkpoint: str | Path,
+    prompt: torch.Tensor,
+    steps: int,
+    top_k: int,
+    processors: Any = None,
 ) -> list[torch.Tensor]:
     """P(t_1), ..., P(t_steps) [vocab] of top-k sampling at temperature 1 after ``prompt``
     ([length]), computed with HF transformers over every path of ``steps`` tokens (top_k**steps
-    of them): the reference that sampled speculation is tested against."""
+    of them): the reference that sampled speculation is tested against. ``processors`` (a
+    transformers LogitsProcessorList) run before the top-k filter, as in HF's ``generate()``."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
@@ -364,6 +369,8 @@ def exact_top_k_marginals(
                 [torch.cat([prompt, torch.tensor(p, dtype=torch.long)]) for p in prefixes]
             )
             logits = hf(inputs).logits[:, -1]
+            if processors is not None:
+                logits = processors(inputs, logits)
             kth = logits.topk(top_k, dim=-1).values[..., -1:]
             probabilities = logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
             marginal = torch.zeros(probabilities.shape[-1], dtype=torch.float64)

@@ -63,7 +63,7 @@ class ChainSpeculator:
         )
         target.reset()
         prompt = target(input_ids=request.input_ids, attention_mask=request.attention_mask)
-        first = request.choice.choose(prompt.logits[:, -1])
+        first = request.target_choice.choose(request.first_scores(prompt.logits[:, -1]))
         rows.commit(first[:, None], torch.ones(batch, dtype=torch.long, device=device))
         history = [
             [*ids[mask.bool()].tolist(), token]
@@ -79,7 +79,8 @@ class ChainSpeculator:
             drafts, draft_logits = proposer.propose(history, positions)
             tokens = torch.cat([rows.last_tokens()[:, None], drafts], dim=1)
             verified = target(input_ids=tokens, position_ids=positions[:, None] + steps)
-            chosen, counts = accept(request.choice, drafts, draft_logits, verified.logits)
+            scores = request.chain_scores(verified.logits, active, rows, drafts)
+            chosen, counts = accept(request, drafts, draft_logits, scores)
             taken = rows.commit(chosen, counts)
             stats.record(self.k, counts[active] - 1, counts[active])
             for row in range(batch):

@@ -81,7 +81,7 @@ class EagleSpeculator:
             return rows.sequences(request.input_ids)
 
         logits, feature = self.context(StepInputs(tokens, mask, positions, seq_ids))
-        first = request.choice.choose(logits[:, -1])
+        first = request.target_choice.choose(request.first_scores(logits[:, -1]))
         rows.commit(first[:, None], torch.ones(batch, dtype=torch.long, device=device))
 
         offsets = torch.arange(k + 1, device=device)
@@ -114,10 +114,11 @@ class EagleSpeculator:
                 },
             )
             drafts, draft_logits, target_logits, features = self.speculation(step)
-            new_tokens, counts = self._accept(
-                request.choice, drafts, draft_logits, target_logits, inv_temperature
-            )
             active = rows.active
+            scores = request.chain_scores(target_logits, active, rows, drafts)
+            new_tokens, counts = self._accept(
+                request, drafts, draft_logits, scores, inv_temperature
+            )
             rows.commit(new_tokens, counts)
             stats.record(k, (counts - 1)[active], counts[active])
 
@@ -149,15 +150,16 @@ class EagleSpeculator:
 
     @staticmethod
     def _accept(
-        choice: TokenChoice,
+        request: SpeculativeRequest,
         drafts: torch.Tensor,
         draft_logits: torch.Tensor,
-        target_logits: torch.Tensor,
+        target_scores: torch.Tensor,
         inv_temperature: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy matching, or speculative sampling with q the distribution the graph drew
         the drafts from (``softmax(logits / T)``), p the target's processed distribution."""
-        if not choice.do_sample:
-            return greedy_acceptance(drafts, target_logits)
+        if not request.choice.do_sample:
+            return greedy_acceptance(drafts, target_scores)
         q = (draft_logits * inv_temperature[:, :, None]).softmax(dim=-1)
-        return rejection_acceptance(drafts, q, choice.probabilities(target_logits))
+        p = request.target_choice.probabilities(target_scores)
+        return rejection_acceptance(drafts, q, p)

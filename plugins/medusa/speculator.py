@@ -73,8 +73,8 @@ class MedusaSpeculator:
         device = tokens.device
         seq_ids = torch.arange(batch, device=device)
         base_logits, top = self.context(StepInputs(tokens, mask, positions, seq_ids))
-        choose = request.choice.choose
-        roots, top = choose(base_logits[:, -1]), top[:, -1]
+        choose = request.target_choice.choose
+        roots, top = choose(request.first_scores(base_logits[:, -1])), top[:, -1]
         rows = GeneratedRows(
             batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id, device
         )
@@ -89,7 +89,8 @@ class MedusaSpeculator:
             logits, node_top = self.verifier(
                 StepInputs(candidates, tree_mask, slots, seq_ids[active])
             )
-            targets = choose(logits.flatten(0, 1)).view(logits.shape[:2])
+            scores = self._scores(request, logits, active, rows, candidates)
+            targets = choose(scores.flatten(0, 1)).view(logits.shape[:2])
             best, accepted = tree.accept(candidates, targets)
             path = tree.paths[best]
             emitted = torch.zeros(batch, tree.max_depth + 1, dtype=tokens.dtype, device=device)
@@ -105,3 +106,22 @@ class MedusaSpeculator:
             top[active] = node_top[picked, best]
         app.reset()
         return rows.sequences(request.input_ids)
+
+    def _scores(
+        self,
+        request: SpeculativeRequest,
+        logits: torch.Tensor,
+        active: torch.Tensor,
+        rows: GeneratedRows,
+        candidates: torch.Tensor,
+    ) -> torch.Tensor:
+        """The target's scores at each node: node j follows the row's committed tokens, then
+        the candidates on the path from the root to j."""
+        if request.processors is None:
+            return logits
+        depth, paths = self.tree.depth.tolist(), self.tree.paths.tolist()
+        continuations = [
+            [[row[node] for node in paths[j][: depth[j] + 1]] for j in range(len(row))]
+            for row in candidates.tolist()
+        ]
+        return request.scores(logits, active.tolist(), rows.tokens, continuations)
