@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nxdplug import NeuronConfig, from_pretrained
+from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.errors import NxdPlugError
 
 
@@ -124,3 +124,27 @@ def test_generate_continues_the_cut_prompt(llama_path) -> None:
     expected = hf.generate(ids[:, :32], max_new_tokens=6, do_sample=False)
     assert out.tolist() == expected.tolist()
     assert len(set(out[0, 32:].tolist())) > 1  # the greedy path varies
+
+
+def test_an_eager_model_pads_prompts_to_a_width_step_not_to_the_bucket(llama_path) -> None:
+    """Eager models take any width: a prompt costs its own length (rounded up to
+    EAGER_PROMPT_WIDTH_STEP), not its bucket's; the tokens are still HF's."""
+    app = make_app(llama_path, enable_bucketing=False, seq_len=128, max_context_length=96)
+    cte = app.context_encoding_model
+    assert cte.buckets == [96] and not cte.fixed_widths
+    widths = []
+    phase = cte.model
+    original = phase.forward
+    phase.forward = lambda step: widths.append(step.input_ids.shape[-1]) or original(step)
+    hf = AutoModelForCausalLM.from_pretrained(llama_path, dtype=torch.float32).eval()
+    try:
+        for length in (10, 40, 90):
+            ids = torch.arange(5, 5 + length).unsqueeze(0)
+            out = HuggingFaceGenerationAdapter(app).generate(
+                ids, do_sample=False, max_new_tokens=4, eos_token_id=None
+            )
+            expected = hf.generate(ids, do_sample=False, max_new_tokens=4, eos_token_id=None)
+            assert torch.equal(out, expected), length
+    finally:
+        phase.forward = original
+    assert [w for w in widths if w > 1] == [32, 64, 96]  # the same module decodes too

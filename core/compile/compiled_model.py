@@ -396,6 +396,7 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
             skeleton.function.weight_names if weights else [],
             form_weights,
         )
+        wrapper.fixed_widths = True
     if not app.neuron_config.skip_warmup:
         warm_up(app)
     app.is_loaded_to_neuron = True

@@ -201,6 +201,7 @@ class NeuronApplicationBase(nn.Module):
         model = record.load("implementation")().prepare(self.build_model())
         for wrapper in self.models:
             wrapper.model = wrapper.phase_module(model)
+            wrapper.fixed_widths = False
         self.backend_name = DEFAULT_BACKEND
         self.context.bind(self)
         self.loading_thread = LoadingThread()

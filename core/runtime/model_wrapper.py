@@ -22,6 +22,10 @@ TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
 # The speculation plugins' verification phases, under NxD Inference's tags.
 SPECULATION_MODEL_TAG = "speculation_model"
 FUSED_SPECULATION_MODEL_TAG = "fused_speculation_model"
+# An eager model takes prompts of any width: it pads them to a multiple of this many tokens
+# rather than to their bucket, whose padding it would compute like the prompt (a 512-token
+# prompt in the default 1024-token bucket took twice HF's time to first token).
+EAGER_PROMPT_WIDTH_STEP = 32
 
 
 class ModelWrapper(nn.Module):
@@ -70,6 +74,8 @@ class ModelWrapper(nn.Module):
         self.batch_size = batch_size
         self.context: Any = None
         self.step_inputs: tuple[Any, ...] = ()
+        # Whether the model runs graphs of one bucket's shapes (compiled) or any shape (eager).
+        self.fixed_widths = True
 
     def attach(self, context: Any) -> None:
         """Join an application's pipeline context: the step inputs the enabled plugins add to
@@ -324,9 +330,14 @@ class ModelWrapper(nn.Module):
 
     def pad_to_bucket(self, step: StepInputs, needed: int | None = None) -> StepInputs:
         """The step with its mask widened to the smallest bucket holding ``needed`` positions
-        (the mask's width by default); in context encoding the tokens and positions too."""
+        (the mask's width by default); in context encoding the tokens and positions too. An
+        eager model's prompts are widened only to a multiple of EAGER_PROMPT_WIDTH_STEP."""
         attention_mask = step.attention_mask
-        bucket = self.bucket_for(attention_mask.shape[-1] if needed is None else needed)
+        width = attention_mask.shape[-1] if needed is None else needed
+        bucket = self.bucket_for(width)
+        if self.is_context_encoding and not self.fixed_widths:
+            step_size = EAGER_PROMPT_WIDTH_STEP
+            bucket = min(bucket, -(-width // step_size) * step_size)
         mask_pad = bucket - attention_mask.shape[-1]
         step = step.replace(attention_mask=nn.functional.pad(attention_mask, (0, mask_pad)))
         if not self.is_context_encoding:
