@@ -150,7 +150,8 @@ class StateDictConverter(SelectableRecord):
 
 @attrs.frozen(kw_only=True)
 class QuantizationMethod(PluginRecord):
-    """Weight quantization to ``dtype`` (``int8``, ``f8e4m3``, ...) at a ``granularity``.
+    """Weight quantization to ``dtype`` (``int8``, ``f8e4m3``, ...) at a ``granularity``
+    (``per_tensor``, ``per_channel``, or ``blockwise``: groups of input features).
 
     ``implementation`` is a class built with no arguments whose
     ``quantize_state_dict(state_dict, config) -> state_dict`` returns the quantized checkpoint.
@@ -159,7 +160,9 @@ class QuantizationMethod(PluginRecord):
     """
 
     dtype: str
-    granularity: str = attrs.field(validator=attrs.validators.in_(("per_tensor", "per_channel")))
+    granularity: str = attrs.field(
+        validator=attrs.validators.in_(("per_tensor", "per_channel", "blockwise"))
+    )
     implementation: str = _ref_field()
 
     @staticmethod

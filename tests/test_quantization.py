@@ -16,6 +16,8 @@ f8e4m3 per channel  0.99969  0.99813  127/128   0.989
 f8e4m3 per tensor   0.99964  0.99648  125/128   1.017
 f8e5m2 per channel  0.99871  0.99174  124/128   1.011
 f8e5m2 per tensor   0.99855  0.98377  121/128   0.993
+int4 blocks of 128  0.99486  0.97226  119/128   1.025
+int4 per channel    0.99421  0.97056  115/128   1.013
 =================== ======== ======== ========= ===============================
 
 ``BOUNDS`` asserts each with a margin. Generating freely, int8 per channel reproduces the
@@ -71,6 +73,8 @@ BOUNDS = {
     ("f8e4m3", "per_tensor"): (0.998, 0.99, 0.93, 1.03),
     ("f8e5m2", "per_channel"): (0.995, 0.97, 0.90, 1.05),
     ("f8e5m2", "per_tensor"): (0.995, 0.97, 0.90, 1.05),
+    ("int4", "blockwise"): (0.993, 0.96, 0.88, 1.05),
+    ("int4", "per_channel"): (0.992, 0.96, 0.85, 1.04),
 }
 
 TINY_ATTRIBUTES = {
@@ -167,27 +171,35 @@ def int8_checkpoint(tmp_path_factory) -> Path:
 # -- the methods ------------------------------------------------------------------------------
 
 
-def test_the_six_methods_are_registered_and_selected_by_the_config(plugin_manager) -> None:
-    for dtype in ("int8", "f8e4m3", "f8e5m2"):
-        for granularity in ("per_tensor", "per_channel"):
-            config = tiny_config(
-                quantization_dtype=dtype, quantization_type=f"{granularity}_symmetric"
-            )
-            name = QuantizationMethod.name_for(config.neuron_config)
-            record = get_registry().get("quantization_methods", name)
-            assert (record.name, record.dtype, record.granularity) == (
-                f"{dtype}-{granularity}",
-                dtype,
-                granularity,
-            )
-            assert callable(record.load("implementation")().quantize_state_dict)
+METHOD_PAIRS = [
+    *(
+        (dtype, granularity)
+        for dtype in ("int8", "f8e4m3", "f8e5m2")
+        for granularity in ("per_tensor", "per_channel")
+    ),
+    ("int4", "per_channel"),
+    ("int4", "blockwise"),
+]
+
+
+def test_the_eight_methods_are_registered_and_selected_by_the_config(plugin_manager) -> None:
+    for dtype, granularity in METHOD_PAIRS:
+        config = tiny_config(quantization_dtype=dtype, quantization_type=f"{granularity}_symmetric")
+        name = QuantizationMethod.name_for(config.neuron_config)
+        record = get_registry().get("quantization_methods", name)
+        assert (record.name, record.dtype, record.granularity) == (
+            f"{dtype}-{granularity}",
+            dtype,
+            granularity,
+        )
+        assert callable(record.load("implementation")().quantize_state_dict)
 
 
 def test_plugin_is_listed_by_the_cli(plugin_manager, capsys) -> None:
     assert main(["plugins", "list", "--json"]) == 0
     (row,) = [r for r in json.loads(capsys.readouterr().out) if r["name"] == "quantization"]
     assert row["status"] == "active"
-    assert len(row["provides"]["quantization_methods"]) == 6
+    assert len(row["provides"]["quantization_methods"]) == len(METHOD_PAIRS)
     assert row["provides"]["features"] == ["weight-quantization"]
 
 

@@ -16,7 +16,8 @@ def fuse_qkv_projections(
     """q_proj, k_proj, v_proj (weight and bias) -> qkv_proj, stacked along the output dim.
 
     A quantized checkpoint's ``weight_scale`` follows its weight's rows. Per-tensor scales
-    differ between q, k and v, so they become one scale per row of the fused projection.
+    differ between q, k and v, so they become one scale per row of the fused projection;
+    group scales ([rows, groups]) are stacked as they are.
     """
     fused = dict(state_dict)
     for key in list(state_dict):
@@ -26,7 +27,7 @@ def fuse_qkv_projections(
         prefix, kind = match["prefix"], match["kind"]
         names = [f"{prefix}{name}_proj" for name in ("q", "k", "v")]
         parts = [fused.pop(f"{name}.{kind}") for name in names]
-        if kind == "weight_scale":
+        if kind == "weight_scale" and parts[0].dim() < 2:
             rows = [state_dict[f"{name}.weight"].shape[0] for name in names]
             parts = [s.reshape(-1).expand(n) for s, n in zip(parts, rows, strict=True)]
         fused[f"{prefix}qkv_proj.{kind}"] = torch.cat(parts, dim=0)

@@ -11,7 +11,15 @@ from typing import Any
 import torch
 
 from nxdplug.errors import CheckpointError
-from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES
+from nxdplug.plugins.quantization.int4 import (
+    PACK_FACTOR,
+    kernel_group_size,
+    kernel_scales,
+    padded_features,
+    to_kernel_layout,
+    unpack_int4,
+)
+from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, int4_group
 from nxdplug.plugins.quantization.targets import (
     SCALE_SUFFIX,
     has_row_scales,
@@ -29,6 +37,8 @@ def fit_quantized_weights(
     a scale of the other granularity is reported, all at once, with the setting that fits.
     """
     neuron_config = config.neuron_config
+    if neuron_config.quantization_dtype == "int4":
+        return fit_int4_weights(state_dict, config)
     dtype_name = neuron_config.quantization_dtype
     dtype = QUANTIZED_DTYPES[dtype_name]
     granularity = neuron_config.quantization_type
@@ -65,6 +75,48 @@ def fit_quantized_weights(
                 "quantization_type to the checkpoint's granularity"
             )
         fitted[f"{key}{SCALE_SUFFIX}"] = scale.reshape(-1)
+    if problems:
+        raise CheckpointError(
+            f"the quantized checkpoint {neuron_config.quantized_checkpoints_path} does not fit "
+            "the config:\n" + "\n".join(f"  {p}" for p in problems)
+        )
+    return fitted
+
+
+def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """Packed int4 weights (int32 [out, in / 8]) and their scales ([out, in / group]) to the
+    int4 layers' layout: the CPU kernel's packing and ``scales_and_zeros`` (:mod:`.int4`)."""
+    neuron_config = config.neuron_config
+    skip = neuron_config.modules_to_not_convert
+    fitted = dict(state_dict)
+    problems = []
+    for key, packed in state_dict.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf != "weight" or not is_quantized_module(module, skip):
+            continue
+        scale = state_dict.get(f"{key}{SCALE_SUFFIX}")
+        if packed.dtype != torch.int32 or packed.dim() != 2 or scale is None or scale.dim() != 2:
+            problems.append(
+                f"{key} is {packed.dtype} {list(packed.shape)} with scale "
+                f"{None if scale is None else list(scale.shape)}; int4 weights are int32 "
+                "[out, in / 8] with a scale [out, in / group]: quantize the checkpoint with "
+                "quantization_dtype='int4' (or leave the module in modules_to_not_convert)"
+            )
+            continue
+        in_features = packed.shape[1] * PACK_FACTOR
+        group = int4_group(neuron_config, in_features)
+        groups = -(-in_features // group)
+        if scale.shape != (packed.shape[0], groups):
+            problems.append(
+                f"{key}{SCALE_SUFFIX} is {list(scale.shape)}, but groups of {group} input "
+                f"features mean {[packed.shape[0], groups]}; set "
+                "quantization_type / quantization_block_size to the checkpoint's"
+            )
+            continue
+        kernel_group = kernel_group_size(group, in_features)
+        padded = padded_features(in_features, group, kernel_group)
+        fitted[key] = to_kernel_layout(unpack_int4(packed), padded)
+        fitted[f"{key}{SCALE_SUFFIX}"] = kernel_scales(scale.float(), group, kernel_group, padded)
     if problems:
         raise CheckpointError(
             f"the quantized checkpoint {neuron_config.quantized_checkpoints_path} does not fit "

@@ -1,11 +1,13 @@
-"""Weight quantization: int8, f8e4m3 and f8e5m2, per tensor or per output channel (symmetric).
+"""Weight quantization: int8, f8e4m3 and f8e5m2, per tensor or per output channel, and int4 per
+output channel or blockwise (groups of input features), all symmetric.
 
 ``NeuronConfig(quantized=True, quantized_checkpoints_path=..., quantization_dtype=...,
 quantization_type=...)`` switches it on. ``save_quantized_state_dict`` writes the checkpoint
-with the method record ``<dtype>-<per_tensor|per_channel>``; loading swaps the projections
-(:mod:`.targets` says which, less ``modules_to_not_convert``) for layers that keep the 8-bit
-weights in memory: on the CPU, int8 weights times up to 32 rows (decoding) go to the plugin's
-int8 matmul (:mod:`.kernel`); prompts, fp8 weights and other devices dequantize per call.
+with the method record ``<dtype>-<per_tensor|per_channel|blockwise>``; loading swaps the
+projections (:mod:`.targets` says which, less ``modules_to_not_convert``) for layers that keep
+the quantized weights in memory: on the CPU, int8 weights times up to 32 rows (decoding) go to
+the plugin's int8 matmul (:mod:`.kernel`), int4 weights times a few rows to PyTorch's int4
+matmul (:mod:`.int4`); prompts, fp8 weights and other devices dequantize per call.
 f8e4m3 needs ``XLA_HANDLE_SPECIAL_SCALAR=1`` on Neuron only; on the CPU nothing is needed.
 """
 
@@ -28,7 +30,18 @@ METHODS = (
     ("f8e4m3", "per_channel", "F8e4m3PerChannel"),
     ("f8e5m2", "per_tensor", "F8e5m2PerTensor"),
     ("f8e5m2", "per_channel", "F8e5m2PerChannel"),
+    ("int4", "per_channel", "Int4Quantizer"),
+    ("int4", "blockwise", "Int4Quantizer"),
 )
+# NxD Inference's blockwise settings: input features per scale, and the axis they run along.
+BLOCK_SETTINGS = {"quantization_block_size": None, "quantization_block_axis": None}
+
+
+SCALE_SPANS = {
+    "per_tensor": "per tensor",
+    "per_channel": "per output channel",
+    "blockwise": "per quantization_block_size input features of a row (default 128)",
+}
 
 
 @hookimpl
@@ -39,8 +52,7 @@ def nxdplug_quantization_methods() -> Iterable[QuantizationMethod]:
             dtype=dtype,
             granularity=granularity,
             implementation=f"{PACKAGE}.methods:{implementation}",
-            description=f"symmetric {dtype} weights, one float32 scale "
-            + ("per output channel" if granularity == "per_channel" else "per tensor"),
+            description=f"symmetric {dtype} weights, one scale " + SCALE_SPANS[granularity],
         )
 
 
@@ -51,7 +63,9 @@ def nxdplug_features() -> Iterable[Feature]:
         enabled_by=("quantized",),
         validate=f"{PACKAGE}.validation:validate",
         transform_model=f"{PACKAGE}.layers:quantize_model",
-        description="8-bit projection weights with float32 scales; an int8 matmul for decoding",
+        settings=BLOCK_SETTINGS,
+        description="8-bit and int4 projection weights with their scales; int8 and int4 "
+        "matmuls for decoding",
     )
 
 

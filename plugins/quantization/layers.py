@@ -19,8 +19,15 @@ from nxdplug.modules.parallel_linear import (
     ColumnParallelLinear,
     RowParallelLinear,
 )
+from nxdplug.plugins.quantization.int4 import (
+    check_kernel_layout,
+    dequantize_int4,
+    int4_matmul,
+    kernel_group_size,
+    padded_features,
+)
 from nxdplug.plugins.quantization.kernel import int8_matmul_op
-from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight
+from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight, int4_group
 from nxdplug.plugins.quantization.targets import (
     has_row_scales,
     is_quantized_module,
@@ -32,6 +39,12 @@ from nxdplug.plugins.quantization.targets import (
 # 671 at 32; its cost grows by about a GEMV a row, the GEMM's barely).
 INT8_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
+# Up to this many rows PyTorch's int4 matmul beats dequantizing for a GEMM (1 thread, 2048x8192
+# bf16 weights: 1.2 against 4.6 ms at 1 row, 5.1 against 6.3 at 8).
+INT4_KERNEL_MAX_ROWS = 8
+INT4_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The CPU kernel's packing takes weights whose output rows are a multiple of this.
+INT4_ROW_MULTIPLE = 16
 
 
 class QuantizedWeight:
@@ -85,6 +98,63 @@ class QuantizedWeight:
         return out if bias is None else out + bias
 
 
+class Int4Weight:
+    """What the int4 layers add to their parallel linear base: the weight packed in the CPU
+    kernel's layout (uint8 [out, in / 2]), its scales as the kernel takes them
+    (``weight_scale`` [in / kernel_group, out, 2], in the model's dtype), and the two ways to
+    multiply (:mod:`.int4`)."""
+
+    weight: nn.Parameter
+    weight_scale: nn.Parameter
+    kernel_group: int
+    multiplied_features: int
+    padded_in_features: int
+
+    def _hold_int4(self, group: int) -> None:
+        out_features, in_features = self.weight.shape
+        if out_features % INT4_ROW_MULTIPLE:
+            raise ConfigError(
+                f"int4 weights need output rows in multiples of {INT4_ROW_MULTIPLE} (PyTorch's "
+                f"CPU int4 packing); this projection has {out_features}: add it to "
+                "modules_to_not_convert"
+            )
+        check_kernel_layout()
+        self.kernel_group = kernel_group_size(group, in_features)
+        # The layout may hold zero columns past the input features the layer multiplies.
+        self.multiplied_features = in_features
+        self.padded_in_features = padded_features(in_features, group, self.kernel_group)
+        device, dtype = self.weight.device, self.weight.dtype
+        packed_shape = (out_features, self.padded_in_features // 2)
+        self.weight = nn.Parameter(
+            torch.empty(packed_shape, dtype=torch.uint8, device=device), requires_grad=False
+        )
+        groups = self.padded_in_features // self.kernel_group
+        self.weight_scale = nn.Parameter(
+            torch.ones(groups, out_features, 2, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """The int4 weight dequantized for this call (prompts); the base layer does the rest."""
+        return dequantize_int4(self.weight, self.weight_scale, self.multiplied_features, dtype)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Up to INT4_KERNEL_MAX_ROWS rows (decoding) go to PyTorch's CPU int4 matmul, which
+        reads the packed weight as it is; more rows dequantize the weight for a GEMM."""
+        rows = x.numel() // x.shape[-1]
+        if (
+            rows > INT4_KERNEL_MAX_ROWS
+            or x.device.type != "cpu"
+            or x.dtype not in INT4_KERNEL_INPUT_DTYPES
+        ):
+            return super().project(x, bias)
+        scales = self.weight_scale.to(x.dtype)
+        padding = self.padded_in_features - self.multiplied_features
+        flat = nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, padding))
+        out = int4_matmul(flat, self.weight, self.kernel_group, scales)
+        out = out.reshape(*x.shape[:-1], -1)
+        return out if bias is None else out + bias
+
+
 class QuantizedColumnParallelLinear(QuantizedWeight, ColumnParallelLinear):
     """ColumnParallelLinear with an 8-bit weight; ``weight_scale`` is [out] or [1]."""
 
@@ -94,26 +164,36 @@ class QuantizedRowParallelLinear(QuantizedWeight, RowParallelLinear):
     rank, since each rank holds all the output rows."""
 
 
-QUANTIZED_TWINS: dict[
-    type[nn.Module], type[QuantizedColumnParallelLinear] | type[QuantizedRowParallelLinear]
-] = {
-    ColumnParallelLinear: QuantizedColumnParallelLinear,
-    RowParallelLinear: QuantizedRowParallelLinear,
+class Int4ColumnParallelLinear(Int4Weight, ColumnParallelLinear):
+    """ColumnParallelLinear with an int4 weight."""
+
+
+class Int4RowParallelLinear(Int4Weight, RowParallelLinear):
+    """RowParallelLinear with an int4 weight."""
+
+
+QUANTIZED_TWINS: dict[tuple[type[nn.Module], type], type[nn.Module]] = {
+    (ColumnParallelLinear, QuantizedWeight): QuantizedColumnParallelLinear,
+    (RowParallelLinear, QuantizedWeight): QuantizedRowParallelLinear,
+    (ColumnParallelLinear, Int4Weight): Int4ColumnParallelLinear,
+    (RowParallelLinear, Int4Weight): Int4RowParallelLinear,
 }
 
 
 @functools.cache
-def quantized_twin(cls: type[nn.Module]) -> type[nn.Module] | None:
-    """The quantized class of a parallel linear class: its twin above; for a subclass that
-    another feature made (a projection with LoRA adapters), that class with the 8-bit weight
-    added, so that what the subclass adds stays; None for anything else or if quantized."""
-    if cls in QUANTIZED_TWINS:
-        return QUANTIZED_TWINS[cls]
-    if issubclass(cls, QuantizedWeight) or not issubclass(
+def quantized_twin(cls: type[nn.Module], form: type = QuantizedWeight) -> type[nn.Module] | None:
+    """The class of a parallel linear class with its weight in ``form`` (QuantizedWeight:
+    8 bits; Int4Weight): its twin above; for a subclass that another feature made (a projection
+    with LoRA adapters), that class with the form added, so that what the subclass adds stays;
+    None for anything else or if quantized."""
+    if (cls, form) in QUANTIZED_TWINS:
+        return QUANTIZED_TWINS[cls, form]
+    if issubclass(cls, (QuantizedWeight, Int4Weight)) or not issubclass(
         cls, (ColumnParallelLinear, RowParallelLinear)
     ):
         return None
-    return type(f"Quantized{cls.__name__}", (QuantizedWeight, cls), {"__module__": __name__})
+    prefix = "Quantized" if form is QuantizedWeight else "Int4"
+    return type(f"{prefix}{cls.__name__}", (form, cls), {"__module__": __name__})
 
 
 def quantize_linear_layers(model: nn.Module, config: Any) -> None:
@@ -124,7 +204,8 @@ def quantize_linear_layers(model: nn.Module, config: Any) -> None:
     typo would otherwise quantize the module it meant to keep.
     """
     neuron_config = config.neuron_config
-    dtype = QUANTIZED_DTYPES[neuron_config.quantization_dtype]
+    int4 = neuron_config.quantization_dtype == "int4"
+    dtype = None if int4 else QUANTIZED_DTYPES[neuron_config.quantization_dtype]
     per_channel = neuron_config.quantization_type == "per_channel_symmetric"
     skip = neuron_config.modules_to_not_convert
     modules = dict(model.named_modules())
@@ -139,7 +220,11 @@ def quantize_linear_layers(model: nn.Module, config: Any) -> None:
             for entry in unknown
         )
     for name, module in modules.items():
-        if quantized_twin(type(module)) is not None and is_quantized_module(name, skip):
+        if quantized_twin(type(module)) is None or not is_quantized_module(name, skip):
+            continue
+        if int4:
+            hold_int4(module, int4_group(neuron_config, module.in_features))
+        else:
             hold_quantized(module, dtype, has_row_scales(name, per_channel))
 
 
@@ -153,6 +238,17 @@ def hold_quantized(layer: nn.Module, dtype: torch.dtype, row_scales: bool) -> nn
         raise TypeError(f"{type(layer).__name__} is not a parallel linear layer to quantize")
     layer.__class__ = twin
     layer._hold_quantized(dtype, row_scales)
+    return layer
+
+
+def hold_int4(layer: nn.Module, group: int) -> nn.Module:
+    """``layer`` (a parallel linear) turned into its int4 twin, unloaded, with scales for
+    groups of ``group`` input features (as :func:`hold_quantized` does for 8 bits)."""
+    twin = quantized_twin(type(layer), Int4Weight)
+    if twin is None:
+        raise TypeError(f"{type(layer).__name__} is not a parallel linear layer to quantize")
+    layer.__class__ = twin
+    layer._hold_int4(group)
     return layer
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 from torch import nn
 
+from nxdplug.plugins.quantization.layers import Int4Weight
 from nxdplug.plugins.quantization.targets import SCALE_SUFFIX
 
 MIB = 2**20
@@ -12,7 +13,7 @@ MIB = 2**20
 
 @attrs.frozen
 class WeightMemory:
-    """Parameter bytes: ``held`` as the model holds them (8-bit weights and their scales
+    """Parameter bytes: ``held`` as the model holds them (quantized weights and their scales
     included), and what the same weights would take dense in float32 and in bfloat16."""
 
     held: int
@@ -28,10 +29,20 @@ class WeightMemory:
 
 
 def weight_memory(model: nn.Module) -> WeightMemory:
-    """The :class:`WeightMemory` of ``model``'s parameters, each tied parameter counted once."""
+    """The :class:`WeightMemory` of ``model``'s parameters, each tied parameter counted once
+    (an int4 weight stands for the [out, in] weights it packs two to a byte)."""
     held = dense = 0
-    for name, parameter in model.named_parameters():
-        held += parameter.numel() * parameter.element_size()
-        if not name.endswith(SCALE_SUFFIX):
-            dense += parameter.numel()
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            held += parameter.numel() * parameter.element_size()
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            if name == "weight" and isinstance(module, Int4Weight):
+                dense += module.weight.shape[0] * module.multiplied_features
+            else:
+                dense += parameter.numel()
     return WeightMemory(held=held, float32=4 * dense, bfloat16=2 * dense)

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from nxdplug.plugins.quantization.int4 import pack_int4, quantize_int4
 from nxdplug.plugins.quantization.targets import SCALE_SUFFIX, is_quantized_module
 
 QUANTIZED_DTYPES: dict[str, torch.dtype] = {
@@ -96,6 +97,41 @@ def _with_untied_head(
     if embedding is None:
         return state_dict
     return {**state_dict, "lm_head.weight": embedding}
+
+
+# Input features per scale of blockwise int4 when quantization_block_size is not set (GPTQ's
+# and llm-compressor's usual group size).
+DEFAULT_INT4_BLOCK_SIZE = 128
+
+
+def int4_group(neuron_config: Any, in_features: int) -> int:
+    """Input features per int4 scale: the row for per_channel_symmetric, else
+    ``quantization_block_size``."""
+    if neuron_config.quantization_type == "per_channel_symmetric":
+        return in_features
+    return getattr(neuron_config, "quantization_block_size", None) or DEFAULT_INT4_BLOCK_SIZE
+
+
+class Int4Quantizer:
+    """Round-to-nearest symmetric int4 of every projection weight of an HF state dict, in
+    groups of input features (:func:`int4_group`): ``<module>.weight`` packed as
+    compressed-tensors packs it (int32 [out, in / 8], :mod:`.int4`) and ``weight_scale``
+    float32 [out, in / group]."""
+
+    def quantize_state_dict(
+        self, state_dict: dict[str, torch.Tensor], config: Any
+    ) -> dict[str, torch.Tensor]:
+        neuron_config = config.neuron_config
+        skip = neuron_config.modules_to_not_convert
+        quantized: dict[str, torch.Tensor] = {}
+        for key, tensor in _with_untied_head(state_dict, config, skip).items():
+            module, _, leaf = key.rpartition(".")
+            if leaf == "weight" and tensor.dim() == 2 and is_quantized_module(module, skip):
+                q, scale = quantize_int4(tensor, int4_group(neuron_config, tensor.shape[1]))
+                quantized[key], quantized[f"{key}{SCALE_SUFFIX}"] = pack_int4(q), scale
+            else:
+                quantized[key] = tensor
+        return quantized
 
 
 class Int8PerTensor(SymmetricQuantizer):

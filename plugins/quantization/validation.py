@@ -8,6 +8,7 @@ from importlib.util import find_spec
 from typing import Any
 
 from nxdplug.compile.backend import requested_backend
+from nxdplug.types import QuantizationMethod
 
 SPECIAL_SCALAR_ENV = "XLA_HANDLE_SPECIAL_SCALAR"
 
@@ -28,12 +29,45 @@ def method_problems(neuron_config: Any) -> Iterator[str]:
         "quantization_dtype": tuple(dict.fromkeys(m.dtype for m in methods)),
         "quantization_type": tuple(dict.fromkeys(f"{m.granularity}_symmetric" for m in methods)),
     }
+    unknown = False
     for name, choices in allowed.items():
         value = getattr(neuron_config, name)
         if value not in choices:
+            unknown = True
             listing = ", ".join(repr(choice) for choice in choices)
             hint = did_you_mean(str(value), choices)
             yield f"{name} is {value!r}{hint}; choose one of {listing}"
+    pairs = {m.name: m for m in methods}
+    if not unknown and QuantizationMethod.name_for(neuron_config) not in pairs:
+        dtype = neuron_config.quantization_dtype
+        types = [f"{m.granularity}_symmetric" for m in methods if m.dtype == dtype]
+        yield (
+            f"quantization_dtype={dtype!r} comes with quantization_type "
+            f"{' or '.join(map(repr, types))}, not {neuron_config.quantization_type!r}"
+        )
+
+
+def int4_problems(neuron_config: Any) -> Iterator[str]:
+    """int4's block settings, and what it does not combine with yet."""
+    block_size = getattr(neuron_config, "quantization_block_size", None)
+    axis = getattr(neuron_config, "quantization_block_axis", None)
+    if block_size is not None and not (isinstance(block_size, int) and block_size % 32 == 0):
+        yield (
+            f"quantization_block_size is {block_size!r}; int4 blocks are a multiple of 32 input "
+            "features (32, 64, 128 or 256 run as they are on the CPU)"
+        )
+    if axis not in (None, 1, -1):
+        yield (
+            f"quantization_block_axis is {axis!r}; int4 blocks run along the input features "
+            "(axis 1)"
+        )
+    if neuron_config.tp_degree > 1:
+        yield (
+            f"int4 weights with tp_degree={neuron_config.tp_degree}: not implemented yet (the "
+            "packed columns and block scales are not split over ranks); use tp_degree=1 or int8"
+        )
+    if neuron_config.lora_config is not None:
+        yield "int4 weights with multi-LoRA: not implemented yet; use int8 weights with LoRA"
 
 
 def quantization_problems(config: Any) -> Iterator[str]:
@@ -42,6 +76,8 @@ def quantization_problems(config: Any) -> Iterator[str]:
     missing one is reported when the weights are read."""
     neuron_config = config.neuron_config
     yield from method_problems(neuron_config)
+    if neuron_config.quantization_dtype == "int4":
+        yield from int4_problems(neuron_config)
     if not neuron_config.quantized_checkpoints_path:
         yield (
             "quantized=True needs quantized_checkpoints_path (where the quantized weights are, "
