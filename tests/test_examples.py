@@ -195,3 +195,44 @@ def test_served_perplexity_is_hf_perplexity(tiny_checkpoint, tmp_path: Path) -> 
             logprobs = hf(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
             nll += (-logprobs.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]).tolist()
     assert served == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-4)
+
+
+def test_quantization_perplexity_script_scores_as_hf(tiny_checkpoint, tmp_path) -> None:
+    """Its float32 perplexity is HF's over the same windows; each method gets a line."""
+    path = tiny_checkpoint("llama", seed=5)
+    library = Path(__file__).resolve().parents[1] / "examples"
+    (tmp_path / "heldout.txt").write_text("nxdi_generate.py\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "quantization_perplexity.py"),
+            "--model-path",
+            str(path),
+            "--heldout",
+            str(tmp_path / "heldout.txt"),
+            "--library",
+            str(library),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = dict(re.findall(r"^(.+?)\s+perplexity\s+([\d.]+)", result.stdout, re.MULTILINE))
+    assert list(lines) == [
+        "float32",
+        "int8 per channel",
+        "int4 blocks of 128",
+        "int4 blocks of 32",
+        "int4 per channel",
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer((library / "nxdi_generate.py").read_text(), add_special_tokens=False)
+    tokens = torch.tensor(ids.input_ids)
+    count = (len(tokens) - 1) // 256
+    assert count >= 2
+    windows = torch.stack([tokens[i * 256 : (i + 1) * 256 + 1] for i in range(count)])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = hf(windows[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+    assert float(lines["float32"]) == pytest.approx(math.exp(loss.item()), rel=1e-4)
