@@ -117,10 +117,10 @@ class NumericsSpecs:
             @nxdplug.hookimpl
             def nxdplug_quantization_methods():
                 yield QuantizationMethod(
-                    name="int4-per_channel",
-                    dtype="int4",
+                    name="nf4-per_channel",
+                    dtype="nf4",
                     granularity="per_channel",
-                    implementation="my_pkg.quant:Int4PerChannel",
+                    implementation="my_pkg.quant:Nf4PerChannel",
                 )
         """
 

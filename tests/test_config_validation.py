@@ -195,8 +195,8 @@ PLUGIN_RULES = [
     ({"rmsnorm_quantize_kernel_enabled": True}, "needs quantized_mlp_kernel_enabled=True"),
     ({"quantized": True}, "quantized=True needs quantized_checkpoints_path"),
     (
-        {"quantized": True, "quantization_dtype": "int4"},
-        "choose one of 'int8', 'f8e4m3', 'f8e5m2'",
+        {"quantized": True, "quantization_dtype": "nf4"},
+        "choose one of 'int8', 'f8e4m3', 'f8e5m2', 'int4'",
     ),
     ({"quantized": True, "quantization_type": "per_row"}, "quantization_type is 'per_row'"),
     ({"is_medusa": True, "medusa_speculation_length": 4}, "needs num_medusa_heads of 1"),
@@ -281,14 +281,14 @@ def test_private_attributes_are_not_settings() -> None:
     assert unknown_attribute_problems(config) == []
 
 
-class Int4Methods:
+class Nf4Methods:
     """A third party's quantization method, as the hook reference's example registers it."""
 
     @hookimpl
     def nxdplug_quantization_methods(self):
         yield QuantizationMethod(
-            name="int4-per_channel",
-            dtype="int4",
+            name="nf4-per_channel",
+            dtype="nf4",
             granularity="per_channel",
             implementation="collections:OrderedDict",
         )
@@ -297,11 +297,11 @@ class Int4Methods:
 def test_a_registered_third_party_dtype_is_accepted(plugin_manager) -> None:
     neuron = NeuronConfig(
         quantized=True,
-        quantization_dtype="int4",
+        quantization_dtype="nf4",
         quantization_type="per_channel_symmetric",
         quantized_checkpoints_path="/q",
     )
     config = InferenceConfig(neuron, num_attention_heads=8)
-    assert any("quantization_dtype is 'int4'" in p for p in config_problems(config))
-    with temporary_plugin(Int4Methods(), "int4"):
+    assert any("quantization_dtype is 'nf4'" in p for p in config_problems(config))
+    with temporary_plugin(Nf4Methods(), "nf4"):
         assert not any("quantization_dtype" in p for p in config_problems(config))

@@ -114,7 +114,7 @@ class SpeculativeRequest:
     ``prompt_lookup_num_tokens``: propose by n-gram lookup in the sequence instead;
     ``processors``: transformers' processors of the call, None when the sampler alone decides.
     ``choice`` proposes; the target's tokens come from :meth:`first_scores` /
-    :meth:`chain_scores` / :meth:`scores` with :attr:`target_choice`.
+    :meth:`chain_scores` (or ``processors.verified`` for a tree) with :attr:`target_choice`.
     """
 
     input_ids: torch.Tensor
@@ -135,19 +135,6 @@ class SpeculativeRequest:
     def first_scores(self, logits: torch.Tensor) -> torch.Tensor:
         """The target's scores of the first new token, from [batch, vocab] logits."""
         return logits if self.processors is None else self.processors.first(logits)
-
-    def scores(
-        self,
-        logits: torch.Tensor,
-        rows: Sequence[int],
-        committed: Sequence[Sequence[int]],
-        continuations: Sequence[Sequence[Sequence[int]]],
-    ) -> torch.Tensor:
-        """The target's scores at verified positions (see :meth:`VerifiedProcessors.verified`);
-        the logits themselves without processors."""
-        if self.processors is None:
-            return logits
-        return self.processors.verified(logits, rows, committed, continuations)
 
     def chain_scores(
         self, logits: torch.Tensor, active: torch.Tensor, rows: GeneratedRows, drafts: torch.Tensor

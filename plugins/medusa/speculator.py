@@ -124,4 +124,4 @@ class MedusaSpeculator:
             [[row[node] for node in paths[j][: depth[j] + 1]] for j in range(len(row))]
             for row in candidates.tolist()
         ]
-        return request.scores(logits, active.tolist(), rows.tokens, continuations)
+        return request.processors.verified(logits, active.tolist(), rows.tokens, continuations)

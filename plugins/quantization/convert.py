@@ -6,6 +6,7 @@ It runs after the layout steps (GQA replication, QKV fusion), which carry each
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,14 +44,9 @@ def fit_quantized_weights(
     dtype = QUANTIZED_DTYPES[dtype_name]
     granularity = neuron_config.quantization_type
     per_channel = granularity == "per_channel_symmetric"
-    skip = neuron_config.modules_to_not_convert
     fitted = dict(state_dict)
     problems = []
-    for key, weight in state_dict.items():
-        module, _, leaf = key.rpartition(".")
-        if leaf != "weight" or not is_quantized_module(module, skip):
-            continue
-        scale = state_dict.get(f"{key}{SCALE_SUFFIX}")
+    for key, module, weight, scale in quantized_weights(state_dict, neuron_config):
         if scale is None:
             problems.append(
                 f"{key} ({weight.dtype}) has no {key}{SCALE_SUFFIX}: the checkpoint leaves "
@@ -75,26 +71,36 @@ def fit_quantized_weights(
                 "quantization_type to the checkpoint's granularity"
             )
         fitted[f"{key}{SCALE_SUFFIX}"] = scale.reshape(-1)
+    refuse_misfits(problems, neuron_config)
+    return fitted
+
+
+def quantized_weights(
+    state_dict: dict[str, torch.Tensor], neuron_config: Any
+) -> Iterator[tuple[str, str, torch.Tensor, torch.Tensor | None]]:
+    """``(key, module, weight, scale or None)`` of each weight a quantized module holds."""
+    skip = neuron_config.modules_to_not_convert
+    for key, weight in state_dict.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and is_quantized_module(module, skip):
+            yield key, module, weight, state_dict.get(f"{key}{SCALE_SUFFIX}")
+
+
+def refuse_misfits(problems: list[str], neuron_config: Any) -> None:
     if problems:
         raise CheckpointError(
             f"the quantized checkpoint {neuron_config.quantized_checkpoints_path} does not fit "
             "the config:\n" + "\n".join(f"  {p}" for p in problems)
         )
-    return fitted
 
 
 def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
     """Packed int4 weights (int32 [out, in / 8]) and their scales ([out, in / group]) to the
     int4 layers' layout: the CPU kernel's packing and ``scales_and_zeros`` (:mod:`.int4`)."""
     neuron_config = config.neuron_config
-    skip = neuron_config.modules_to_not_convert
     fitted = dict(state_dict)
     problems = []
-    for key, packed in state_dict.items():
-        module, _, leaf = key.rpartition(".")
-        if leaf != "weight" or not is_quantized_module(module, skip):
-            continue
-        scale = state_dict.get(f"{key}{SCALE_SUFFIX}")
+    for key, _, packed, scale in quantized_weights(state_dict, neuron_config):
         if packed.dtype != torch.int32 or packed.dim() != 2 or scale is None or scale.dim() != 2:
             problems.append(
                 f"{key} is {packed.dtype} {list(packed.shape)} with scale "
@@ -117,9 +123,5 @@ def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[s
         padded = padded_features(in_features, group, kernel_group)
         fitted[key] = to_kernel_layout(unpack_int4(packed), padded)
         fitted[f"{key}{SCALE_SUFFIX}"] = kernel_scales(scale.float(), group, kernel_group, padded)
-    if problems:
-        raise CheckpointError(
-            f"the quantized checkpoint {neuron_config.quantized_checkpoints_path} does not fit "
-            "the config:\n" + "\n".join(f"  {p}" for p in problems)
-        )
+    refuse_misfits(problems, neuron_config)
     return fitted
