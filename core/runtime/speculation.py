@@ -9,6 +9,7 @@ agrees with and add one token of the target's own, so the output is the target's
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -81,11 +82,12 @@ class VerifiedProcessors:
                 tail = [*committed[row], *continuation]
                 by_length.setdefault(len(tail), []).append((row, i, j, tail))
         for length, positions in by_length.items():
-            while positions:
-                seen: set[int] = set()
-                call = [p for p in positions if not (p[0] in seen or seen.add(p[0]))]
-                positions = [p for p in positions if p not in call]
-                self._process(scores, length, call)
+            by_row: dict[int, list[tuple[int, int, int, list[int]]]] = {}
+            for position in positions:
+                by_row.setdefault(position[0], []).append(position)
+            # A call takes the next position of each row (a tree has several per length).
+            for call in itertools.zip_longest(*by_row.values()):
+                self._process(scores, length, [p for p in call if p is not None])
         return scores
 
     def _process(

@@ -1,9 +1,11 @@
-"""Linear layers that keep their weight in 8 bits and dequantize it at each call, and the model
-transform that puts them in place of the full-precision projections.
+"""Linear layers that keep their weight in 8 or 4 bits (multiplied as it is by a kernel for a few
+rows, dequantized for more), and the model transform that puts them in place of the
+full-precision projections.
 
-The 8-bit ``weight`` and float32 ``weight_scale`` are parameters (``requires_grad=False``) under
+The quantized ``weight`` and its ``weight_scale`` are parameters (``requires_grad=False``) under
 the checkpoint's own names, so checkpoint loading and the compiled graphs (which take every
-parameter as an input) handle them like any other weight.
+parameter as an input) handle them like any other weight. 8-bit scales stay float32; int4
+scales are in the kernel's layout and the model's dtype.
 """
 
 from __future__ import annotations
