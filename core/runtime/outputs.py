@@ -29,7 +29,8 @@ class CausalLMOutputWithTokens(CausalLMOutputWithPast):
     each row, with on-device sampling; None otherwise.
 
     With ``forward(prompt_logprobs=True)``, for each row's prompt from its first real token
-    (right-padded to the context bucket): ``prompt_logprobs`` [batch, bucket] the float32
+    (right-padded to the width encoded: the context bucket, or for an eager model the prompt
+    rounded up to 32 tokens): ``prompt_logprobs`` [batch, bucket] the float32
     log-probability of each prompt token given the ones before it (NaN at the first token,
     which nothing predicts), ``prompt_ranks`` [batch, bucket] its rank among the vocabulary
     (1: the likeliest), and ``prompt_top_logprobs`` / ``prompt_top_ids`` [batch, bucket,
