@@ -209,11 +209,8 @@ def test_nxd_inference_float32_cpu_accuracy_test_passes() -> None:
     assert [len(row) for row in results] == [64, 64]
 
 
-def largest_errors(results: list[list[dict]]) -> dict[str, float]:
-    return {
-        top_k: max(token["error_map"][top_k] for row in results for token in row)
-        for top_k in results[0][0]["error_map"]
-    }
+def position_errors(results: list[list[dict]], top_k: str) -> list[float]:
+    return [token["error_map"][top_k] for row in results for token in row]
 
 
 def test_bfloat16_against_float32_scores_as_hf_bfloat16_does() -> None:
@@ -221,14 +218,17 @@ def test_bfloat16_against_float32_scores_as_hf_bfloat16_does() -> None:
     tol_map fails for HF transformers' own bf16 model as for nxdplug's (the near-zero tail
     logits' relative error is far above any rtol), which is why NxD Inference's bf16 CPU test
     checks the 50 likeliest tokens only (``{50: (1e-5, 0.04)}``, divergence 0.13). There,
-    nxdplug's largest relative error is of HF bf16's order: measured 0.047 and 0.034 against
-    HF's 0.028 and 0.034 (seeds 0 and 1: 1.7x and 1.0x, cause not found), so on pycoder-tiny rtol
-    0.04 is at the edge of bf16 rounding and passes or not by the inputs."""
+    nxdplug's errors are HF bf16's: over seeds 0-7 (128 positions each) mean 0.0110 against
+    0.0108, median 0.0099 against 0.0098. Their maxima are the tail of bf16 rounding: 0.020-0.047
+    against 0.018-0.035 per seed, so rtol 0.04 on the largest one fails 2 of the 8 seeds for
+    nxdplug (0 for HF) on pycoder-tiny."""
     app = nxdi_cpu_test_app(torch.bfloat16)
     hf = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.bfloat16).eval()
     tol_map = {"50": (1e-5, 0.04), "all": (1e-5, 0.05)}
     config = GenerationConfig(do_sample=False, pad_token_id=0)
-    for seed in (0, 1):
+    ours: dict[str, list[float]] = {"50": [], "all": []}
+    theirs: dict[str, list[float]] = {"50": [], "all": []}
+    for seed in range(4):
         inputs = nxdi_cpu_test_inputs(app.config.vocab_size, seed)
         ones = torch.ones_like(inputs.input_ids)
         expected = generate_expected_logits(app, inputs.input_ids, ones, config, 64)
@@ -262,9 +262,13 @@ def test_bfloat16_against_float32_scores_as_hf_bfloat16_does() -> None:
                 tol_map=tol_map,
                 divergence_difference_tol=0.13,
             )
-        ours, theirs = largest_errors(raised.value.results), largest_errors(hf_results)
-        assert ours["all"] > 0.05 and theirs["all"] > 0.05, (ours, theirs)
-        assert ours["50"] <= 2 * theirs["50"] and ours["50"] < 0.06, (seed, ours, theirs)
+        for top_k in ours:
+            ours[top_k] += position_errors(raised.value.results, top_k)
+            theirs[top_k] += position_errors(hf_results, top_k)
+    assert max(ours["all"]) > 0.05 and max(theirs["all"]) > 0.05
+    mean_ours, mean_theirs = (sum(e["50"]) / len(e["50"]) for e in (ours, theirs))
+    assert mean_ours <= 1.1 * mean_theirs, (mean_ours, mean_theirs)
+    assert max(ours["50"]) < 0.06
 
 
 def test_expected_logits_use_the_model_classes_own_load_hf_model(app, inputs, expected_logits):
