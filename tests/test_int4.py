@@ -60,11 +60,21 @@ def int4_options(path: Path, granularity: str = "blockwise", **extra) -> dict:
     }
 
 
+SETTINGS = {"batch_size": 2, "seq_len": 64, "max_context_length": 32, "torch_dtype": "float32"}
+
+
 def application(path: Path, **options):
-    settings = {"batch_size": 2, "seq_len": 64, "max_context_length": 32, "torch_dtype": "float32"}
-    app = from_pretrained(path, NeuronConfig(**(settings | options)))
+    app = from_pretrained(path, NeuronConfig(**(SETTINGS | options)))
     app.to_cpu()
     return app
+
+
+def quantized(checkpoint: Path, folder: Path, granularity: str = "blockwise", **extra) -> dict:
+    """``checkpoint`` quantized to int4 into ``folder``; the options that load it."""
+    options = int4_options(folder, granularity, **extra)
+    config = from_pretrained(checkpoint, NeuronConfig(torch_dtype="float32", **options)).config
+    NeuronLlamaForCausalLM.save_quantized_state_dict(checkpoint, config)
+    return options
 
 
 @pytest.fixture(scope="module")
@@ -93,35 +103,23 @@ def dequantized_twin(app, checkpoint: Path, folder: Path) -> Path:
     [("blockwise", {"quantization_block_size": 32}), ("per_channel", {})],
 )
 def test_int4_model_is_hf_on_its_dequantized_weights(checkpoint, tmp_path, granularity, extra):
-    options = int4_options(tmp_path / "int4", granularity, **extra)
-    config = from_pretrained(checkpoint, NeuronConfig(torch_dtype="float32", **options)).config
-    NeuronLlamaForCausalLM.save_quantized_state_dict(checkpoint, config)
+    options = quantized(checkpoint, tmp_path / "int4", granularity, **extra)
     app = application(checkpoint, **options)
     hf_path = dequantized_twin(app, checkpoint, tmp_path / "dequantized")
     hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()
 
     input_ids, mask = random_prompts(512, (5, 12), seed=3)
-    adapter = HuggingFaceGenerationAdapter(app)
-    out = adapter.generate(
-        input_ids,
-        attention_mask=mask,
-        do_sample=False,
-        max_new_tokens=12,
-        eos_token_id=None,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
+    settings = {
+        "attention_mask": mask,
+        "do_sample": False,
+        "max_new_tokens": 12,
+        "eos_token_id": None,
+        "output_logits": True,
+        "return_dict_in_generate": True,
+    }
+    out = HuggingFaceGenerationAdapter(app).generate(input_ids, **settings)
     with torch.inference_mode():
-        expected = hf.generate(
-            input_ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=12,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        expected = hf.generate(input_ids, pad_token_id=0, **settings)
     assert torch.equal(out.sequences, expected.sequences)
     assert len(set(out.sequences[0, -12:].tolist())) > 3, "greedy output barely varies"
     torch.testing.assert_close(
@@ -132,22 +130,24 @@ def test_int4_model_is_hf_on_its_dequantized_weights(checkpoint, tmp_path, granu
     assert down.weight.dtype == torch.uint8 and down.weight.shape == (64, 192 // 2)
 
 
-def test_int4_settings_are_checked(checkpoint, tmp_path) -> None:
-    options = int4_options(tmp_path / "q")
-    problems = {
-        "quantization_type": (
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
             {"quantization_type": "per_tensor_symmetric"},
             "quantization_dtype='int4' comes with quantization_type 'per_channel_symmetric' "
             "or 'blockwise_symmetric'",
         ),
-        "block size": ({"quantization_block_size": 100}, "a multiple of 32"),
-        "axis": ({"quantization_block_axis": 0}, "axis 1"),
-        "tensor parallel": ({"tp_degree": 2}, "tp_degree=2: not implemented yet"),
-    }
-    for name, (change, message) in problems.items():
-        with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-            from_pretrained(checkpoint, NeuronConfig(torch_dtype="float32", **options | change))
-        assert name
+        ({"quantization_block_size": 100}, "a multiple of 32"),
+        ({"quantization_block_axis": 0}, "axis 1"),
+        ({"tp_degree": 2}, "tp_degree=2: not implemented yet"),
+    ],
+    ids=["quantization_type", "block size", "axis", "tensor parallel"],
+)
+def test_int4_settings_are_checked(checkpoint, tmp_path, change, message) -> None:
+    options = int4_options(tmp_path / "q")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        from_pretrained(checkpoint, NeuronConfig(torch_dtype="float32", **options | change))
 
 
 def test_weight_memory_counts_the_packed_weights() -> None:
@@ -160,21 +160,12 @@ def test_weight_memory_counts_the_packed_weights() -> None:
 
 
 def test_a_compiled_int4_model_gives_the_eager_tokens(checkpoint, tmp_path) -> None:
-    options = int4_options(tmp_path / "int4", quantization_block_size=32)
-    config = from_pretrained(checkpoint, NeuronConfig(torch_dtype="float32", **options)).config
-    NeuronLlamaForCausalLM.save_quantized_state_dict(checkpoint, config)
+    options = quantized(checkpoint, tmp_path / "int4", quantization_block_size=32)
     input_ids, mask = random_prompts(512, (7, 3), seed=5)
     settings = {"do_sample": False, "max_new_tokens": 8, "eos_token_id": None}
     eager = HuggingFaceGenerationAdapter(application(checkpoint, **options))
     expected = eager.generate(input_ids, attention_mask=mask, **settings)
-    neuron_config = NeuronConfig(
-        batch_size=2,
-        seq_len=64,
-        max_context_length=32,
-        torch_dtype="float32",
-        compile_backend="inductor",
-        **options,
-    )
+    neuron_config = NeuronConfig(**SETTINGS, compile_backend="inductor", **options)
     from_pretrained(checkpoint, neuron_config).compile(tmp_path / "compiled", quiet=True)
     compiled = from_pretrained(checkpoint, neuron_config)
     compiled.load(tmp_path / "compiled", quiet=True)

@@ -41,6 +41,11 @@ class MedusaSpeculator:
         self.context = application.submodel(MEDUSA_CONTEXT_TAG)
         self.verifier = application.submodel(MEDUSA_MODEL_TAG)
         self.tree = self.verifier.tree.on(application.device)
+        # Each node's path from the root (inclusive), for the processors' sequences.
+        self.node_paths = [
+            path[: depth + 1]
+            for path, depth in zip(self.tree.paths.tolist(), self.tree.depth.tolist(), strict=True)
+        ]
 
     def _check(self, request: SpeculativeRequest, prompt_length: int) -> None:
         # The feature guide passes the Medusa model itself as assistant_model.
@@ -119,9 +124,8 @@ class MedusaSpeculator:
         the candidates on the path from the root to j."""
         if request.processors is None:
             return logits
-        depth, paths = self.tree.depth.tolist(), self.tree.paths.tolist()
         continuations = [
-            [[row[node] for node in paths[j][: depth[j] + 1]] for j in range(len(row))]
+            [[row[node] for node in path] for path in self.node_paths]
             for row in candidates.tolist()
         ]
         return request.processors.verified(logits, active.tolist(), rows.tokens, continuations)
