@@ -10,7 +10,7 @@ import torch
 from fresh_process import cpu_has, run_and_load
 
 from nxdplug.modules.parallel_linear import ColumnParallelLinear
-from nxdplug.plugins.quantization.kernel import int8_matmul_op
+from nxdplug.plugins.quantization.kernel import int8_matmul_op, tile_rows, untile_rows
 from nxdplug.plugins.quantization.layers import hold_quantized
 
 SHAPES = [  # (rows, K, N)
@@ -33,10 +33,25 @@ needs_vnni = pytest.mark.skipif(not cpu_has_vnni(), reason="this CPU lacks AVX51
 
 
 @pytest.fixture(scope="module")
-def int8_matmul():
+def int8_op():
     op = int8_matmul_op()
     assert op is not None, "the int8 matmul extension did not build on this machine"
     return op
+
+
+@pytest.fixture(scope="module")
+def int8_matmul(int8_op):
+    """The op on a weight in row order, tiled as the layers hold it."""
+    return lambda x, weight, scale: int8_op(x, tile_rows(weight), scale)
+
+
+@pytest.mark.parametrize(("rows", "features"), [(8, 128), (9, 130), (3, 64), (4, 10), (5, 1)])
+def test_tiling_is_undone_exactly(rows, features) -> None:
+    weight = torch.arange(rows * features).reshape(rows, features)
+    tiled = tile_rows(weight)
+    assert tiled.shape == weight.shape and torch.equal(untile_rows(tiled), weight)
+    if rows >= 4 and features >= 64:  # a tile's four rows' first 64 columns come first
+        assert torch.equal(tiled.flatten()[: 4 * 64].view(4, 64), weight[:4, :64])
 
 
 def operands(rows: int, K: int, N: int, dtype: torch.dtype, seed: int = 0):
@@ -144,13 +159,14 @@ def test_bad_operands_are_refused(int8_matmul) -> None:
 PORTABLE_RUN = """
 import sys
 import torch
-from nxdplug.plugins.quantization.kernel import int8_matmul_op
+from nxdplug.plugins.quantization.kernel import int8_matmul_op, tile_rows
 from test_int8_matmul import SHAPES, operands
 op = int8_matmul_op()
 outputs = {}
 for rows, K, N in SHAPES:
     for dtype in (torch.float32, torch.bfloat16):
-        outputs[rows, K, N, dtype] = op(*operands(rows, K, N, dtype))
+        x, weight, scale = operands(rows, K, N, dtype)
+        outputs[rows, K, N, dtype] = op(x, tile_rows(weight), scale)
 torch.save(outputs, sys.argv[1])
 """
 
@@ -174,19 +190,19 @@ def test_the_portable_loop_gives_the_product_too(int8_matmul, tmp_path) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 32, 33])
 def test_quantized_layers_give_the_product_whichever_path_they_take(
-    int8_matmul, monkeypatch, dtype, rows
+    int8_op, monkeypatch, dtype, rows
 ) -> None:
     """An int8 layer multiplies up to 32 float32 or bfloat16 rows in the int8 matmul and
     dequantizes its weight for more rows or float16 inputs: each way, the product plus bias."""
     calls = []
     monkeypatch.setattr(
         "nxdplug.plugins.quantization.layers.int8_matmul_op",
-        lambda: lambda *args: calls.append(1) or int8_matmul(*args),
+        lambda: lambda *args: calls.append(1) or int8_op(*args),
     )
     layer = hold_quantized(ColumnParallelLinear(96, 40, bias=True), torch.int8, row_scales=True)
     x, weight, scale = operands(rows, 96, 40, torch.float32)
     bias = torch.randn(40)
-    layer.load_state_dict({"weight": weight, "weight_scale": scale, "bias": bias})
+    layer.load_state_dict({"weight": tile_rows(weight), "weight_scale": scale, "bias": bias})
     layer.to(dtype)
     layer.weight_scale.data = scale  # float32, as in the checkpoint
     out = layer(x.to(dtype).reshape(1, rows, 96))

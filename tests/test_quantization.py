@@ -51,6 +51,7 @@ from nxdplug.errors import CheckpointError, ConfigError
 from nxdplug.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from nxdplug.pipeline import config_problems
 from nxdplug.plugins.fused_qkv.convert import fuse_qkv_projections
+from nxdplug.plugins.quantization.kernel import tile_rows
 from nxdplug.plugins.quantization.layers import QuantizedRowParallelLinear, hold_quantized
 from nxdplug.plugins.quantization.memory import weight_memory
 from nxdplug.plugins.quantization.methods import dequantize_weight, quantize_weight
@@ -294,7 +295,7 @@ def test_a_bfloat16_model_keeps_the_float32_scales(int8_checkpoint) -> None:
     scale = next(t for n, t in stored.items() if n.endswith("layers.0.mlp.down_proj.weight_scale"))
     layer = app.loaded_model.layers[0].mlp.down_proj
     assert scale.dtype == torch.float32 and torch.equal(layer.weight_scale, scale)
-    expected = (layer.weight.float() * scale[:, None]).bfloat16()
+    expected = (layer.rows().float() * scale[:, None]).bfloat16()
     assert torch.equal(layer.weight_for(torch.bfloat16), expected)
     assert app.loaded_model.embed_tokens.weight.dtype == torch.bfloat16
 
@@ -517,7 +518,8 @@ def test_quantized_layers_shard_their_scales_with_their_weights(per_channel: boo
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(8, 6, generator=generator)
     quantized, scale = quantize_weight(weight, torch.int8, per_channel)
-    full = {"weight": quantized, "weight_scale": scale}
+    # As the converter hands it over: int8 weights tiled for the int8 matmul.
+    full = {"weight": tile_rows(quantized), "weight_scale": scale}
     x = torch.randn(3, 6, generator=generator)
     expected = F.linear(x, dequantize_weight(quantized, scale, torch.float32))
 

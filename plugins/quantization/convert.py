@@ -20,6 +20,7 @@ from nxdplug.plugins.quantization.int4 import (
     to_kernel_layout,
     unpack_int4,
 )
+from nxdplug.plugins.quantization.kernel import tile_rows
 from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, int4_group
 from nxdplug.plugins.quantization.targets import (
     SCALE_SUFFIX,
@@ -31,7 +32,8 @@ from nxdplug.plugins.quantization.targets import (
 def fit_quantized_weights(
     state_dict: dict[str, torch.Tensor], config: Any
 ) -> dict[str, torch.Tensor]:
-    """Reshape scales to the layers' ``[1]`` or ``[out]`` and check every quantized weight.
+    """Reshape scales to the layers' ``[1]`` or ``[out]``, tile int8 weights for the int8
+    matmul (:func:`.kernel.tile_rows`) and check every quantized weight.
 
     Other tools write a per-tensor scale as a scalar and a per-channel one as ``[out, 1]``;
     both are accepted. A projection left in full precision, a weight in another 8-bit dtype or
@@ -71,6 +73,8 @@ def fit_quantized_weights(
                 "quantization_type to the checkpoint's granularity"
             )
         fitted[f"{key}{SCALE_SUFFIX}"] = scale.reshape(-1)
+        if weight.dtype == torch.int8 and weight.dim() == 2:
+            fitted[key] = tile_rows(weight)
     refuse_misfits(problems, neuron_config)
     return fitted
 

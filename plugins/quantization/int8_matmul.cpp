@@ -17,6 +17,13 @@
 // every element within 2^-14 of the largest is taken exactly), float32 rows D = 4 (B = 30).
 // D vpdpbusd per 64 weights and row, against twelve instructions in the float32 way.
 //
+// The weight is read in the tiled order the layers hold it in (kernel.py's tile_rows): the rows
+// in tiles of four, and within a tile the four rows' first 64 bytes, then their next 64, ...,
+// then the four rows' last K % 64 bytes; the last N % 4 rows as they are. A tile is then one
+// sequential stream, which the CPU's prefetchers follow: reading the four rows as four streams
+// ran at 10-13 GB/s on 2 cores of this machine's EPYC, the tiled order at 21-31 (100 MB of
+// cold weights, /tmp benchmark, 2026-11-29).
+//
 // x86 CPUs without AVX512-VNNI take a plain loop (float32 accumulation); other CPUs do not build
 // this file, and the layers dequantize instead.
 
@@ -39,10 +46,7 @@ namespace {
 
 constexpr int64_t kLane = 64;         // weight bytes per vpdpbusd
 constexpr int64_t kMaxK = 65536;      // |sum of K products of 255 x 128| stays in int32
-constexpr int64_t kRowsPerTile = 4;   // weight rows that share each digit load
-// How far ahead a tile asks for the weight rows it will read (measured on a Zen 4: 2 tiles ahead
-// reads 100 MB of int8 weights at 40 GB/s on 2 cores against 31 without prefetching).
-constexpr int64_t kPrefetchTiles = 2;
+constexpr int64_t kRowsPerTile = 4;   // weight rows that share each digit load, tiled together
 constexpr int64_t kBytesPerTask = 65536;  // weight bytes below which a thread is not worth it
 
 // Digits per activation: enough for a bfloat16 row's 8 significant bits well below its largest
@@ -166,29 +170,30 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline void lane_tota
   }
 }
 
-// Rows [n, n + R) of the output for activation row m.
+// Rows [n, n + R) of the output for activation row m: a tile of R rows (or R = 1, a last row).
+// Bytes [k, k + width) of the tile's row r lie at tile + k * R + r * width, width being 64 but
+// for the last lane.
 template <int D, int R, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void vnni_tile(
     const Digits& digits, int64_t m, const int8_t* weight, int64_t K, int64_t n,
     const float* scale, int64_t scale_stride, T* out, int64_t N) {
   const __m512i to_unsigned = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* tile = weight + n * K;
   __m512i sums[D][R];
   for (int p = 0; p < D; ++p)
     for (int r = 0; r < R; ++r) sums[p][r] = _mm512_setzero_si512();
   __m512i w[R];
   int64_t k = 0;
   for (; k + kLane <= K; k += kLane) {
-    for (int r = 0; r < R; ++r) {
-      const int8_t* ahead = weight + std::min(n + r + kPrefetchTiles * R, N - 1) * K + k;
-      _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-      w[r] = _mm512_xor_si512(_mm512_loadu_si512(weight + (n + r) * K + k), to_unsigned);
-    }
+    for (int r = 0; r < R; ++r)
+      w[r] = _mm512_xor_si512(_mm512_loadu_si512(tile + k * R + r * kLane), to_unsigned);
     accumulate<D, R>(sums, w, digits, m, k);
   }
   if (k < K) {  // masked loads are slow on some CPUs (AMD Zen 4): only for the last lane
-    const __mmask64 present = (1ULL << (K - k)) - 1;
+    const int64_t width = K - k;
+    const __mmask64 present = (1ULL << width) - 1;
     for (int r = 0; r < R; ++r)
-      w[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(present, weight + (n + r) * K + k),
+      w[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(present, tile + k * R + r * width),
                               to_unsigned);
     accumulate<D, R>(sums, w, digits, m, k);
   }
@@ -230,6 +235,15 @@ bool vnni_matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int6
   return true;
 }
 
+// Where element k of weight row n lies in the tiled order (see the top of this file).
+inline int64_t tiled_offset(int64_t n, int64_t k, int64_t N, int64_t K) {
+  const int64_t rows = n < N / kRowsPerTile * kRowsPerTile ? kRowsPerTile : 1;
+  const int64_t first = n - n % rows;
+  const int64_t lane = k / kLane * kLane;
+  const int64_t width = std::min(kLane, K - lane);
+  return first * K + lane * rows + (n - first) * width + (k - lane);
+}
+
 template <typename T>
 void plain_matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int64_t N,
                   const float* scale, int64_t scale_stride, T* out) {
@@ -238,7 +252,8 @@ void plain_matmul(const T* x, int64_t rows, int64_t K, const int8_t* weight, int
       for (int64_t m = 0; m < rows; ++m) {
         float sum = 0.f;
         for (int64_t k = 0; k < K; ++k)
-          sum += static_cast<float>(x[m * K + k]) * static_cast<float>(weight[n * K + k]);
+          sum += static_cast<float>(x[m * K + k]) *
+                 static_cast<float>(weight[tiled_offset(n, k, N, K)]);
         out[m * N + n] = static_cast<T>(sum * scale[n * scale_stride]);
       }
   });

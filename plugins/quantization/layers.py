@@ -28,7 +28,7 @@ from nxdplug.plugins.quantization.int4 import (
     kernel_group_size,
     padded_features,
 )
-from nxdplug.plugins.quantization.kernel import int8_matmul_op
+from nxdplug.plugins.quantization.kernel import int8_matmul_op, tile_rows, untile_rows
 from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight, int4_group
 from nxdplug.plugins.quantization.targets import (
     has_row_scales,
@@ -75,7 +75,23 @@ class QuantizedWeight:
 
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The 8-bit weight dequantized for this call; the base layer's forward does the rest."""
-        return dequantize_weight(self.weight, self.weight_scale, dtype)
+        return dequantize_weight(self.rows(), self.weight_scale, dtype)
+
+    def rows(self) -> torch.Tensor:
+        """The 8-bit weight [out, in] in row order: int8 weights are held tiled for the int8
+        matmul (:func:`.kernel.tile_rows`, done by the checkpoint converter)."""
+        if self.weight.dtype == torch.int8:
+            return untile_rows(self.weight)
+        return self.weight
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's shard of the converted (tiled) tensors, tiled again: the rows or
+        columns are cut in row order."""
+        weight = full.get("weight")
+        if weight is None or weight.dtype != torch.int8:
+            return super().shard_state_dict(full)
+        shard = super().shard_state_dict({**full, "weight": untile_rows(weight)})
+        return {**shard, "weight": tile_rows(shard["weight"])}
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """A few rows (decoding) times an int8 weight on the CPU go to the plugin's int8 matmul
