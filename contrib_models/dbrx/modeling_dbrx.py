@@ -11,14 +11,12 @@ import torch
 from torch import nn
 
 from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
+from nxdplug.config.checkpoint_settings import agree_with_checkpoint
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
 from nxdplug.modules.kv_cache import CacheSlot
 from nxdplug.modules.moe import initialize_moe_module
-from nxdplug.modules.moe.checkpoint_settings import (
-    agree_with_checkpoint,
-    moe_neuron_config_problems,
-)
+from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
 from nxdplug.modules.parallel_linear import (
     ColumnParallelLinear,
     ParallelEmbedding,

@@ -13,16 +13,14 @@ import torch
 from torch import nn
 
 from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
+from nxdplug.config.checkpoint_settings import agree_with_checkpoint
 from nxdplug.contrib_models.gpt_oss.rope_yarn import ROPE_TYPES, rotary_embedding
 from nxdplug.contrib_models.qwen2.modeling_qwen2 import layer_window
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
 from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.moe import initialize_moe_module
-from nxdplug.modules.moe.checkpoint_settings import (
-    agree_with_checkpoint,
-    moe_neuron_config_problems,
-)
+from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
 from nxdplug.modules.norms import RMSNorm
 from nxdplug.modules.parallel_linear import (
     ColumnParallelLinear,

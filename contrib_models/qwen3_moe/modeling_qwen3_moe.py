@@ -12,6 +12,7 @@ import attrs
 from torch import nn
 
 from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
+from nxdplug.config.checkpoint_settings import agree_with_checkpoint
 from nxdplug.contrib_models.llama.modeling_llama import (
     NeuronLlamaDecoderLayer,
     NeuronLlamaForCausalLM,
@@ -19,10 +20,7 @@ from nxdplug.contrib_models.llama.modeling_llama import (
 )
 from nxdplug.errors import ConfigError
 from nxdplug.modules.moe import initialize_moe_module
-from nxdplug.modules.moe.checkpoint_settings import (
-    agree_with_checkpoint,
-    moe_neuron_config_problems,
-)
+from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
 
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
