@@ -25,6 +25,7 @@ from nxdplug.types import (
     ModelArchitecture,
     ParallelGroup,
     QuantizationMethod,
+    QuantizedCheckpointFormat,
     ReasoningParser,
     Sampler,
     ServingRoute,
@@ -121,6 +122,21 @@ class NumericsSpecs:
                     dtype="nf4",
                     granularity="per_channel",
                     implementation="my_pkg.quant:Nf4PerChannel",
+                )
+        """
+
+    @hookspec
+    def nxdplug_quantized_checkpoint_formats(self) -> Iterable[QuantizedCheckpointFormat]:
+        """Register readers of quantized checkpoints other tools write, by ``quant_method``.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_quantized_checkpoint_formats():
+                yield QuantizedCheckpointFormat(
+                    name="hqq",
+                    quant_methods=("hqq",),
+                    reader="my_pkg.hqq:HqqReader",
                 )
         """
 

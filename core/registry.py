@@ -28,6 +28,7 @@ from nxdplug.types import (
     ParallelGroup,
     PluginRecord,
     QuantizationMethod,
+    QuantizedCheckpointFormat,
     ReasoningParser,
     Sampler,
     ServingRoute,
@@ -65,6 +66,12 @@ KINDS: dict[str, Kind] = {
             "nxdplug_quantization_methods",
             QuantizationMethod,
             "quantization method",
+        ),
+        Kind(
+            "quantized_checkpoint_formats",
+            "nxdplug_quantized_checkpoint_formats",
+            QuantizedCheckpointFormat,
+            "quantized checkpoint format",
         ),
         Kind("samplers", "nxdplug_samplers", Sampler, "sampler"),
         Kind(

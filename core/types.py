@@ -175,6 +175,24 @@ class QuantizationMethod(PluginRecord):
 
 
 @attrs.frozen(kw_only=True)
+class QuantizedCheckpointFormat(PluginRecord):
+    """A quantized checkpoint layout other tools write (GPTQ, AWQ, compressed-tensors, ...),
+    found by ``config.json``'s ``quantization_config.quant_method``, as transformers finds its
+    quantizer.
+
+    ``reader`` is a class built with ``(quantization_config, tensor_names)``: the config's dict
+    and the names of the checkpoint's tensors (empty when unknown). Its ``settings() -> dict``
+    are the NeuronConfig settings the checkpoint means (``quantized``, ``quantization_dtype``,
+    ``modules_to_not_convert``, ...; none to load it in full precision), and
+    ``convert(state_dict, config) -> state_dict`` turns the stored tensors into those settings'
+    layout, dequantizing (and logging) what cannot run as stored.
+    """
+
+    quant_methods: tuple[str, ...] = _names_field()
+    reader: str = _ref_field()
+
+
+@attrs.frozen(kw_only=True)
 class Sampler(PluginRecord):
     """Turns next-token logits into tokens; ``implementation`` is a class taking no arguments."""
 

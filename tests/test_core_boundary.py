@@ -31,9 +31,11 @@ FEATURE_WORDS = re.compile(
 # ExpertMLPs and MoE, NxD Inference's initialize_moe_module), which may use the words of their
 # own subject inside their folder.
 BUILDING_BLOCKS = {CORE / "modules" / "moe": re.compile(r"moe|expert", re.IGNORECASE)}
-# Names of the contract of an extension point the core defines (the quantization-methods
-# record's implementation is asked for quantize_state_dict, as NxD Inference names it).
-EXTENSION_CONTRACT = {"quantize_state_dict"}
+# Names of the contract of an extension point the core defines: the quantization-methods
+# record's implementation is asked for quantize_state_dict, as NxD Inference names it; a
+# quantized checkpoint format is found by the quant_method of config.json's
+# quantization_config, as transformers finds it, and lists the quant_methods it reads.
+EXTENSION_CONTRACT = {"quantize_state_dict", "quantization_config", "quant_method", "quant_methods"}
 
 
 def core_files() -> list[Path]:

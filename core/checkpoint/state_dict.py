@@ -20,7 +20,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from nxdplug.checkpoint.safetensors_reader import SafetensorsFormatError, iter_safetensors
+from nxdplug.checkpoint.safetensors_reader import (
+    SafetensorsFormatError,
+    iter_safetensors,
+    read_header,
+)
 from nxdplug.errors import CheckpointError
 
 Format = Literal["safetensors", "pickle"]
@@ -98,6 +102,23 @@ def iter_checkpoint_tensors(
     for path in checkpoint.files:
         for name, tensor in read(path):
             yield name, _cast(tensor, dtype)
+
+
+def checkpoint_tensor_names(model_path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The names of a checkpoint's tensors, read from its index or safetensors headers without
+    reading any tensor; empty for a single pickle file (which would have to be loaded)."""
+    checkpoint = find_checkpoint(model_path)
+    if checkpoint.index is not None:
+        return tuple(json.loads(checkpoint.index.read_text())["weight_map"])
+    if checkpoint.format != "safetensors":
+        return ()
+    (path,) = checkpoint.files
+    try:
+        with path.open("rb") as handle:
+            header, _ = read_header(handle, path.stat().st_size)
+    except (SafetensorsFormatError, OSError) as exc:
+        raise _unreadable(path, exc) from exc
+    return tuple(header)
 
 
 COMPUTE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -3,7 +3,9 @@
 The folder is read by the first registered config loader (kind ``config_loaders``) whose file is
 in it; the built-in one reads HF ``config.json``. Any loader's result is applied the same way:
 the checkpoint's dtype goes to ``neuron_config.torch_dtype`` unless the user chose one, the
-``attribute_map`` extends the config's aliases, and everything else becomes an attribute.
+``attribute_map`` extends the config's aliases, and everything else becomes an attribute. A
+``quantization_config`` sets the quantization settings its format means
+(:mod:`.checkpoint_format`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nxdplug.config.checkpoint_format import apply_checkpoint_format
 from nxdplug.config.neuron_config import NeuronConfig
 from nxdplug.errors import ConfigError
 from nxdplug.registry import get_registry
@@ -46,6 +49,7 @@ def load_pretrained_config(
         else:
             _apply_model_attributes(config, read_model_attributes(model_path))
             config._name_or_path = str(model_path)
+        apply_checkpoint_format(config, model_path)
 
     return load_config
 

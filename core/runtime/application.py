@@ -30,6 +30,7 @@ from nxdplug.compile.compiled_model import (
     shard_weights,
 )
 from nxdplug.config import CONFIG_FILE, InferenceConfig, NeuronConfig, load_pretrained_config
+from nxdplug.config.checkpoint_format import checkpoint_format_reader
 from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdPlugError
 from nxdplug.pipeline import (
     DEFAULT_BACKEND,
@@ -211,13 +212,17 @@ class NeuronApplicationBase(nn.Module):
     def get_state_dict(cls, model_path: str | Path, config: InferenceConfig) -> dict[str, Any]:
         """The checkpoint converted for this model: the HF checkpoint at ``model_path``, or, with
         ``quantized``, the quantized one at ``quantized_checkpoints_path`` (a folder or a
-        ``.pt``/``.bin`` file)."""
+        ``.pt``/``.bin`` file). Another tool's quantized checkpoint (``quantization_config``)
+        is read as stored and converted by its format's reader first."""
         neuron_config = config.neuron_config
         dtype = neuron_config.torch_dtype if neuron_config.cast_type == "config" else None
-        if neuron_config.quantized:
+        reader = checkpoint_format_reader(config)
+        if neuron_config.quantized or reader is not None:
             state_dict = cls._read_checkpoint_at(cls.weights_source(model_path, config))
         else:
             state_dict = load_state_dict(model_path, dtype=dtype)
+        if reader is not None:
+            state_dict = reader.convert(state_dict, config)
         state_dict = replace_prefix(
             state_dict, cls._STATE_DICT_MODEL_PREFIX, cls._NEW_STATE_DICT_MODEL_PREFIX
         )

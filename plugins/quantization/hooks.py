@@ -16,7 +16,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CliExtension, Feature, QuantizationMethod, StateDictConverter
+from nxdplug.types import (
+    CliExtension,
+    Feature,
+    QuantizationMethod,
+    QuantizedCheckpointFormat,
+    StateDictConverter,
+)
 
 NXDPLUG_API_VERSION = 1
 
@@ -87,4 +93,15 @@ def nxdplug_cli_extensions() -> Iterable[CliExtension]:
         implementation="nxdplug.plugins.quantization.demo_flags:QuantizationDemoFlags",
         commands=("inference_demo",),
         description="inference_demo's quantization flags (--quantize-clamp-bound, ...)",
+    )
+
+
+@hookimpl
+def nxdplug_quantized_checkpoint_formats() -> Iterable[QuantizedCheckpointFormat]:
+    yield QuantizedCheckpointFormat(
+        name="compressed-tensors",
+        quant_methods=("compressed-tensors",),
+        reader=f"{PACKAGE}.formats.compressed_tensors:CompressedTensorsReader",
+        description="llm-compressor's checkpoints: int8, fp8 and packed int4 weights as they "
+        "are; other schemes dequantized at load",
     )
