@@ -43,6 +43,10 @@ SCHEMES = {
     "int8-channel": ({"num_bits": 8, "type": "int", "strategy": "channel"}, "int-quantized"),
     "int8-tensor": ({"num_bits": 8, "type": "int", "strategy": "tensor"}, "int-quantized"),
     "fp8-channel": ({"num_bits": 8, "type": "float", "strategy": "channel"}, "float-quantized"),
+    "int8-asymmetric": (
+        {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False},
+        "int-quantized",
+    ),
     "int4-asymmetric": (
         {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": False},
         "pack-quantized",
@@ -55,8 +59,12 @@ HELD = {
     "int8-channel": ("int8", "per_channel_symmetric"),
     "int8-tensor": ("int8", "per_tensor_symmetric"),
     "fp8-channel": ("f8e4m3", "per_channel_symmetric"),
-    "int4-asymmetric": None,
+    # Zero points go to the int4 kernel's (quantization_type names the granularity).
+    "int4-asymmetric": ("int4", "blockwise_symmetric"),
+    "int8-asymmetric": None,
 }
+# transformers 5.24 cannot load this one (it sizes the packed zero points as unpacked).
+HF_CANNOT_LOAD = {"int4-asymmetric"}
 
 
 def compressed(source: Path, folder: Path, scheme: str) -> Path:
@@ -142,7 +150,7 @@ def assert_generates_as(app, hf_path: Path) -> None:
 
 @pytest.mark.parametrize("scheme", [s for s, held in HELD.items() if held])
 def test_compressed_tensors_schemes_load_as_stored_and_generate_as_transformers(
-    formats, scheme
+    formats, checkpoint, tmp_path, scheme
 ) -> None:
     path = formats(scheme)
     app = application(path)
@@ -156,23 +164,14 @@ def test_compressed_tensors_schemes_load_as_stored_and_generate_as_transformers(
     assert neuron_config.modules_to_not_convert == ["lm_head"]
     down = app.context_encoding_model.model.layers[0].mlp.down_proj
     assert isinstance(down, Int4Weight if dtype == "int4" else QuantizedWeight)
-    assert_generates_as(app, path)
+    oracle = decompressed_twin(path, checkpoint, tmp_path) if scheme in HF_CANNOT_LOAD else path
+    assert_generates_as(app, oracle)
 
 
-def test_an_asymmetric_scheme_is_dequantized_at_load_and_said(
-    formats, checkpoint, tmp_path, caplog
-) -> None:
-    """Zero points have no nxdplug layer yet: the weights are dequantized at load, with a log
-    line. transformers 5.24 cannot load this checkpoint (it sizes the packed zero points as
-    unpacked), so the oracle is transformers on the weights compressed-tensors decompresses."""
-    path = formats("int4-asymmetric")
-    with caplog.at_level(logging.INFO, logger="nxdplug.quantization"):
-        app = application(path)
-    assert not app.config.neuron_config.quantized
-    assert "dequantized to full precision at load" in caplog.text
-    scheme = QuantizationScheme(
-        targets=["Linear"], weights=QuantizationArgs(**SCHEMES["int4-asymmetric"][0])
-    )
+def decompressed_twin(path: Path, checkpoint: Path, folder: Path) -> Path:
+    """``checkpoint`` with the weights compressed-tensors decompresses from ``path``."""
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
     stored = load_file(path / "model.safetensors")
     modules = {k.removesuffix(".weight_packed") for k in stored if k.endswith(".weight_packed")}
     decompressed = {
@@ -181,8 +180,16 @@ def test_an_asymmetric_scheme_is_dequantized_at_load_and_said(
         )["weight"]
         for module in modules
     }
-    twin = derived_checkpoint(checkpoint, tmp_path / "twin", edit=lambda t: t.update(decompressed))
-    assert_generates_as(app, twin)
+    return derived_checkpoint(checkpoint, folder / "twin", edit=lambda t: t.update(decompressed))
+
+
+def test_a_scheme_without_a_layer_is_dequantized_at_load_and_said(formats, caplog) -> None:
+    path = formats("int8-asymmetric")
+    with caplog.at_level(logging.INFO, logger="nxdplug.quantization"):
+        app = application(path)
+    assert not app.config.neuron_config.quantized
+    assert "dequantized to full precision at load" in caplog.text
+    assert_generates_as(app, path)
 
 
 def test_settings_that_contradict_the_checkpoint_are_refused(formats, tmp_path) -> None:

@@ -24,6 +24,7 @@ from nxdplug.plugins.quantization.kernel import tile_rows
 from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, int4_group
 from nxdplug.plugins.quantization.targets import (
     SCALE_SUFFIX,
+    ZERO_POINT_SUFFIX,
     has_row_scales,
     is_quantized_module,
 )
@@ -100,7 +101,9 @@ def refuse_misfits(problems: list[str], neuron_config: Any) -> None:
 
 def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
     """Packed int4 weights (int32 [out, in / 8]) and their scales ([out, in / group]) to the
-    int4 layers' layout: the CPU kernel's packing and ``scales_and_zeros`` (:mod:`.int4`)."""
+    int4 layers' layout: the CPU kernel's packing and ``scales_and_zeros`` (:mod:`.int4`). A
+    checkpoint of another tool may have signed zero points beside them (``weight_zero_point``
+    [out, in / group], as GPTQ and AWQ write asymmetric weights); they fold into the zeros."""
     neuron_config = config.neuron_config
     fitted = dict(state_dict)
     problems = []
@@ -125,7 +128,10 @@ def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[s
             continue
         kernel_group = kernel_group_size(group, in_features)
         padded = padded_features(in_features, group, kernel_group)
+        zero_point = fitted.pop(f"{key}{ZERO_POINT_SUFFIX}", None)
         fitted[key] = to_kernel_layout(unpack_int4(packed), padded)
-        fitted[f"{key}{SCALE_SUFFIX}"] = kernel_scales(scale.float(), group, kernel_group, padded)
+        fitted[f"{key}{SCALE_SUFFIX}"] = kernel_scales(
+            scale.float(), group, kernel_group, padded, zero_point
+        )
     refuse_misfits(problems, neuron_config)
     return fitted

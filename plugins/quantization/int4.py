@@ -129,14 +129,22 @@ def padded_features(in_features: int, group: int, kernel_group: int) -> int:
 
 
 def kernel_scales(
-    scale: torch.Tensor, group: int, kernel_group: int, padded_in_features: int
+    scale: torch.Tensor,
+    group: int,
+    kernel_group: int,
+    padded_in_features: int,
+    zero_point: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[out, groups] scales -> the kernel's ``scales_and_zeros`` [padded_in / kernel_group,
-    out, 2] (each scale repeated over the kernel groups it covers; zero points 0:
-    symmetric)."""
+    """[out, groups] scales (and signed zero points, ``W = (Q - zero_point) * scale``) -> the
+    kernel's ``scales_and_zeros`` [padded_in / kernel_group, out, 2], each repeated over the
+    kernel groups it covers. The kernel computes ``Q * scale + zero``, so ``zero`` is
+    ``-zero_point * scale`` (0 when symmetric)."""
     kernel_groups = padded_in_features // kernel_group
-    repeated = scale.repeat_interleave(kernel_groups // scale.shape[1], dim=1).t()
-    return torch.stack([repeated, torch.zeros_like(repeated)], dim=-1).contiguous()
+    zero = torch.zeros_like(scale) if zero_point is None else -zero_point.float() * scale
+    pair = torch.stack([scale, zero], dim=-1)
+    return (
+        pair.repeat_interleave(kernel_groups // scale.shape[1], dim=1).transpose(0, 1).contiguous()
+    )
 
 
 def int4_matmul(
@@ -149,10 +157,11 @@ def int4_matmul(
 def dequantize_int4(
     packed: torch.Tensor, scales: torch.Tensor, in_features: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The kernel-layout weight as a [out, in] matrix of ``dtype`` (``Q * scale`` in float32,
-    then cast; the zero padding columns dropped)."""
+    """The kernel-layout weight as a [out, in] matrix of ``dtype`` (``Q * scale + zero`` in
+    float32, then cast; the zero padding columns dropped)."""
     out_features = packed.shape[0]
     q = from_kernel_layout(packed, out_features)
     groups = scales.shape[0]
-    grouped = q.reshape(out_features, groups, -1).float() * scales[..., 0].t().float()[..., None]
+    scale, zero = (scales[..., i].t().float()[..., None] for i in (0, 1))
+    grouped = q.reshape(out_features, groups, -1).float() * scale + zero
     return grouped.reshape(out_features, -1)[:, :in_features].to(dtype)

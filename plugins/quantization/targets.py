@@ -21,6 +21,7 @@ QUANTIZED_PROJECTIONS = frozenset(
 )
 FUSED_PROJECTION = "qkv_proj"
 SCALE_SUFFIX = "_scale"
+ZERO_POINT_SUFFIX = "_zero_point"  # int4 checkpoints of other tools: W = (Q - zero_point) * scale
 
 
 def names_module(entry: str, module_name: str) -> bool:

@@ -6,11 +6,12 @@ Weights-only schemes that the quantization layers hold as they are load natively
 - ``int-quantized`` int8, symmetric, per channel or per tensor (``weight`` int8 and
   ``weight_scale``): the int8 layers;
 - ``float-quantized`` fp8 e4m3, symmetric, per channel or per tensor: the f8e4m3 layers;
-- ``pack-quantized`` int4, symmetric, per channel or in groups of a multiple of 32 input
-  features (``weight_packed`` int32 [out, in / 8], ``weight_scale``, ``weight_shape``): the
-  int4 layers, whose checkpoint packing is this one.
+- ``pack-quantized`` int4, per channel or in groups of a multiple of 32 input features
+  (``weight_packed`` int32 [out, in / 8], ``weight_scale``, ``weight_shape``, and
+  ``weight_zero_point`` when asymmetric): the int4 layers, whose checkpoint packing is this
+  one and whose kernel takes zero points.
 
-Anything else that is integer or fp8 (asymmetric zero points, blocks, activation-ordered groups
+Anything else that is integer or fp8 (8-bit zero points, blocks, activation-ordered groups
 whose ``weight_g_idx`` is not in order, several schemes in one model) is dequantized to full
 precision at load, with a log line; input activation scales (W8A8) are dropped, and the model
 multiplies in full precision. 4-bit floats (NVFP4, MXFP4) are refused.
@@ -64,10 +65,9 @@ class WeightScheme:
     def native_settings(self) -> dict[str, Any] | None:
         """The NeuronConfig settings of the layers that hold these weights as stored, or None."""
         granularity = {"channel": "per_channel", "tensor": "per_tensor"}.get(self.strategy)
-        if not self.symmetric:
-            return None
         if (
             self.bits == 8
+            and self.symmetric
             and granularity
             and (self.type, self.format)
             in (
@@ -190,7 +190,12 @@ class CompressedTensorsReader:
                     f"{module}.{PACKED}: {in_features} input features, not a multiple of 8, "
                     "cannot be held packed; add the module to modules_to_not_convert"
                 )
-            return {f"{module}.weight": packed, f"{module}.weight_scale": scale}
+            native = {f"{module}.weight": packed, f"{module}.weight_scale": scale}
+            if ZERO_POINT in tensors:  # packed along the output rows
+                rows = packed.shape[0]
+                zero_point = unpack_int4(tensors[ZERO_POINT].T.contiguous()).T[:rows]
+                native[f"{module}.weight_zero_point"] = zero_point
+            return native
         return {f"{module}.weight": weight, f"{module}.weight_scale": scale}
 
     def _dequantized(
@@ -201,8 +206,7 @@ class CompressedTensorsReader:
         if PACKED in tensors:
             rows, features = (int(v) for v in tensors[SHAPE])
             quantized = unpack_int4(tensors[PACKED])[:, :features]
-            if zero_point is not None and zero_point.dtype == torch.int32:
-                # Packed along the output rows.
+            if zero_point is not None:  # packed along the output rows
                 zero_point = unpack_int4(zero_point.T.contiguous()).T[:rows]
         elif weight is not None:
             quantized = weight
