@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from compressed_tensors.compressors import ModelCompressor, PackedQuantizationCompressor
+from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
 from compressed_tensors.quantization import (
     QuantizationArgs,
     QuantizationConfig,
@@ -207,3 +208,154 @@ def test_a_format_no_plugin_reads_is_refused_by_name(checkpoint, tmp_path) -> No
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="'bitsandbytes', which no installed plugin reads"):
         from_pretrained(folder, NeuronConfig(**SETTINGS))
+
+
+# -- GPTQ and AWQ -------------------------------------------------------------------------------
+# Their tools (GPTQModel, AutoAWQ) need a GPU build of torch, so the checkpoints are written here
+# in their documented layouts from integers quantized here; the oracle is transformers on the
+# weights those integers stand for (and, for AWQ, compressed-tensors' own AWQ converter).
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_groups(weight: torch.Tensor, g_idx: torch.Tensor, symmetric: bool):
+    """Unsigned 4-bit ``(Q [in, out], Z [groups, out], S [groups, out])`` of a [out, in] weight,
+    min-max per group (the groups of the input features given by ``g_idx``)."""
+    groups = int(g_idx.max()) + 1
+    q = torch.empty(weight.shape[1], weight.shape[0], dtype=torch.int64)
+    zeros = torch.empty(groups, weight.shape[0], dtype=torch.int64)
+    scales = torch.empty(groups, weight.shape[0])
+    for group in range(groups):
+        columns = (g_idx == group).nonzero().flatten()
+        part = weight[:, columns]
+        if symmetric:
+            scale = part.abs().amax(dim=1) / 7.5
+            zero = torch.full_like(scale, 8, dtype=torch.int64)
+        else:
+            low, high = part.amin(dim=1).clamp(max=0), part.amax(dim=1).clamp(min=0)
+            scale = (high - low) / 15
+            zero = (-low / scale).round().long().clamp(0, 15)
+        scale = scale.half().float()  # as the tools store them
+        q[columns] = ((part / scale[:, None]).round().long() + zero[:, None]).clamp(0, 15).T
+        zeros[group], scales[group] = zero, scale
+    return q, zeros, scales
+
+
+def pack_words(values: torch.Tensor, dim: int, order=range(8)) -> torch.Tensor:
+    """Eight 4-bit values to an int32 along ``dim``, value ``order[n]`` of each eight in
+    nibble n (GPTQ packs in order, AWQ in its own)."""
+    values = values if dim == 1 else values.T
+    words = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int64)
+    for nibble, index in enumerate(order):
+        words |= (values[:, index::8] & 0xF) << (4 * nibble)
+    words = words.to(torch.int32)
+    return words if dim == 1 else words.T.contiguous()
+
+
+def write_packed_checkpoint(source: Path, folder: Path, declared: dict, encode) -> dict:
+    """``source`` with each layer projection replaced by ``encode(weight)``'s tensors; the
+    weights they stand for, by checkpoint key."""
+    stand_for = {}
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for key in [k for k in tensors if k.rpartition(".")[0].endswith(PROJECTIONS)]:
+            module = key.removesuffix(".weight")
+            encoded, dense = encode(tensors.pop(key).float())
+            tensors.update({f"{module}.{name}": t for name, t in encoded.items()})
+            stand_for[key] = dense
+
+    derived_checkpoint(source, folder, edit=edit)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": declared}))
+    return stand_for
+
+
+def gptq_encoder(group: int, symmetric: bool, act_order: bool, v2: bool):
+    def encode(weight: torch.Tensor):
+        in_features = weight.shape[1]
+        size = group if group > 0 else in_features
+        order = torch.randperm(in_features, generator=torch.Generator().manual_seed(1))
+        g_idx = torch.empty(in_features, dtype=torch.int64)
+        g_idx[order if act_order else torch.arange(in_features)] = torch.arange(in_features) // size
+        q, zeros, scales = quantize_groups(weight, g_idx, symmetric)
+        dense = (q.T - zeros[g_idx].T) * scales[g_idx].T
+        stored_zeros = zeros if v2 else zeros - 1  # the original format: zero points minus one
+        encoded = {
+            "qweight": pack_words(q, dim=0),
+            "qzeros": pack_words(stored_zeros, dim=1),
+            "scales": scales.half(),
+            "g_idx": g_idx.to(torch.int32),
+        }
+        return encoded, dense
+
+    return encode
+
+
+GPTQ_CASES = {  # (group_size, sym, desc_act, checkpoint_format), held as int4
+    "sym-g32": (32, True, False, "gptq", True),
+    "asym-g32": (32, False, False, "gptq", True),
+    "asym-channel-v2": (-1, False, False, "gptq_v2", True),
+    "asym-g32-desc-act": (32, False, True, "gptq", False),
+}
+
+
+@pytest.mark.parametrize("case", GPTQ_CASES)
+def test_gptq_checkpoints_load_as_the_weights_they_stand_for(
+    checkpoint, tmp_path, case, caplog
+) -> None:
+    group, symmetric, act_order, checkpoint_format, held = GPTQ_CASES[case]
+    declared = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group,
+        "sym": symmetric,
+        "desc_act": act_order,
+        "checkpoint_format": checkpoint_format,
+    }
+    encode = gptq_encoder(group, symmetric, act_order, checkpoint_format == "gptq_v2")
+    dense = write_packed_checkpoint(checkpoint, tmp_path / "gptq", declared, encode)
+    with caplog.at_level(logging.INFO, logger="nxdplug.quantization"):
+        app = application(tmp_path / "gptq")
+    down = app.context_encoding_model.model.layers[0].mlp.down_proj
+    assert isinstance(down, Int4Weight) == held == app.config.neuron_config.quantized
+    # Activation-ordered groups are not held as stored: their weights are dequantized.
+    assert ("dequantized to full precision at load" in caplog.text) == (not held)
+    twin = derived_checkpoint(checkpoint, tmp_path / "twin", edit=lambda t: t.update(dense))
+    assert_generates_as(app, twin)
+
+
+def awq_encoder(group: int):
+    def encode(weight: torch.Tensor):
+        g_idx = torch.arange(weight.shape[1]) // group
+        q, zeros, scales = quantize_groups(weight, g_idx, symmetric=False)
+        encoded = {
+            "qweight": pack_words(q, dim=1, order=AWQ_ORDER),
+            "qzeros": pack_words(zeros, dim=1, order=AWQ_ORDER),
+            "scales": scales.half(),
+        }
+        return encoded, (q.T - zeros[g_idx].T) * scales[g_idx].T
+
+    return encode
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's: nibble n holds column AWQ_ORDER[n] of eight
+
+
+def test_awq_checkpoints_load_as_compressed_tensors_converts_them(checkpoint, tmp_path) -> None:
+    declared = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}
+    declared |= {"version": "gemm"}
+    dense = write_packed_checkpoint(checkpoint, tmp_path / "awq", declared, awq_encoder(32))
+    app = application(tmp_path / "awq")
+    assert isinstance(app.context_encoding_model.model.layers[0].mlp.down_proj, Int4Weight)
+    # compressed-tensors' converter of AutoAWQ checkpoints reads the same weights.
+    converter = AutoAWQConverter.from_autoawq_config(declared)
+    scheme = converter._build_quant_config().config_groups["config_group_0"]
+    converted = converter.process(load_file(tmp_path / "awq" / "model.safetensors"))
+    modules = {k.removesuffix(".weight_packed") for k in converted if k.endswith("_packed")}
+    for module in modules:
+        parts = {name: converted[f"{module}.{name}"] for name in PARTS}
+        weight = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
+        # It computes in the scales' float16: the same weights, rounded once.
+        torch.testing.assert_close(weight, dense[f"{module}.weight"].half(), rtol=0, atol=0)
+    twin = derived_checkpoint(checkpoint, tmp_path / "twin", edit=lambda t: t.update(dense))
+    assert_generates_as(app, twin)

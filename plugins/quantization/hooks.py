@@ -105,3 +105,16 @@ def nxdplug_quantized_checkpoint_formats() -> Iterable[QuantizedCheckpointFormat
         description="llm-compressor's checkpoints: int8, fp8 and packed int4 weights as they "
         "are; other schemes dequantized at load",
     )
+    yield QuantizedCheckpointFormat(
+        name="gptq",
+        quant_methods=("gptq",),
+        reader=f"{PACKAGE}.formats.gptq_awq:GptqReader",
+        description="GPTQModel / AutoGPTQ 4-bit checkpoints: int4 layers with zero points; "
+        "activation-ordered groups dequantized at load",
+    )
+    yield QuantizedCheckpointFormat(
+        name="awq",
+        quant_methods=("awq",),
+        reader=f"{PACKAGE}.formats.gptq_awq:AwqReader",
+        description="AutoAWQ GEMM 4-bit checkpoints: int4 layers with zero points",
+    )
