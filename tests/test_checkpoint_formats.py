@@ -210,10 +210,11 @@ def test_a_format_no_plugin_reads_is_refused_by_name(checkpoint, tmp_path) -> No
         from_pretrained(folder, NeuronConfig(**SETTINGS))
 
 
-# -- GPTQ and AWQ -------------------------------------------------------------------------------
-# Their tools (GPTQModel, AutoAWQ) need a GPU build of torch, so the checkpoints are written here
-# in their documented layouts from integers quantized here; the oracle is transformers on the
-# weights those integers stand for (and, for AWQ, compressed-tensors' own AWQ converter).
+# -- GPTQ, AWQ and block-scaled FP8 ------------------------------------------------------------
+# Their tools (GPTQModel, AutoAWQ, DeepSeek's) need a GPU build of torch, so the checkpoints are
+# written here in their documented layouts from values quantized here; the oracle is
+# transformers on the weights those values stand for (and, for AWQ, compressed-tensors' own AWQ
+# converter; for FP8, transformers reading the folder itself, which it dequantizes on a CPU).
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -252,7 +253,7 @@ def pack_words(values: torch.Tensor, dim: int, order=range(8)) -> torch.Tensor:
     return words if dim == 1 else words.T.contiguous()
 
 
-def write_packed_checkpoint(source: Path, folder: Path, declared: dict, encode) -> dict:
+def write_quantized_checkpoint(source: Path, folder: Path, declared: dict, encode) -> dict:
     """``source`` with each layer projection replaced by ``encode(weight)``'s tensors; the
     weights they stand for, by checkpoint key."""
     stand_for = {}
@@ -313,7 +314,7 @@ def test_gptq_checkpoints_load_as_the_weights_they_stand_for(
         "checkpoint_format": checkpoint_format,
     }
     encode = gptq_encoder(group, symmetric, act_order, checkpoint_format == "gptq_v2")
-    dense = write_packed_checkpoint(checkpoint, tmp_path / "gptq", declared, encode)
+    dense = write_quantized_checkpoint(checkpoint, tmp_path / "gptq", declared, encode)
     with caplog.at_level(logging.INFO, logger="nxdplug.quantization"):
         app = application(tmp_path / "gptq")
     down = app.context_encoding_model.model.layers[0].mlp.down_proj
@@ -344,7 +345,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's: nibble n holds column AWQ_ORD
 def test_awq_checkpoints_load_as_compressed_tensors_converts_them(checkpoint, tmp_path) -> None:
     declared = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True}
     declared |= {"version": "gemm"}
-    dense = write_packed_checkpoint(checkpoint, tmp_path / "awq", declared, awq_encoder(32))
+    dense = write_quantized_checkpoint(checkpoint, tmp_path / "awq", declared, awq_encoder(32))
     app = application(tmp_path / "awq")
     assert isinstance(app.context_encoding_model.model.layers[0].mlp.down_proj, Int4Weight)
     # compressed-tensors' converter of AutoAWQ checkpoints reads the same weights.
@@ -357,5 +358,35 @@ def test_awq_checkpoints_load_as_compressed_tensors_converts_them(checkpoint, tm
         weight = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
         # It computes in the scales' float16: the same weights, rounded once.
         torch.testing.assert_close(weight, dense[f"{module}.weight"].half(), rtol=0, atol=0)
+    twin = derived_checkpoint(checkpoint, tmp_path / "twin", edit=lambda t: t.update(dense))
+    assert_generates_as(app, twin)
+
+
+def fp8_block_encoder(block: int):
+    def encode(weight: torch.Tensor):
+        rows, features = weight.shape
+        blocks = weight.reshape(rows // block, block, features // block, block)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448
+        expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        quantized = (weight / expanded).to(torch.float8_e4m3fn)
+        encoded = {"weight": quantized, "weight_scale_inv": scale}
+        return encoded, quantized.float() * expanded
+
+    return encode
+
+
+def test_block_scaled_fp8_is_dequantized_at_load_as_transformers_does(
+    checkpoint, tmp_path, caplog
+) -> None:
+    """transformers dequantizes these on a CPU too (FineGrainedFP8, no GPU): same logits."""
+    declared = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    declared |= {"activation_scheme": "dynamic", "fmt": "e4m3"}
+    path = tmp_path / "fp8"
+    dense = write_quantized_checkpoint(checkpoint, path, declared, fp8_block_encoder(32))
+    with caplog.at_level(logging.INFO, logger="nxdplug.quantization"):
+        app = application(path)
+    assert not app.config.neuron_config.quantized
+    assert "FP8 checkpoint: layers.0.mlp.down_proj" in caplog.text
+    assert_generates_as(app, path)
     twin = derived_checkpoint(checkpoint, tmp_path / "twin", edit=lambda t: t.update(dense))
     assert_generates_as(app, twin)

@@ -118,3 +118,9 @@ def nxdplug_quantized_checkpoint_formats() -> Iterable[QuantizedCheckpointFormat
         reader=f"{PACKAGE}.formats.gptq_awq:AwqReader",
         description="AutoAWQ GEMM 4-bit checkpoints: int4 layers with zero points",
     )
+    yield QuantizedCheckpointFormat(
+        name="fp8-block",
+        quant_methods=("fp8",),
+        reader=f"{PACKAGE}.formats.fp8_block:Fp8BlockReader",
+        description="block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3 FP8): dequantized at load",
+    )
