@@ -11,6 +11,7 @@ logits within each dtype's tolerance of HF in float32.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -277,3 +278,43 @@ def test_settings_left_at_their_defaults_follow_the_checkpoint(gpt_oss_checkpoin
     assert neuron_config.glu_type == "glu" and neuron_config.gate_clamp_upper_limit is None
     default = from_pretrained(gpt_oss_checkpoint())
     assert isinstance(default.neuron_config, GptOssNeuronConfig)
+
+
+def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert tensor [experts, inputs, rows] as GPT-OSS's MXFP4 ``_blocks`` and ``_scales``:
+    per 32 inputs of a row, a power-of-two scale and the nearest FP4 e2m1 values."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    rows_first = weight.transpose(1, 2)  # [experts, rows, inputs]
+    groups = rows_first.reshape(*rows_first.shape[:2], -1, 32)
+    exponents = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponents)[..., None]
+    codes = (scaled.abs()[..., None] - grid).abs().argmin(-1) + 8 * (scaled < 0)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponents + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_are_dequantized_at_load_as_transformers_does(
+    gpt_oss_checkpoint, tmp_path
+) -> None:
+    """GPT-OSS ships its experts in MXFP4: nxdplug dequantizes them at load; transformers
+    (Mxfp4Config(dequantize=True), as on any machine without its kernels) is the oracle."""
+    from transformers import Mxfp4Config
+
+    def pack(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "down_proj"))]:
+            if "experts" in name:
+                blocks, scales = mxfp4_pack(tensors.pop(name).float())
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+
+    path = derived_checkpoint(gpt_oss_checkpoint(), tmp_path / "mxfp4", edit=pack)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (path / "config.json").write_text(json.dumps(config))
+    app = from_pretrained(path, GptOssNeuronConfig(torch_dtype=torch.float32, **SETTINGS))
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    ).eval()
+    app.to_cpu()
+    input_ids, mask = prompts(app.config.vocab_size, (7, 13))
+    report = check_accuracy(app, hf, input_ids, mask, max_new_tokens=NEW_TOKENS)
+    assert report.passed, report.summary()

@@ -47,13 +47,16 @@ def convert_hf_gpt_oss_state_dict(
     state_dict: dict[str, torch.Tensor], config: Any
 ) -> dict[str, torch.Tensor]:
     """Rename and re-lay the MLP tensors of every layer (:data:`MLP_TENSORS`); attention,
-    sinks and norms keep their names. MXFP4-packed experts are refused."""
+    sinks and norms keep their names. MXFP4-packed experts arrive dequantized (the quantization
+plugin reads them, :mod:`nxdplug.plugins.quantization.formats.mxfp4`); packed ones are
+refused."""
     packed = sorted(name for name in state_dict if name.endswith(MXFP4_SUFFIXES))
     if packed:
         raise CheckpointError(
             f"this GPT-OSS checkpoint holds MXFP4-packed expert weights ({packed[0]}, ...), "
-            "which nxdplug does not read: dequantize it first (load it with transformers' "
-            "Mxfp4Config(dequantize=True) and save_pretrained the result)"
+            "but its config.json has no quantization_config with quant_method 'mxfp4', which "
+            "is what makes the quantization plugin read them: add it, or dequantize the "
+            "checkpoint first (transformers' Mxfp4Config(dequantize=True), save_pretrained)"
         )
     converted = convert_hf_llama_state_dict(state_dict, config)
     for layer in range(config.num_hidden_layers):

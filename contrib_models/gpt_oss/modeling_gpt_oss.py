@@ -103,12 +103,6 @@ class GptOssInferenceConfig(InferenceConfig):
                 f"rope_type {rope_type!r} is not implemented for GPT-OSS; supported: "
                 f"{', '.join(ROPE_TYPES)}"
             )
-        quantization = getattr(self, "quantization_config", None) or {}
-        if quantization.get("quant_method") == "mxfp4":
-            problems.append(
-                "MXFP4-packed expert weights are not read: dequantize the checkpoint first "
-                "(transformers' Mxfp4Config(dequantize=True), then save_pretrained)"
-            )
         if problems:
             raise ConfigError(problems)
 

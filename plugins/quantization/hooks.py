@@ -124,3 +124,9 @@ def nxdplug_quantized_checkpoint_formats() -> Iterable[QuantizedCheckpointFormat
         reader=f"{PACKAGE}.formats.fp8_block:Fp8BlockReader",
         description="block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3 FP8): dequantized at load",
     )
+    yield QuantizedCheckpointFormat(
+        name="mxfp4",
+        quant_methods=("mxfp4",),
+        reader=f"{PACKAGE}.formats.mxfp4:Mxfp4Reader",
+        description="MXFP4 expert weights (GPT-OSS's checkpoints): dequantized at load",
+    )
