@@ -236,3 +236,20 @@ def test_quantization_perplexity_script_scores_as_hf(tiny_checkpoint, tmp_path) 
         logits = hf(windows[:, :-1]).logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
     assert float(lines["float32"]) == pytest.approx(math.exp(loss.item()), rel=1e-4)
+
+
+def test_llama_cpp_comparison_times_nxdplug_and_says_what_it_could_not(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """The comparison script (llama.cpp is timed where llama-cpp-python is installed; CI has it
+    not, and the script must say so and time nxdplug alone)."""
+    path = tiny_checkpoint("llama", seed=5)
+    command = [sys.executable, str(EXAMPLES / "compare_llama_cpp.py"), "--model-path", str(path)]
+    command += ["--work-dir", str(tmp_path), "--modes", "int8", "--rounds", "1", "--json"]
+    command += ["--prompt-length", "8", "--max-new-tokens", "4", "--eager"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["read_bandwidth_gb_s"] > 0
+    assert report["systems"]["nxdplug int8"]["decode_tokens_per_s"] > 0
+    timed_llama_cpp = "llama.cpp q8_0" in report["systems"]
+    assert timed_llama_cpp or "llama.cpp not timed" in result.stdout
