@@ -23,8 +23,12 @@ from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM
 from nxdplug.errors import ConfigError
 from nxdplug.modules.parallel_linear import ColumnParallelLinear
 from nxdplug.plugins.quantization.int4 import (
+    dequantize_int4,
     from_kernel_layout,
+    int4_dequantize_op,
+    kernel_scales,
     pack_int4,
+    padded_features,
     quantize_int4,
     to_kernel_layout,
     unpack_int4,
@@ -173,3 +177,25 @@ def test_a_compiled_int4_model_gives_the_eager_tokens(checkpoint, tmp_path) -> N
         input_ids, attention_mask=mask, **settings
     )
     assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "columns", "group"), [(128, 256, 64), (80, 176, 32)])
+def test_the_cpp_dequantization_is_the_layouts_own(rows, columns, group, dtype) -> None:
+    """The plugin's C++ loop (prompts' dequantization) gives what reading the kernel layout
+    back in PyTorch operations gives, bit for bit: rows past the last block of 64, a padded
+    last group, zero points."""
+    generator = torch.Generator().manual_seed(rows)
+    q, scale = quantize_int4(torch.randn(rows, columns, generator=generator), group)
+    padded = padded_features(columns, group, group)
+    zero_point = torch.randint(-3, 4, scale.shape, generator=generator)
+    scales = kernel_scales(scale, group, group, padded, zero_point).to(dtype)
+    packed = to_kernel_layout(q, padded)
+    op = int4_dequantize_op()
+    assert op is not None, "the int4 dequantization extension did not build on this machine"
+    dequantized = op(packed, scales, columns).t()
+    q_back = from_kernel_layout(packed, rows).float()[:, :columns]
+    steps = scales[..., 0].t().float().repeat_interleave(group, dim=1)[:, :columns]
+    zeros = scales[..., 1].t().float().repeat_interleave(group, dim=1)[:, :columns]
+    assert torch.equal(dequantized, (q_back * steps + zeros).to(dtype))
+    assert torch.equal(dequantize_int4(packed, scales, columns, dtype), dequantized)

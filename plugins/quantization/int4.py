@@ -16,15 +16,20 @@ A weight ``W`` [out, in] is stored as signed 4-bit integers ``Q`` in -8..7 with 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from nxdplug.errors import NotSupportedError
+from nxdplug.runtime.cpp_ops import build_operator
 
 PACK_FACTOR = 8  # 4-bit values per int32
 OFFSET = 8  # Q + OFFSET is the unsigned nibble
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)  # what the CPU kernel takes, largest first
 KERNEL_BLOCK_ROWS = 64  # the kernel layout interleaves rows in blocks of this many
+DEQUANTIZE_SOURCE = Path(__file__).with_name("int4_dequantize.cpp")
+DEQUANTIZE_LIBRARY = "nxdplug_int4"
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,11 +159,35 @@ def int4_matmul(
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kernel_group, scales)
 
 
+@functools.cache
+def int4_dequantize_op() -> Any | None:
+    """``int4_dequantize(packed, scales_and_zeros, in_features)`` -> the weight transposed,
+    [in, out], in the scales' dtype (``int4_dequantize.cpp``), or None where it cannot be
+    built."""
+    return build_operator(
+        DEQUANTIZE_LIBRARY,
+        DEQUANTIZE_SOURCE,
+        "int4_dequantize",
+        _dequantized_like,
+        purpose="int4 dequantization",
+        instead="int4 layers dequantize with PyTorch operations for prompts, which is slower",
+    )
+
+
+def _dequantized_like(packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
+    return scales.new_empty((in_features, packed.shape[0]))
+
+
 def dequantize_int4(
     packed: torch.Tensor, scales: torch.Tensor, in_features: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The kernel-layout weight as a [out, in] matrix of ``dtype`` (``Q * scale + zero`` in
-    float32, then cast; the zero padding columns dropped)."""
+    float32, then cast; the zero padding columns dropped): by the plugin's C++ loop on the CPU
+    when the scales are in ``dtype`` (a transposed view of its [in, out] result), else by
+    PyTorch operations."""
+    op = int4_dequantize_op() if packed.device.type == "cpu" else None
+    if op is not None and scales.dtype == dtype:
+        return op(packed, scales, in_features).t()
     out_features = packed.shape[0]
     q = from_kernel_layout(packed, out_features)
     groups = scales.shape[0]

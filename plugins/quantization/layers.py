@@ -24,6 +24,7 @@ from nxdplug.modules.parallel_linear import (
 from nxdplug.plugins.quantization.int4 import (
     check_kernel_layout,
     dequantize_int4,
+    int4_dequantize_op,
     int4_matmul,
     kernel_group_size,
     padded_features,
@@ -137,6 +138,9 @@ class Int4Weight:
                 "modules_to_not_convert"
             )
         check_kernel_layout()
+        # Registers the dequantization now: a compiled graph that calls it by name can only be
+        # loaded once it is there.
+        int4_dequantize_op()
         self.kernel_group = kernel_group_size(group, in_features)
         # The layout may hold zero columns past the input features the layer multiplies.
         self.multiplied_features = in_features
