@@ -96,37 +96,40 @@ def nxdplug_cli_extensions() -> Iterable[CliExtension]:
     )
 
 
+# Other tools' checkpoints, by config.json's quant_method: (record name, quant_method,
+# reader in formats/, description).
+FORMATS = (
+    (
+        "compressed-tensors",
+        "compressed-tensors",
+        "compressed_tensors:CompressedTensorsReader",
+        "llm-compressor's checkpoints: int8, fp8 and packed int4 weights as they are; other "
+        "schemes dequantized at load",
+    ),
+    (
+        "gptq",
+        "gptq",
+        "gptq_awq:GptqReader",
+        "GPTQModel / AutoGPTQ 4-bit checkpoints: int4 layers with zero points; "
+        "activation-ordered groups dequantized at load",
+    ),
+    ("awq", "awq", "gptq_awq:AwqReader", "AutoAWQ GEMM 4-bit checkpoints: int4 layers"),
+    (
+        "fp8-block",
+        "fp8",
+        "fp8_block:Fp8BlockReader",
+        "block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3 FP8): dequantized at load",
+    ),
+    ("mxfp4", "mxfp4", "mxfp4:Mxfp4Reader", "GPT-OSS's MXFP4 experts: dequantized at load"),
+)
+
+
 @hookimpl
 def nxdplug_quantized_checkpoint_formats() -> Iterable[QuantizedCheckpointFormat]:
-    yield QuantizedCheckpointFormat(
-        name="compressed-tensors",
-        quant_methods=("compressed-tensors",),
-        reader=f"{PACKAGE}.formats.compressed_tensors:CompressedTensorsReader",
-        description="llm-compressor's checkpoints: int8, fp8 and packed int4 weights as they "
-        "are; other schemes dequantized at load",
-    )
-    yield QuantizedCheckpointFormat(
-        name="gptq",
-        quant_methods=("gptq",),
-        reader=f"{PACKAGE}.formats.gptq_awq:GptqReader",
-        description="GPTQModel / AutoGPTQ 4-bit checkpoints: int4 layers with zero points; "
-        "activation-ordered groups dequantized at load",
-    )
-    yield QuantizedCheckpointFormat(
-        name="awq",
-        quant_methods=("awq",),
-        reader=f"{PACKAGE}.formats.gptq_awq:AwqReader",
-        description="AutoAWQ GEMM 4-bit checkpoints: int4 layers with zero points",
-    )
-    yield QuantizedCheckpointFormat(
-        name="fp8-block",
-        quant_methods=("fp8",),
-        reader=f"{PACKAGE}.formats.fp8_block:Fp8BlockReader",
-        description="block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3 FP8): dequantized at load",
-    )
-    yield QuantizedCheckpointFormat(
-        name="mxfp4",
-        quant_methods=("mxfp4",),
-        reader=f"{PACKAGE}.formats.mxfp4:Mxfp4Reader",
-        description="MXFP4 expert weights (GPT-OSS's checkpoints): dequantized at load",
-    )
+    for name, method, reader, description in FORMATS:
+        yield QuantizedCheckpointFormat(
+            name=name,
+            quant_methods=(method,),
+            reader=f"{PACKAGE}.formats.{reader}",
+            description=description,
+        )
