@@ -48,8 +48,8 @@ def convert_hf_gpt_oss_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Rename and re-lay the MLP tensors of every layer (:data:`MLP_TENSORS`); attention,
     sinks and norms keep their names. MXFP4-packed experts arrive dequantized (the quantization
-plugin reads them, :mod:`nxdplug.plugins.quantization.formats.mxfp4`); packed ones are
-refused."""
+    plugin reads them, :mod:`nxdplug.plugins.quantization.formats.mxfp4`); packed ones are
+    refused."""
     packed = sorted(name for name in state_dict if name.endswith(MXFP4_SUFFIXES))
     if packed:
         raise CheckpointError(
