@@ -16,22 +16,48 @@ MODEL_PREFIX = "model."
 HEAD = "lm_head"
 
 
-def module_name(key: str) -> str:
-    """The module a checkpoint key belongs to, as ``modules_to_not_convert`` names it (without
-    the checkpoint's ``model.`` prefix)."""
-    return key.rpartition(".")[0].removeprefix(MODEL_PREFIX)
+def module_name(module: str) -> str:
+    """A checkpoint's module as ``modules_to_not_convert`` names it (without the checkpoint's
+    ``model.`` prefix)."""
+    return module.removeprefix(MODEL_PREFIX)
 
 
 def full_precision_projections(tensor_names: Collection[str], quantized_suffix: str) -> list[str]:
     """The projections the quantization plugin would quantize that the checkpoint holds in full
     precision (a ``.weight`` and no ``quantized_suffix`` tensor), and the LM head unless the
     checkpoint quantized it: the ``modules_to_not_convert`` that loads it as stored."""
-    quantized = {module_name(n) for n in tensor_names if n.endswith(quantized_suffix)}
-    dense = {module_name(n) for n in tensor_names if n.endswith(".weight")}
+    quantized = {
+        module_name(n.rpartition(".")[0]) for n in tensor_names if n.endswith(quantized_suffix)
+    }
+    dense = {module_name(n.rpartition(".")[0]) for n in tensor_names if n.endswith(".weight")}
     left = {m for m in dense - quantized if m.rpartition(".")[2] in QUANTIZED_PROJECTIONS}
     if HEAD not in quantized:
         left.add(HEAD)
     return sorted(left)
+
+
+def module_parts(
+    state_dict: dict[str, torch.Tensor], leaves: Collection[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """``state_dict`` split into the tensors whose last name is one of ``leaves``, by module
+    (``{module: {leaf: tensor}}``), and the rest."""
+    rest: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state_dict.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf in leaves:
+            parts.setdefault(module, {})[leaf] = tensor
+        else:
+            rest[key] = tensor
+    return rest, parts
+
+
+def groups_in_order(g_idx: torch.Tensor | None, group: int) -> bool:
+    """Whether each input feature's group (``g_idx``, None: not given) is the one of consecutive
+    groups of ``group`` features, as the int4 kernel takes them."""
+    if g_idx is None:
+        return True
+    return torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group)
 
 
 def expand_scales(

@@ -28,9 +28,11 @@ from nxdplug.errors import CheckpointError, ConfigError
 from nxdplug.plugins.quantization.formats.common import (
     dequantize,
     full_precision_projections,
+    groups_in_order,
     log,
     log_dequantized,
     module_name,
+    module_parts,
 )
 from nxdplug.plugins.quantization.int4 import unpack_int4
 from nxdplug.plugins.quantization.targets import is_quantized_module
@@ -140,17 +142,10 @@ class CompressedTensorsReader:
     def convert(self, state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
         skip = config.neuron_config.modules_to_not_convert
         native = config.neuron_config.quantized and self.native is not None
-        converted: dict[str, torch.Tensor] = {}
-        parts: dict[str, dict[str, torch.Tensor]] = {}
-        dropped = []
-        for key, tensor in state_dict.items():
-            module, _, leaf = key.rpartition(".")
-            if leaf in WEIGHT_PARTS:
-                parts.setdefault(module, {})[leaf] = tensor
-            elif leaf in DROPPED:
-                dropped.append(key)
-            else:
-                converted[key] = tensor
+        converted, parts = module_parts(state_dict, WEIGHT_PARTS)
+        dropped = [key for key in converted if key.rpartition(".")[2] in DROPPED]
+        for key in dropped:
+            del converted[key]
         dequantized = []
         for module, tensors in parts.items():
             weight = converted.pop(f"{module}.weight", None)
@@ -158,7 +153,7 @@ class CompressedTensorsReader:
                 converted.update(self._native(module, weight, tensors))
             else:
                 converted[f"{module}.weight"] = self._dequantized(module, weight, tensors)
-                dequantized.append(module_name(f"{module}.weight"))
+                dequantized.append(module_name(module))
         why = "its scheme has no nxdplug layer" if not native else "not a projection held quantized"
         log_dequantized(TOOL, dequantized, why)
         if dropped:
@@ -175,8 +170,7 @@ class CompressedTensorsReader:
         g_idx = tensors.get(G_IDX)
         if g_idx is None:
             return True
-        group = self.schemes[0].group_size or g_idx.numel()
-        return torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group)
+        return groups_in_order(g_idx, self.schemes[0].group_size or g_idx.numel())
 
     def _native(
         self, module: str, weight: torch.Tensor | None, tensors: Mapping[str, torch.Tensor]
@@ -191,9 +185,8 @@ class CompressedTensorsReader:
                     "cannot be held packed; add the module to modules_to_not_convert"
                 )
             native = {f"{module}.weight": packed, f"{module}.weight_scale": scale}
-            if ZERO_POINT in tensors:  # packed along the output rows
-                rows = packed.shape[0]
-                zero_point = unpack_int4(tensors[ZERO_POINT].T.contiguous()).T[:rows]
+            if ZERO_POINT in tensors:
+                zero_point = unpacked_zero_points(tensors[ZERO_POINT], packed.shape[0])
                 native[f"{module}.weight_zero_point"] = zero_point
             return native
         return {f"{module}.weight": weight, f"{module}.weight_scale": scale}
@@ -206,8 +199,8 @@ class CompressedTensorsReader:
         if PACKED in tensors:
             rows, features = (int(v) for v in tensors[SHAPE])
             quantized = unpack_int4(tensors[PACKED])[:, :features]
-            if zero_point is not None:  # packed along the output rows
-                zero_point = unpack_int4(zero_point.T.contiguous()).T[:rows]
+            if zero_point is not None:
+                zero_point = unpacked_zero_points(zero_point, rows)
         elif weight is not None:
             quantized = weight
         else:
@@ -222,3 +215,9 @@ class CompressedTensorsReader:
             block=block,
             g_idx=tensors.get(G_IDX),
         )
+
+
+def unpacked_zero_points(packed: torch.Tensor, rows: int) -> torch.Tensor:
+    """int4 zero points packed along the output rows ([ceil(rows / 8), groups]) -> signed
+    [rows, groups]."""
+    return unpack_int4(packed.T.contiguous()).T[:rows]

@@ -47,7 +47,7 @@ class Fp8BlockReader:
         for key in activations:
             del converted[key]
         why = f"blocks of {self.block[0]}x{self.block[1]}: the fp8 layers scale rows or tensors"
-        log_dequantized("FP8", [module_name(f"{m}.weight") for m in modules], why)
+        log_dequantized("FP8", [module_name(m) for m in modules], why)
         if activations:
             log.info("FP8 checkpoint: %d activation scales not used", len(activations))
         return converted

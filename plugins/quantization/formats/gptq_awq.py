@@ -28,8 +28,10 @@ from nxdplug.errors import CheckpointError, ConfigError
 from nxdplug.plugins.quantization.formats.common import (
     dequantize,
     full_precision_projections,
+    groups_in_order,
     log_dequantized,
     module_name,
+    module_parts,
 )
 from nxdplug.plugins.quantization.int4 import OFFSET, pack_int4
 from nxdplug.plugins.quantization.targets import is_quantized_module
@@ -116,23 +118,14 @@ class PackedInt4Reader(ABC):
     def convert(self, state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
         skip = config.neuron_config.modules_to_not_convert
         native = config.neuron_config.quantized and self.native_settings() is not None
-        converted: dict[str, torch.Tensor] = {}
-        parts: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in state_dict.items():
-            module, _, leaf = key.rpartition(".")
-            if leaf in self.parts:
-                parts.setdefault(module, {})[leaf] = tensor
-            else:
-                converted[key] = tensor
+        converted, parts = module_parts(state_dict, self.parts)
         dequantized = []
         for module, tensors in parts.items():
             q, z, s = self.unpack(tensors)
             in_features = q.shape[0]
             group = self.group or in_features
             g_idx = tensors.get("g_idx")
-            in_order = g_idx is None or torch.equal(
-                g_idx.long(), torch.arange(in_features) // group
-            )
+            in_order = groups_in_order(g_idx, group)
             # Signed, [out, ...] as the int4 layers' checkpoints are.
             weight, scale = (q.to(torch.int8) - OFFSET).T, s.float().T
             zero_point = None if z is None else (z.to(torch.int8) - OFFSET).T
@@ -150,7 +143,7 @@ class PackedInt4Reader(ABC):
                 converted[f"{module}.weight"] = dequantize(
                     weight, scale, zero_point, group=group, g_idx=None if in_order else g_idx
                 )
-                dequantized.append(module_name(f"{module}.weight"))
+                dequantized.append(module_name(module))
         log_dequantized(self.tool, dequantized, "not held quantized" if native else self.why_not())
         return converted
 

@@ -49,5 +49,5 @@ class Mxfp4Reader:
             blocks, scales = converted.pop(f"{name}{BLOCKS}"), converted.pop(f"{name}{SCALES}")
             converted[name] = dequantize_mxfp4(blocks, scales)
         why = "no FP4 layer; exact in float32"
-        log_dequantized("MXFP4", [module_name(f"{name}.weight") for name in names], why)
+        log_dequantized("MXFP4", [module_name(name) for name in names], why)
         return converted
