@@ -215,10 +215,16 @@ class SpeculationMode(SelectableRecord):
     """A speculative-decoding mode (draft model, Medusa, EAGLE).
 
     ``implementation`` is a class built with the application whose ``generate(request)``
-    follows :class:`nxdplug.runtime.speculation.Speculator`.
+    follows :class:`nxdplug.runtime.speculation.Speculator`. In the serving engine, the mode
+    serves the ``method`` values of vLLM's ``speculative_config`` named in ``engine_methods``,
+    each step's proposals coming from ``engine_proposer``: a class built with
+    ``(application, speculative_config, draft)`` that follows
+    :class:`nxdplug.engine.speculative.Proposer`. The engine refuses a mode without one.
     """
 
     implementation: str = _ref_field()
+    engine_methods: tuple[str, ...] = _names_field()
+    engine_proposer: str | None = _ref_field(default=None)
 
 
 @attrs.frozen(kw_only=True)

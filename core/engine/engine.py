@@ -43,6 +43,7 @@ from nxdplug.engine.requests import (
     RequestOutput,
     SamplingSettings,
 )
+from nxdplug.engine.speculative import SpeculativeConfig, engine_speculation
 from nxdplug.engine.structured_output import Constraints, TokenConstraint
 from nxdplug.engine.token_choice import Chosen, TokenChoice
 from nxdplug.errors import ConfigError, NxdPlugError
@@ -62,11 +63,6 @@ def engine_problems(application: Any) -> list[str]:
             f"the engine gives each request its own KV-cache line, which needs "
             f"is_continuous_batching=True (max_batch_size={neuron_config.max_batch_size})"
         )
-    if application.plugins.speculation_mode is not None:
-        problems.append(
-            "serving with speculative decoding is not implemented; serve the model without "
-            "speculation_length / is_medusa / enable_eagle_speculation"
-        )
     return problems
 
 
@@ -77,7 +73,10 @@ class Engine:
     ``max_waiting`` bounds the queue (beyond it ``add_request`` raises EngineFullError);
     ``eos_token_ids`` default to the model's generation config; ``runner`` runs each
     :class:`~nxdplug.runtime.scheduled_step.ScheduledStep` (``runner.run(step)``: the
-    application itself; with tensor parallelism, one that hands each step to every rank).
+    application itself; with tensor parallelism, one that hands each step to every rank);
+    ``speculative_config`` (vLLM's, as a mapping or a
+    :class:`~nxdplug.engine.speculative.SpeculativeConfig`) speculates with the model's
+    speculation mode, proposing with ``draft_model`` (an application) for ``draft_model``.
     """
 
     def __init__(
@@ -88,10 +87,17 @@ class Engine:
         max_waiting: int = 1024,
         eos_token_ids: Iterable[int] | None = None,
         runner: Any = None,
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
+        draft_model: Any = None,
     ) -> None:
         problems = engine_problems(application)
         if problems:
             raise ConfigError(problems, source="the engine's model")
+        if isinstance(speculative_config, Mapping):
+            speculative_config = SpeculativeConfig.from_mapping(
+                speculative_config, "the engine's speculative_config"
+            )
+        self.speculation = engine_speculation(application, speculative_config, draft_model)
         neuron_config = application.neuron_config
         self.application = application
         self.tokenizer = tokenizer
@@ -103,6 +109,7 @@ class Engine:
         self.max_batch_size = neuron_config.max_batch_size
         self.ctx_rows = neuron_config.ctx_batch_size
         self.tkg_rows = neuron_config.tkg_batch_size
+        self.spec_rows = neuron_config.spec_batch_size
         self.max_prompt = neuron_config.max_context_length
         self.max_positions = neuron_config.seq_len
         self.vocab_size = getattr(application.config, "vocab_size", None)
@@ -322,7 +329,9 @@ class Engine:
             if r not in encoded and not r.encoding and not r.finished
         ]
         decoding = self._make_room(decoding)
-        if decoding:
+        if decoding and self.speculation is not None:
+            outputs += self._speculate(decoding)
+        elif decoding:
             calls = self._decode_calls(decoding)
             if self._overlap.enabled:
                 self._pending = (decoding, self._run_decode(calls))
@@ -409,6 +418,69 @@ class Engine:
         finished = [batch[row] for row in done]
         return self._accept(finished, self._choose(finished, _rows_of_output(outputs, done)))
 
+    def _speculate(self, decoding: list[Request]) -> list[RequestOutput]:
+        """One step of the decoding requests with speculation: each with room for k more
+        positions (within its ``max_tokens``, and blocks to hold them) verifies its proposals,
+        ``spec_batch_size`` rows a call; the others decode one token."""
+        assert self.speculation is not None
+        k = self.speculation.k
+        verifying = [
+            r
+            for r in decoding
+            if r.settings.max_tokens - len(r.output_ids) >= k
+            and self.lines.grow(r.line, r.length + k)
+        ]
+        plain = [r for r in decoding if r not in verifying]
+        outputs = self._accept(plain, self._run_decode(self._decode_calls(plain))) if plain else []
+        proposals = self.speculation.proposer.propose(verifying, k) if verifying else []
+        for start in range(0, len(verifying), self.spec_rows):
+            rows = verifying[start : start + self.spec_rows]
+            offered = proposals[start : start + self.spec_rows]
+            new_tokens = [
+                [r.output_ids[-1], *p] + [(p or r.output_ids)[-1]] * (k - len(p))
+                for r, p in zip(rows, offered, strict=True)
+            ]
+            step = ScheduledStep.from_rows(
+                new_tokens,
+                [r.length - 1 for r in rows],
+                [r.line for r in rows],
+                self._step_keywords(rows),
+                self.device,
+            )
+            outputs += self._take_verified(rows, offered, self.runner.run(step).logits)
+        return outputs
+
+    def _take_verified(
+        self, rows: list[Request], proposals: list[list[int]], logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        """The target's tokens of a verification (``logits`` [rows, k+1, vocab]), position by
+        position, each chosen as a decode step would choose it; a request takes the next
+        position while its token equals the proposal there and it goes on."""
+        assert self.speculation is not None
+        texts, reasons = [""] * len(rows), [None] * len(rows)
+        accepted = [0] * len(rows)
+        live = list(range(len(rows)))
+        for position in range(logits.shape[1]):
+            if not live:
+                break
+            chosen = self.choice.choose([rows[i] for i in live], logits[live, position], None)
+            going_on = []
+            for index, row in enumerate(live):
+                reason, text = self._add_token(rows[row], chosen, index)
+                texts[row] += text
+                reasons[row] = reason
+                proposal = proposals[row]
+                if position < len(proposal) and chosen.tokens[index] == proposal[position]:
+                    accepted[row] += 1
+                    if reason is None:
+                        going_on.append(row)
+            live = going_on
+        outputs = []
+        for row, request in enumerate(rows):
+            self.speculation.metrics.record(len(proposals[row]), accepted[row])
+            outputs.append(self._report(request, reasons[row], texts[row]))
+        return outputs
+
     def _make_room(self, decoding: list[Request]) -> list[Request]:
         """Room in the cache for each decoding request's next position, in admission order;
         when the cache has none left, the latest admitted request is preempted (its room
@@ -428,6 +500,7 @@ class Engine:
             self.lines.release(request.line)
             request.line = None
             request.computed = 0
+            request.proposer_state = None
             request.preemptions += 1
             self.num_preemptions += 1
             self._waiting.appendleft(request)
@@ -586,34 +659,42 @@ class Engine:
     def _accept(self, batch: list[Request], result: Chosen) -> list[RequestOutput]:
         """Add each request's new token, end those that stop, and report them."""
         outputs = []
-        for index, (request, token) in enumerate(zip(batch, result.tokens, strict=True)):
+        for index, request in enumerate(batch):
             if request.finished:
                 continue  # ended while this step ran (async mode): its token is dropped
-            request.output_ids.append(token)
-            if request.settings.logprobs and result.logprobs is not None:
-                request.logprobs.append(result.logprobs[index])
-                if result.top_logprobs is not None:
-                    request.top_logprobs.append(result.top_logprobs[index])
-            reason = self._stop_reason(request, token)
-            if request.constraint is not None:
-                request.constraint.accept(token)
-                if request.constraint.finished:
-                    reason = FINISH_STOP
-            text, stopped = "", False
-            incremental = self._texts.get(request.request_id)
-            if incremental is not None:
-                ids = request.output_ids
-                if reason == FINISH_STOP and token in self._special_ids:
-                    ids = ids[:-1]  # the special token that ends the request is no text
-                text, stopped = incremental.update(ids)
-            if stopped:
-                reason = FINISH_STOP
-            if reason is not None:
-                with self._lock:
-                    outputs.append(self._finish(request, reason, text))
-            else:
-                outputs.append(self._output(request, text))
+            reason, text = self._add_token(request, result, index)
+            outputs.append(self._report(request, reason, text))
         return outputs
+
+    def _add_token(self, request: Request, result: Chosen, index: int) -> tuple[str | None, str]:
+        """Add the token ``result`` chose for ``request`` (its row ``index``); returns why the
+        request ends with it (None: it goes on) and the text it completes."""
+        token = result.tokens[index]
+        request.output_ids.append(token)
+        if request.settings.logprobs and result.logprobs is not None:
+            request.logprobs.append(result.logprobs[index])
+            if result.top_logprobs is not None:
+                request.top_logprobs.append(result.top_logprobs[index])
+        reason = self._stop_reason(request, token)
+        if request.constraint is not None:
+            request.constraint.accept(token)
+            if request.constraint.finished:
+                reason = FINISH_STOP
+        text, stopped = "", False
+        incremental = self._texts.get(request.request_id)
+        if incremental is not None:
+            ids = request.output_ids
+            if reason == FINISH_STOP and token in self._special_ids:
+                ids = ids[:-1]  # the special token that ends the request is no text
+            text, stopped = incremental.update(ids)
+        return (FINISH_STOP if stopped else reason), text
+
+    def _report(self, request: Request, reason: str | None, text: str) -> RequestOutput:
+        """The output of a request that moved; it ends when ``reason`` says why."""
+        if reason is None:
+            return self._output(request, text)
+        with self._lock:
+            return self._finish(request, reason, text)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         settings = request.settings

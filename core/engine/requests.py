@@ -244,6 +244,8 @@ class Request:
     to_encode: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    # What its speculation proposer keeps between steps (see ``engine.speculative``).
+    proposer_state: Any = None
 
     @property
     def finished(self) -> bool:

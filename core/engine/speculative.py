@@ -1,0 +1,193 @@
+"""Speculative decoding in the engine, configured as vLLM's ``speculative_config``.
+
+Each step, every decoding request with room gets up to k proposed tokens from the speculation
+mode's proposer (n-gram lookup in its own tokens, a draft model, ...). The target then scores
+each request's last token and its proposals in one call: k+1 new tokens over the cached
+positions. The engine takes the target's token at each position exactly as a decode step
+would (the request's adjustments, sampler and random generator), and keeps going while it
+equals the proposal there.
+
+This is lossless: greedy outputs are the target's own. A sampled token is drawn from the same
+distribution with the same draw of the request's generator as without speculation, so a
+seeded request's tokens do not change either. For proposals that are not sampled (a lookup, a
+draft's argmax) it is also vLLM's rejection rule: accept a proposal with the target's
+probability of it, else draw from the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from nxdplug.engine.requests import Request
+from nxdplug.errors import ConfigError
+
+# vLLM's ``speculative_config`` keys that nxdplug reads; any other key is refused by name.
+KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+# vLLM's default n-gram sizes when neither bound is given.
+DEFAULT_NGRAM = 5
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """vLLM's ``speculative_config``: ``method`` (``ngram``, ``draft_model``, ``eagle``, ...),
+    ``num_speculative_tokens`` (k, at most the model's ``speculation_length``; None: that
+    length), ``model`` (the draft's folder, for ``draft_model``), and for ``ngram`` the
+    n-gram sizes looked up, longest first (``prompt_lookup_min`` .. ``prompt_lookup_max``)."""
+
+    method: str
+    num_speculative_tokens: int | None = None
+    model: str | None = None
+    prompt_lookup_min: int = DEFAULT_NGRAM
+    prompt_lookup_max: int = DEFAULT_NGRAM
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], source: str) -> SpeculativeConfig:
+        """The config of a JSON object as vLLM takes it; a ConfigError naming each bad key
+        (``source`` says where it came from)."""
+        problems = [
+            f"{key!r} is not a speculative_config key nxdplug reads (it reads {', '.join(KEYS)})"
+            for key in values
+            if key not in KEYS
+        ]
+        method = values.get("method") or ("draft_model" if values.get("model") else None)
+        if not isinstance(method, str):
+            problems.append(
+                "'method' is missing: give one of ngram, draft_model, eagle, eagle3, medusa "
+                "(or 'model', a draft's folder, for draft_model)"
+            )
+        count = values.get("num_speculative_tokens")
+        if count is not None and not _is_positive(count):
+            problems.append(f"'num_speculative_tokens' must be a whole number >= 1, got {count!r}")
+        low, high = values.get("prompt_lookup_min"), values.get("prompt_lookup_max")
+        low, high = low if low is not None else high, high if high is not None else low
+        low, high = low or DEFAULT_NGRAM, high or DEFAULT_NGRAM
+        if not (_is_positive(low) and _is_positive(high) and low <= high):
+            problems.append(
+                f"'prompt_lookup_min' ({low!r}) and 'prompt_lookup_max' ({high!r}) must be whole "
+                "numbers with 1 <= min <= max"
+            )
+        model = values.get("model")
+        if model is not None and not isinstance(model, str):
+            problems.append(f"'model' must be a draft checkpoint's folder, got {model!r}")
+        if problems:
+            raise ConfigError(problems, source=source)
+        return cls(method, count, model, low, high)
+
+
+def _is_positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+class Proposer(Protocol):
+    """The engine side of a speculation mode (a ``SpeculationMode.engine_proposer``), built
+    with ``(application, speculative_config, draft)``; ``draft`` is the draft application for
+    ``draft_model``, else None."""
+
+    def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
+        """At most ``k`` tokens to follow each request's tokens so far (``token_ids``; its
+        line holds all but the last); an empty list where it has none to offer. A proposer
+        keeps what it needs between steps in ``request.proposer_state``, which the engine
+        clears when the request loses its line."""
+
+
+@attrs.define
+class SpeculationMetrics:
+    """vLLM's speculative-decoding counters: ``drafts`` (request steps that proposed
+    tokens), ``draft_tokens`` (proposed), ``accepted_tokens`` (kept), and
+    ``accepted_per_position[i]`` (how often the proposal at position i was kept)."""
+
+    k: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = attrs.field()
+
+    @accepted_per_position.default
+    def _zeros(self) -> list[int]:
+        return [0] * self.k
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """One request's verification: ``proposed`` tokens offered, the first ``accepted``
+        of them kept."""
+        if not proposed:
+            return
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification of a request that proposed (accepted ones plus the
+        target's own), vLLM's ``mean acceptance length``."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
+@attrs.define
+class Speculation:
+    """An engine's speculation: its config, k, its mode's proposer and the counters."""
+
+    config: SpeculativeConfig
+    k: int
+    proposer: Proposer
+    metrics: SpeculationMetrics
+
+
+def engine_speculation(
+    application: Any, config: SpeculativeConfig | None, draft: Any = None
+) -> Speculation | None:
+    """The engine's speculation for ``application`` under ``config``; None when neither asks
+    for any. A ConfigError saying what to change when they disagree or the mode cannot run in
+    the engine."""
+    mode = application.plugins.speculation_mode
+    source = "the engine's speculative_config"
+    if config is None and mode is None:
+        return None
+    if config is None:
+        raise ConfigError(
+            [
+                f"the model's config selects the {mode.name!r} speculation mode, so its decode "
+                "steps verify proposed tokens, but nothing proposes them: pass "
+                'speculative_config (nxdplug serve: --speculative-config \'{"method": '
+                '"ngram"}\'), or build the model without speculation'
+            ],
+            source=source,
+        )
+    k = application.neuron_config.speculation_length
+    if mode is None or not k:
+        raise ConfigError(
+            [
+                f"method {config.method!r} needs the target's verification phase: build it "
+                "with speculation_length=k (nxdplug serve sets it from "
+                "num_speculative_tokens)"
+            ],
+            source=source,
+        )
+    if config.method not in mode.engine_methods or mode.engine_proposer is None:
+        served = ", ".join(mode.engine_methods) or "no method"
+        raise ConfigError(
+            [
+                f"method {config.method!r} does not run in the serving engine yet: the model's "
+                f"{mode.name!r} speculation mode serves {served} there"
+            ],
+            source=source,
+        )
+    wanted = config.num_speculative_tokens or k
+    if wanted > k:
+        raise ConfigError(
+            [
+                f"num_speculative_tokens={wanted} is more than the model verifies per call "
+                f"(speculation_length={k}); give at most {k}, or build it with more"
+            ],
+            source=source,
+        )
+    proposer = mode.load("engine_proposer")(application, config, draft)
+    return Speculation(config, wanted, proposer, SpeculationMetrics(wanted))
