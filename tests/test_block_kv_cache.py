@@ -404,7 +404,6 @@ def test_extension_phases_follow_the_context_buckets(checkpoint) -> None:
             "is_chunked_prefill need the block KV-cache layout .* is_block_kv_layout=True",
         ),
         ({"kv_cache_quant": True}, "'block'.*'fp8'|'fp8'.*'block'"),
-        ({"speculation_length": 3}, "is_block_kv_layout with speculation_length"),
         (
             {"is_chunked_prefill": True, "max_num_batched_tokens": 3},
             "max_num_batched_tokens=3 is below max_batch_size=4",

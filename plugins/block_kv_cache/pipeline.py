@@ -11,7 +11,6 @@ from nxdplug.runtime.model_wrapper import ExtendWrapper, ModelWrapper
 # Features whose caches or phases do not read through block tables (yet), refused by name.
 NOT_WITH_BLOCKS = {
     "flash_decoding_enabled": "flash decoding lays its cache out over ranks by position",
-    "speculation_length": "speculation phases (draft model) are not built over block tables",
     "is_medusa": "Medusa's tree phases are not built over block tables",
     "enable_eagle_speculation": "EAGLE's fused draft keeps a line cache of its own",
     "sequence_parallel_enabled": "sequence parallelism splits prompts, not chunks over a prefix",

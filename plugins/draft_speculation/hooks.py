@@ -25,6 +25,8 @@ def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
         disabled_by=("enable_fused_speculation",),
         validate="nxdplug.plugins.draft_speculation.submodel:validate",
         add_submodels="nxdplug.plugins.draft_speculation.submodel:add_submodels",
+        engine_methods=("ngram", "draft_model"),
+        engine_proposer="nxdplug.plugins.draft_speculation.engine_proposers:engine_proposer",
         description="k tokens from a draft model or prompt lookup, verified in one target call",
     )
 
