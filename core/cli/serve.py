@@ -31,6 +31,11 @@ from nxdplug.cli.inference import (
 )
 from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
 from nxdplug.cli.serve_access import add_access_arguments, api_keys, cors_policy, tls_settings
+from nxdplug.cli.speculation import (
+    add_speculative_config_option,
+    engine_draft,
+    speculation_settings,
+)
 from nxdplug.errors import NxdPlugError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -95,6 +100,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the model eagerly (to_cpu), compiling nothing (as vLLM's --enforce-eager)",
     )
+    add_speculative_config_option(server)
     add_access_arguments(parser)
     add_neuron_config_options(parser)
     extensions.add_extension_arguments(parser, "serve")
@@ -112,7 +118,8 @@ def run_serve(args: argparse.Namespace) -> int:
     reasoning_parser = _implementation("reasoning_parsers", args.reasoning_parser)
     access = (api_keys(args), cors_policy(args), tls_settings(args))
     sock = _listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
-    config = _serving_config(args, SERVE_DEFAULTS | neuron_config_kwargs(args))
+    settings = SERVE_DEFAULTS | neuron_config_kwargs(args) | speculation_settings(args)
+    config = _serving_config(args, settings)
     extensions.prepare_config(args, config)
     model = load_model(args, config, compile_by_default=True)
     tokenizer = load_tokenizer(args.model_path, "serve")
@@ -126,13 +133,15 @@ def run_serve(args: argparse.Namespace) -> int:
             follow_steps(model)
         return 0
     assert sock is not None
+    draft = engine_draft(args, config)
     broadcaster = None
     if tp_world_size() > 1:
         from nxdplug.engine.ranks import StepBroadcaster
 
         broadcaster = StepBroadcaster(model)
     try:
-        _serve(args, sock, model, tokenizer, broadcaster, (tool_parser, reasoning_parser), access)
+        parsers = (tool_parser, reasoning_parser)
+        _serve(args, sock, (model, draft), tokenizer, broadcaster, parsers, access)
     finally:
         if broadcaster is not None:
             broadcaster.stop()
@@ -168,14 +177,15 @@ def _serving_config(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
 def _serve(
     args: argparse.Namespace,
     sock: socket.socket,
-    model: Any,
+    models: tuple[Any, Any],
     tokenizer: Any,
     runner: Any,
     parsers: tuple[type | None, type | None],
     access: tuple[list[str], Any, dict[str, Any]],
 ) -> None:
-    """Serve until stopped; ``parsers``: the tool-call and reasoning parsers, if any;
-    ``access``: the API keys, the CORS policy and the TLS settings."""
+    """Serve until stopped; ``models``: the target and the draft (None without one);
+    ``parsers``: the tool-call and reasoning parsers, if any; ``access``: the API keys, the
+    CORS policy and the TLS settings."""
     import uvicorn
 
     from nxdplug.engine import Engine
@@ -184,7 +194,15 @@ def _serve(
     from nxdplug.serving.guards import guarded
     from nxdplug.serving.metrics import ServingMetrics
 
-    engine = Engine(model, tokenizer, max_waiting=args.max_waiting, runner=runner)
+    model, draft = models
+    engine = Engine(
+        model,
+        tokenizer,
+        max_waiting=args.max_waiting,
+        runner=runner,
+        speculative_config=args.speculative_config,
+        draft_model=draft,
+    )
     metrics = ServingMetrics(engine)
     engine_loop = EngineLoop(engine, metrics)
     name = args.served_model_name or str(args.model_path)

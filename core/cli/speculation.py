@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 from nxdplug.cli.extensions import enabled_extensions
-from nxdplug.errors import NxdPlugError
+from nxdplug.engine.speculative import SpeculativeConfig
+from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.registry import get_registry
 
 
@@ -76,3 +78,78 @@ def acceptance_line(model: Any) -> str | None:
     if stats is None or not stats.row_calls:
         return None
     return stats.summary()
+
+
+def add_speculative_config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculate in the engine, as vLLM\'s flag: \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\', or \'{"method": '
+        '"draft_model", "model": DIR, "num_speculative_tokens": 4}\'',
+    )
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc})") from None
+    if not isinstance(values, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    try:
+        config = SpeculativeConfig.from_mapping(values, "--speculative-config")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError("; ".join(exc.problems)) from None
+    if config.num_speculative_tokens is None:
+        raise argparse.ArgumentTypeError("give num_speculative_tokens (the tokens proposed a step)")
+    return config
+
+
+def speculation_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The NeuronConfig settings --speculative-config makes: the verification phase of
+    num_speculative_tokens + 1 tokens."""
+    config = args.speculative_config
+    if config is None:
+        return {}
+    given = args.speculation_length
+    if given is not None and given != config.num_speculative_tokens:
+        raise NxdPlugError(
+            f"--speculation-length {given} and --speculative-config's num_speculative_tokens "
+            f"{config.num_speculative_tokens} disagree; give one of them"
+        )
+    return {"speculation_length": config.num_speculative_tokens}
+
+
+def engine_draft(args: argparse.Namespace, config: Any) -> Any:
+    """The draft application of --speculative-config's ``model`` (None without one): the
+    target's settings without speculation and with lines of its own (no block layout),
+    compiled and loaded as the target is (beside --compiled-model-path, with ``-draft``)."""
+    from nxdplug.cli.inference import load_model  # which imports this module
+    from nxdplug.config import load_pretrained_config
+
+    speculative = args.speculative_config
+    if speculative is None or speculative.model is None:
+        return None
+    if config.neuron_config.tp_degree > 1:
+        raise NxdPlugError(
+            "--speculative-config with a draft model and tensor parallelism is not implemented "
+            "(the draft would need ranks of its own); use method ngram, or tp_degree 1"
+        )
+    path = Path(speculative.model)
+    if not path.is_dir():
+        raise NxdPlugError(f"--speculative-config's model {path} is not a folder")
+    neuron_config = without_speculation(config.neuron_config)
+    for name in ("is_block_kv_layout", "is_prefix_caching", "is_chunked_prefill"):
+        if getattr(neuron_config, name, False):
+            setattr(neuron_config, name, False)
+    neuron_config.chunked_prefill_config = None
+    draft_config = type(config)(neuron_config, load_config=load_pretrained_config(path))
+    folder = args.compiled_model_path
+    beside = None if folder is None else folder.with_name(folder.name + "-draft")
+    draft_args = argparse.Namespace(
+        **vars(args) | {"model_path": path, "compiled_model_path": beside}
+    )
+    return load_model(draft_args, draft_config, compile_by_default=True)

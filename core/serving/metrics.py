@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from nxdplug.engine import Engine, RequestOutput
+    from nxdplug.engine.speculative import SpeculationMetrics
 
 # Seconds: from one CPU step of a tiny model to a long prompt's encoding on a large one.
 LATENCY_BUCKETS = (
@@ -42,6 +43,8 @@ class ServingMetrics:
         for name, (description, read) in gauges.items():
             Gauge(f"nxdplug:{name}", description, registry=self.registry).set_function(read)
         self.registry.register(CacheCollector(engine))
+        if engine.speculation is not None:
+            self.registry.register(SpeculationCollector(engine.speculation.metrics))
         self.prompt_tokens = Counter(
             "nxdplug:prompt_tokens", "prompt tokens encoded", registry=self.registry
         )
@@ -116,3 +119,29 @@ class CacheCollector(Collector):
         }
         for name, (description, value) in counters.items():
             yield CounterMetricFamily(f"nxdplug:{name}", description, value=value)
+
+
+class SpeculationCollector(Collector):
+    """Speculative decoding's counters under vLLM's names: the request steps that proposed
+    tokens, the tokens proposed and kept, and how often the proposal at each position was
+    kept."""
+
+    def __init__(self, metrics: SpeculationMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counters = {
+            "num_drafts": ("request steps that proposed tokens", self.metrics.drafts),
+            "num_draft_tokens": ("tokens proposed", self.metrics.draft_tokens),
+            "num_accepted_tokens": ("proposed tokens kept", self.metrics.accepted_tokens),
+        }
+        for name, (description, value) in counters.items():
+            yield CounterMetricFamily(f"nxdplug:spec_decode_{name}", description, value=value)
+        per_position = CounterMetricFamily(
+            "nxdplug:spec_decode_num_accepted_tokens_per_pos",
+            "proposed tokens kept, by position",
+            labels=["position"],
+        )
+        for position, count in enumerate(self.metrics.accepted_per_position):
+            per_position.add_metric([str(position)], count)
+        yield per_position
