@@ -2,14 +2,14 @@
 
     python examples/bf16_linear.py --rows 1 16 64
 
-Makes the weights of ``--layers`` Llama layers (Q/K/V stacked, O, gate/up stacked, down) and
-the output projection, by default the README's ~120M Llama's, distinct tensors as in a model so
-that every pass reads them from memory; then for each ``--rows`` (16: a 16-row decode step, 64:
-a 64-token prompt) times a pass through all of them with oneDNN's linear on weights prepacked
-for it (what compiled graphs run without the panel kernel, ``NXDPLUG_BF16_LINEAR=onednn``) and
-with ``nxdplug_bf16_linear::linear`` on the same weights in panels, in turns, ``--passes``
-times each. Prints the median pass of each, its GFLOP/s and the ratio. Needs an x86 CPU with
-AVX512-BF16.
+Makes the weights of ``--layers`` Llama layers (Q/K/V stacked, O, gate/up stacked, down) and the
+output projection, by default those of docs/benchmarks.md's ~120M Llama, distinct tensors as in
+a model so that every pass reads them from memory; then for each ``--rows`` (16: a 16-row decode
+step, 64: a 64-token prompt) times a pass through all of them with oneDNN's linear on weights
+prepacked for it (what compiled graphs run without the panel kernel,
+``NXDPLUG_BF16_LINEAR=onednn``) and with ``nxdplug_bf16_linear::linear`` on the same weights in
+panels, in turns, ``--passes`` times each. Prints the median pass of each, its GFLOP/s and the
+ratio. Needs an x86 CPU with AVX512-BF16.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # The graphs' kernels keep -O3; only AOTInductor's host wrapper (the calls from one kernel to
 # the next) compiles at -O0 here, ~10% off each compiled test. It computes the same; nxdplug's
-# own default stays torch's -O1 (the README's Serving section says what -O0 costs at run time).
+# own default stays torch's -O1 (docs/serving.md says what -O0 costs at run time).
 os.environ.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
 # Under pytest-xdist (`make test`: a worker per core) each worker, and the servers and ranks it
 # starts, computes on one thread: two workers with a thread pool each the size of the machine

@@ -252,7 +252,8 @@ def held_out_prompts(count: int) -> torch.Tensor:
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="needs ../shared/models beside the checkout")
 def test_trained_draft_speeds_up_pycoder_losslessly() -> None:
-    """The README's acceptance figures: 20 held-out prompts in one batch, 64 new tokens, k=4."""
+    """The acceptance figures of docs/speculative-decoding.md: 20 held-out prompts, 64 new
+    tokens, k=4."""
     prompts = held_out_prompts(20)
     mask = torch.ones_like(prompts)
     plain = application(SHARED / "pycoder-tiny", batch=20, seq_len=160)

@@ -6,8 +6,8 @@ tiny random model whose heads are noisy copies of its LM head (so some branches 
 which exercises the K/V moves), for prompts of different lengths, batch 1 and 2 (left padded).
 
 Acceptance (``python tests/test_medusa.py`` measures it on the first 20 ``file_start`` prompts
-of prompts.jsonl, 64 new tokens, 4 heads): see the README; ``test_trained_heads_are_accepted``
-checks a smaller sample against a floor.
+of prompts.jsonl, 64 new tokens, 4 heads): see docs/speculative-decoding.md;
+``test_trained_heads_are_accepted`` checks a smaller sample against a floor.
 """
 
 from __future__ import annotations
@@ -370,7 +370,8 @@ def test_compiled_medusa_matches_eager(tiny: Path, tmp_path: Path, monkeypatch) 
     assert compiled.speculation_stats.as_dict() == eager.speculation_stats.as_dict()
 
 
-# Acceptance on the trained heads (python tests/test_medusa.py prints the README figures)
+# Acceptance on the trained heads (python tests/test_medusa.py prints the figures of
+# docs/speculative-decoding.md)
 
 
 def measure_acceptance(folder: Path, tree: list[list[int]], prompts: list, new_tokens: int) -> dict:

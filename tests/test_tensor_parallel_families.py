@@ -159,8 +159,8 @@ def test_query_heads_are_padded_to_a_multiple_of_tp_degree(two_rank_run) -> None
     assert gpt_oss[1]["sinks"][1] == 0.0 and all(gpt_oss[0]["sinks"] + gpt_oss[1]["sinks"][:1])
 
 
-def test_the_readmes_torchrun_command_prints_hf_tokens_from_rank_0(tiny_checkpoint, tmp_path):
-    """README "Tensor parallelism over processes": the same command line, a tiny checkpoint."""
+def test_the_documented_torchrun_command_prints_hf_tokens_from_rank_0(tiny_checkpoint, tmp_path):
+    """docs/tensor-parallelism.md's torchrun command line, on a tiny checkpoint."""
     bin_dir = Path(sys.executable).parent
     torchrun, nxdplug = (
         shutil.which("torchrun", path=bin_dir),
@@ -170,7 +170,7 @@ def test_the_readmes_torchrun_command_prints_hf_tokens_from_rank_0(tiny_checkpoi
         pytest.skip(f"torchrun or nxdplug is not installed in {bin_dir}")
     checkpoint = tiny_checkpoint("llama", seed=11)
     compiled = tmp_path / "tp2"
-    # The README's line, plus a free rendezvous port: others may run torchrun on 29500 meanwhile.
+    # The documented line, plus a free rendezvous port: others may run torchrun on 29500 meanwhile.
     command = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port())]
     command += [nxdplug, "run", "--model-path", str(checkpoint)]
     command += ["--tp-degree", "2", "--compiled-model-path", str(compiled)]

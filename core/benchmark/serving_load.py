@@ -300,7 +300,7 @@ async def sse_events(lines: AsyncIterator[str], server: str) -> AsyncIterator[di
     The clients parse the stream themselves, as vLLM's benchmark does, rather than through the
     ``openai`` package's chunk objects: those cost 165-205 us of CPU a chunk against 95-130
     here (2 cores, 2026-11-27, over the httpx transport), on the cores the server under test
-    shares with its clients (see the README's Serving benchmark)."""
+    shares with its clients (see docs/serving-benchmark.md)."""
     data: list[str] = []
     async for line in lines:
         if line.startswith("data:"):

@@ -14,7 +14,7 @@ reads them; :func:`status` says, for the installed plugins, who reads each one:
 - ``gap``: silently ignored today, listed in :data:`KNOWN_GAPS` with its issue;
 - ``unhandled``: none of these, which the coverage test refuses.
 
-``python -m nxdplug.config.coverage --markdown`` prints the README's table.
+``python -m nxdplug.config.coverage --markdown`` prints the table of ``docs/api-coverage.md``.
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def coverage(
 
 
 def markdown_table(statuses: dict[DocumentedAttribute, str]) -> str:
-    """The README's table: one row per documented attribute."""
+    """The table of ``docs/api-coverage.md``: one row per documented attribute."""
     rows = ["| Attribute | Handled by |", "| --- | --- |"]
     rows += [f"| `{a.label}` | {statuses[a]} |" for a in sorted(statuses)]
     return "\n".join(rows) + "\n"
@@ -316,7 +316,9 @@ _LABELS = frozenset(CORE_ATTRIBUTES) | frozenset(READ_WITH) | frozenset(KNOWN_GA
 
 def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nxdplug.config.coverage")
-    parser.add_argument("--markdown", action="store_true", help="print the README table")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the table of docs/api-coverage.md"
+    )
     parser.add_argument("--reference", type=Path, help="api-reference.rst")
     args = parser.parse_args(None if argv is None else list(argv))
     statuses = coverage(reference_text(args.reference))

@@ -139,7 +139,7 @@ def _not_provided(
     listing = ", ".join(provided) or "nothing yet"
     message = (
         f"{nxdi_module}.{name} is not implemented in nxdplug: {module_name} provides {listing}. "
-        "See the README's 'Porting an NxD Inference script' for what ports and what does not."
+        "See docs/porting.md ('Porting an NxD Inference script') for what ports and what does not."
     )
     # ``from module import name`` turns an AttributeError into a bare "cannot import name",
     # losing this message, while hasattr(), getattr(m, n, default) and mock.patch need an

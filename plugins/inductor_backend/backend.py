@@ -164,8 +164,8 @@ class FlatCallGraph:
     """A loaded package (see :mod:`.graph_runner`) called as ``graph(weights, caches, *inputs)``
     with the tensors passed flat. ``AOTICompiledModel.__call__`` parses the argument and output
     structures from JSON and flattens every argument on each call, about 0.1 ms of a decode step
-    with a model's hundred-odd weights (measured on the README's Mixtral-shaped model); here the
-    output structure is read once."""
+    with a model's hundred-odd weights (measured on the Mixtral-shaped model of docs/moe.md);
+    here the output structure is read once."""
 
     def __init__(self, loader: Any, *, takes_weights: bool) -> None:
         self.loader = loader

@@ -8,7 +8,7 @@ read, at decode as at prefill: the (token, chosen expert) pairs are sorted by ex
 through ``nxdplug::grouped_linear`` (prompts, eager runs), or, in a compiled graph with no more
 pairs than experts (decode), each pair's expert weights are indexed in the graph, which the
 compiler fuses into the matrix-vector products (half the time of the op's calls back, measured
-on the README's Mixtral-shaped model).
+on the Mixtral-shaped model of docs/moe.md).
 
 Sharding: ``ep_degree`` ranks each hold ``num_experts / ep_degree`` whole experts, and
 ``tp_degree`` ranks split each expert's intermediate dim; a rank computes its partial sum of
@@ -276,8 +276,8 @@ class ExpertMLPs(nn.Module):
 def computed_once(x: torch.Tensor) -> torch.Tensor:
     """``x`` written to a buffer of its own in a compiled graph, so that the experts'
     matrix-vector products read it; inductor otherwise fuses what produces it (the layer norm)
-    into their loops and recomputes it for every weight row (measured on the README's
-    Mixtral-shaped model: 185 against 133 us for a layer's two experts). ``x`` itself when not
+    into their loops and recomputes it for every weight row (measured on the Mixtral-shaped
+    model of docs/moe.md: 185 against 133 us for a layer's two experts). ``x`` itself when not
     compiling."""
     if not torch.compiler.is_compiling():
         return x
