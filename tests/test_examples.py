@@ -253,3 +253,20 @@ def test_llama_cpp_comparison_times_nxdplug_and_says_what_it_could_not(
     assert report["systems"]["nxdplug int8"]["decode_tokens_per_s"] > 0
     timed_llama_cpp = "llama.cpp q8_0" in report["systems"]
     assert timed_llama_cpp or "llama.cpp not timed" in result.stdout
+
+
+def test_code_edit_prompts_repeat_each_files_start(tmp_path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "a.py").write_text("".join(f"line_{i} = {i}\n" for i in range(20)))
+    (source / "short.py").write_text("x = 1\n")
+    output = tmp_path / "edit.jsonl"
+    command = [sys.executable, str(EXAMPLES / "code_edit_prompts.py"), "--output", str(output)]
+    command += ["--source", str(source), "--count", "1", "--lines", "4", "--restart", "2"]
+    subprocess.run(command, capture_output=True, text=True, check=True)
+    start = "line_0 = 0\nline_1 = 1\n"
+    expected = start + "line_2 = 2\nline_3 = 3\n\n" + start
+    assert [json.loads(line) for line in output.read_text().splitlines()] == [{"prompt": expected}]
+    command[command.index("--count") + 1] = "2"
+    refused = subprocess.run(command, capture_output=True, text=True)
+    assert refused.returncode == 2 and "has only 1 .py files long enough" in refused.stderr

@@ -419,20 +419,27 @@ class Engine:
         return self._accept(finished, self._choose(finished, _rows_of_output(outputs, done)))
 
     def _speculate(self, decoding: list[Request]) -> list[RequestOutput]:
-        """One step of the decoding requests with speculation: each with room for k more
-        positions (within its ``max_tokens``, and blocks to hold them) verifies its proposals,
-        ``spec_batch_size`` rows a call; the others decode one token."""
+        """One step of the decoding requests with speculation. Each request whose line has
+        k more positions (within ``seq_len``) is offered up to k tokens: as many as it can
+        still use (one fewer than the tokens it has left) and its cache can grow to hold.
+        When any is offered some, those requests verify in one call (``spec_batch_size`` rows
+        a call; one offered none takes a single token from it) and the others decode; when
+        none is, every request decodes, by the cheaper one-token phase."""
         assert self.speculation is not None
         k = self.speculation.k
-        verifying = [
-            r
-            for r in decoding
-            if r.settings.max_tokens - len(r.output_ids) >= k
-            and self.lines.grow(r.line, r.length + k)
-        ]
+        verifying = [r for r in decoding if r.length + k <= self.max_positions]
+        proposals = []
+        for request, proposal in zip(
+            verifying, self.speculation.proposer.propose(verifying, k), strict=True
+        ):
+            proposal = proposal[: max(request.settings.max_tokens - len(request.output_ids) - 1, 0)]
+            if proposal and not self.lines.grow(request.line, request.length + len(proposal)):
+                proposal = []
+            proposals.append(proposal)
+        if not any(proposals):
+            verifying, proposals = [], []
         plain = [r for r in decoding if r not in verifying]
         outputs = self._accept(plain, self._run_decode(self._decode_calls(plain))) if plain else []
-        proposals = self.speculation.proposer.propose(verifying, k) if verifying else []
         for start in range(0, len(verifying), self.spec_rows):
             rows = verifying[start : start + self.spec_rows]
             offered = proposals[start : start + self.spec_rows]
@@ -460,10 +467,14 @@ class Engine:
         texts, reasons = [""] * len(rows), [None] * len(rows)
         accepted = [0] * len(rows)
         live = list(range(len(rows)))
+        argmax = self.choice.argmax_of_every_position(rows, logits)
         for position in range(logits.shape[1]):
             if not live:
                 break
-            chosen = self.choice.choose([rows[i] for i in live], logits[live, position], None)
+            if argmax is None:
+                chosen = self.choice.choose([rows[i] for i in live], logits[live, position], None)
+            else:
+                chosen = Chosen([argmax[i][position] for i in live])
             going_on = []
             for index, row in enumerate(live):
                 reason, text = self._add_token(rows[row], chosen, index)
