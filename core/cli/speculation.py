@@ -12,12 +12,14 @@ import argparse
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxdplug.cli.extensions import enabled_extensions
-from nxdplug.engine.speculative import SpeculativeConfig
 from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.registry import get_registry
+
+if TYPE_CHECKING:
+    from nxdplug.engine.speculative import SpeculativeConfig
 
 
 def add_speculation_options(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +95,8 @@ def add_speculative_config_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _speculative_config(text: str) -> SpeculativeConfig:
+    from nxdplug.engine.speculative import SpeculativeConfig  # the engine imports torch
+
     try:
         values = json.loads(text)
     except json.JSONDecodeError as exc:
