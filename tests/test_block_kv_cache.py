@@ -333,6 +333,9 @@ def test_on_device_sampling_in_async_mode_over_blocks(checkpoint, solo) -> None:
     assert_all_free(engine)
 
 
+PLAIN_LINES = {
+    k: v for k, v in SETTINGS.items() if k not in ("is_block_kv_layout", "pa_block_size")
+}
 COMPILED = {
     "is_prefix_caching": True,
     "is_chunked_prefill": True,
@@ -345,21 +348,30 @@ COMPILED = {
 
 
 def test_compiled_graphs_take_block_tables(checkpoint, solo, tmp_path) -> None:
-    """The same serving over compiled graphs (context encoding, token generation and one
-    extension phase, one bucket each): the block tables are a graph input, the blocks the
-    graphs' state."""
+    """The same serving over compiled graphs (context encoding, token generation, one
+    extension phase and a speculation phase, one bucket each): the block tables are a graph
+    input, the blocks the graphs' state. Served with n-gram speculation, then with the
+    target as its own draft (every proposal kept)."""
     generator = torch.Generator().manual_seed(9)
     shared = random_tokens(20, generator)
     requests = [(shared + random_tokens(n, generator), 10, None) for n in (1, 6, 0, 11)]
-    app = from_pretrained(checkpoint, NeuronConfig(**(SETTINGS | COMPILED)))
+    app = from_pretrained(checkpoint, NeuronConfig(**(SETTINGS | COMPILED), speculation_length=3))
     app.compile(tmp_path, quiet=True)
     app.load(tmp_path, quiet=True)
     assert app.backend_name == "inductor"
-    engine = Engine(app, eos_token_ids=[])
-    tokens = run(engine, requests, arrive_every=2)
-    assert list(tokens.values()) == [solo(p, m) for p, m, _ in requests]
-    assert engine.num_preemptions > 0 and engine.lines.usage().prefix_hits > 0
-    assert_all_free(engine)
+    draft = from_pretrained(checkpoint, NeuronConfig(**PLAIN_LINES))
+    draft.to_cpu()
+    preemptions = []
+    for config, proposer in [({"method": "ngram"}, None), ({"method": "draft_model"}, draft)]:
+        engine = Engine(app, eos_token_ids=[], speculative_config=config, draft_model=proposer)
+        tokens = run(engine, requests, arrive_every=2)
+        assert list(tokens.values()) == [solo(p, m) for p, m, _ in requests]
+        assert engine.lines.usage().prefix_hits > 0
+        assert_all_free(engine)
+        preemptions.append(engine.num_preemptions)
+    assert preemptions[0] > 0  # few n-gram proposals: as tight as without speculation
+    metrics = engine.speculation.metrics
+    assert metrics.draft_tokens > 0 and metrics.accepted_tokens == metrics.draft_tokens
 
 
 def test_extension_phases_follow_the_context_buckets(checkpoint) -> None:
