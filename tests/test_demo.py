@@ -57,4 +57,4 @@ def test_make_demo_generates_hf_tokens_with_and_without_speculation() -> None:
     outputs = re.findall(r"^Output \d: (.*)$", output, flags=re.M)
     assert outputs[:3] == ["class Stack:", "def read_lines(path):", "class Cache(dict):"]
     (calls,) = re.findall(r"\(([\d.]+) tokens per call\)", output)
-    assert float(calls) > 2.0  # the draft saves target calls (2.49 measured)
+    assert float(calls) > 2.0  # the draft saves target calls (2.10 measured)
