@@ -286,14 +286,27 @@ def test_server_metrics_are_read_from_the_prometheus_text() -> None:
         'nxdplug:request_success_total{finished_reason="stop"} 1.0 1700000000\n'
         "nxdplug:prefix_cache_hits_total 30.0\n"
         "nxdplug:prefix_cache_queries_total 100.0\n"
+        "nxdplug:spec_decode_num_drafts_total 40.0\n"
+        "nxdplug:spec_decode_num_draft_tokens_total 160.0\n"
+        "nxdplug:spec_decode_num_accepted_tokens_total 90.0\n"
+        'nxdplug:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 35.0\n'
     )
     assert samples["nxdplug:num_requests_running"] == 3.0
     assert samples["nxdplug:request_success_total"] == 3.0
-    before = {"nxdplug:prefix_cache_hits_total": 10.0, "nxdplug:prefix_cache_queries_total": 60.0}
-    # The hits over the timed load alone: (30 - 10) / (100 - 60).
+    before = {
+        "nxdplug:prefix_cache_hits_total": 10.0,
+        "nxdplug:prefix_cache_queries_total": 60.0,
+        "nxdplug:spec_decode_num_drafts_total": 10.0,
+        "nxdplug:spec_decode_num_draft_tokens_total": 40.0,
+        "nxdplug:spec_decode_num_accepted_tokens_total": 30.0,
+    }
+    # The timed load alone: hits (30 - 10) / (100 - 60); kept (90 - 30) / (160 - 40) of the
+    # proposed tokens, 1 + (90 - 30) / (40 - 10) tokens a verification.
     assert server_figures(before, samples, [1.0, 4.0, 2.0]) == {
         "peak_running_requests": 4.0,
         "server_prefix_cache_hit_rate": 0.5,
+        "spec_acceptance_rate": 0.5,
+        "spec_tokens_per_verification": 3.0,
     }
     assert server_figures({}, {}, []) == {}
 

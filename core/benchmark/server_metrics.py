@@ -18,6 +18,9 @@ SCRAPE_TIMEOUT_S = 2.0
 RUNNING = "nxdplug:num_requests_running"
 PREFIX_HITS = "nxdplug:prefix_cache_hits_total"
 PREFIX_QUERIES = "nxdplug:prefix_cache_queries_total"
+DRAFTS = "nxdplug:spec_decode_num_drafts_total"
+DRAFT_TOKENS = "nxdplug:spec_decode_num_draft_tokens_total"
+ACCEPTED_TOKENS = "nxdplug:spec_decode_num_accepted_tokens_total"
 
 
 def metrics_url(base_url: str) -> str:
@@ -85,15 +88,21 @@ def polled_running_requests(url: str) -> Iterator[list[float]]:
 def server_figures(
     before: Mapping[str, float], after: Mapping[str, float], running: list[float]
 ) -> dict[str, float]:
-    """``peak_running_requests`` and ``server_prefix_cache_hit_rate`` (the prefix-cache hits
-    over the prompt tokens looked up between the two scrapes), each only when the server gave
-    what it needs: a server with prefix caching off looks nothing up."""
+    """``peak_running_requests``, ``server_prefix_cache_hit_rate`` (the prefix-cache hits over
+    the prompt tokens looked up between the two scrapes) and, for a speculating server,
+    ``spec_acceptance_rate`` (proposed tokens kept) and ``spec_tokens_per_verification``
+    (tokens a request got from a verification: those kept plus the target's own), each only
+    when the server gave what it needs: a server with prefix caching off looks nothing up."""
     figures: dict[str, float] = {}
     if running:
         figures["peak_running_requests"] = max(running)
-    if PREFIX_QUERIES in after and PREFIX_HITS in after:
-        queries = after[PREFIX_QUERIES] - before.get(PREFIX_QUERIES, 0.0)
-        if queries > 0:
-            hits = after[PREFIX_HITS] - before.get(PREFIX_HITS, 0.0)
-            figures["server_prefix_cache_hit_rate"] = hits / queries
+
+    def grown(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    if PREFIX_QUERIES in after and PREFIX_HITS in after and grown(PREFIX_QUERIES) > 0:
+        figures["server_prefix_cache_hit_rate"] = grown(PREFIX_HITS) / grown(PREFIX_QUERIES)
+    if grown(DRAFTS) > 0 and grown(DRAFT_TOKENS) > 0:
+        figures["spec_acceptance_rate"] = grown(ACCEPTED_TOKENS) / grown(DRAFT_TOKENS)
+        figures["spec_tokens_per_verification"] = 1 + grown(ACCEPTED_TOKENS) / grown(DRAFTS)
     return figures

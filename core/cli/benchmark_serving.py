@@ -64,6 +64,8 @@ MAIN_SEED, SECOND_SEED, WARMUP_SEED, SECOND_WARMUP_SEED = range(4)
 SERVER_ROWS = (
     ("peak running requests", "peak_running_requests", "{:.0f}"),
     ("server prefix-cache hit rate", "server_prefix_cache_hit_rate", "{:.3f}"),
+    ("speculation acceptance rate", "spec_acceptance_rate", "{:.3f}"),
+    ("tokens per verification", "spec_tokens_per_verification", "{:.2f}"),
 )
 TABLE_ROWS = {
     "random": (
