@@ -217,14 +217,21 @@ class SpeculationMode(SelectableRecord):
     ``implementation`` is a class built with the application whose ``generate(request)``
     follows :class:`nxdplug.runtime.speculation.Speculator`. In the serving engine, the mode
     serves the ``method`` values of vLLM's ``speculative_config`` named in ``engine_methods``,
-    each step's proposals coming from ``engine_proposer``: a class built with
+    each step's proposals coming from ``engine_proposer`` (a class built with
     ``(application, speculative_config, draft)`` that follows
-    :class:`nxdplug.engine.speculative.Proposer`. The engine refuses a mode without one.
+    :class:`nxdplug.engine.speculative.Proposer`; the engine verifies them), or, for a mode
+    whose own phases draft and verify, from ``engine_fused`` (built the same way, following
+    :class:`nxdplug.engine.speculative.FusedSpeculator`). The engine refuses a mode with
+    neither. ``engine_settings(speculative_config) -> dict`` gives the NeuronConfig settings
+    that build a model for those methods besides ``speculation_length`` (``nxdplug serve
+    --speculative-config`` applies them).
     """
 
     implementation: str = _ref_field()
     engine_methods: tuple[str, ...] = _names_field()
     engine_proposer: str | None = _ref_field(default=None)
+    engine_fused: str | None = _ref_field(default=None)
+    engine_settings: str | None = _ref_field(default=None)
 
 
 @attrs.frozen(kw_only=True)

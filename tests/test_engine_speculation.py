@@ -16,12 +16,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nxdplug import NeuronConfig, from_pretrained
-from nxdplug.engine import Engine, SamplingSettings
+from nxdplug.engine import Engine, RequestError, SamplingSettings
 from nxdplug.engine.speculative import SpeculativeConfig
 from nxdplug.errors import ConfigError
 
 SHIPPED = Path(__file__).resolve().parents[1] / "examples" / "models"
 TARGET, DRAFT = SHIPPED / "pycoder-tiny", SHIPPED / "pycoder-draft"
+EAGLE = SHIPPED / "pycoder-tiny-eagle"
 SETTINGS = {
     "torch_dtype": "float32",
     "is_continuous_batching": True,
@@ -265,3 +266,38 @@ def test_generate_speculates_over_block_tables(prompts) -> None:
     )
     assert torch.equal(actual, expected)
     assert app.speculation_stats.accepted > 0
+
+
+def test_eagle_in_the_engine_is_lossless(prompts, hf_greedy) -> None:
+    """Fused EAGLE (vLLM's ``eagle``) with pycoder-tiny's trained draft: greedy requests get
+    HF's tokens, seeded sampled ones the draws they get without speculation."""
+    from test_eagle import eagle_app
+
+    options = {"is_continuous_batching": True, "batch_size": 4, "seq_len": 96}
+    options["max_context_length"] = 48
+
+    def engine(**keywords) -> Engine:
+        app = eagle_app(TARGET, EAGLE, k=3, **options)
+        return Engine(app, speculative_config={"method": "eagle"}, **keywords)
+
+    speculating = engine(eos_token_ids=[])
+    tokens, _, _ = serve(speculating, prompts, greedy_settings())
+    assert tokens == hf_greedy
+    metrics = speculating.speculation.metrics
+    assert metrics.drafts > 0 and 0 < metrics.accepted_tokens <= metrics.draft_tokens
+    sampled = [SamplingSettings(n, 0.8, top_k=30, seed=n, logprobs=True) for n in MAX_TOKENS]
+    expected = serve(Engine(application(TARGET)), prompts, sampled)[:2]
+    actual = serve(engine(), prompts, sampled)[:2]
+    assert actual[0] == expected[0]
+    for row, row_expected in zip(actual[1], expected[1], strict=True):
+        torch.testing.assert_close(row, row_expected, atol=1e-4, rtol=0)
+
+    refusing = engine()
+    room = 96 - len(prompts[0]) - 2  # the last call scores k - 1 = 2 positions past the end
+    with pytest.raises(RequestError, match=f"ask for at most {room} tokens"):
+        refusing.add_request(prompts[0], SamplingSettings(room + 1))
+    refusing.add_request(prompts[0], SamplingSettings(room, 0, ignore_eos=True))
+    while refusing.has_unfinished():  # its last calls write up to the last position
+        refusing.step()
+    with pytest.raises(RequestError, match="prompt_logprobs are not given"):
+        refusing.add_request(prompts[0], SamplingSettings(4, prompt_logprobs=1))

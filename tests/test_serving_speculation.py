@@ -26,6 +26,11 @@ PROMPT = "x = [1, 2, 3]\ny = ["
 CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
     "draft_model": {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 3},
+    "eagle": {
+        "method": "eagle",
+        "model": str(SHIPPED / "pycoder-tiny-eagle"),
+        "num_speculative_tokens": 3,
+    },
 }
 
 
@@ -72,3 +77,12 @@ def test_a_bad_speculative_config_is_a_usage_error(capsys, value, message) -> No
     assert main(["serve", "--model-path", str(TARGET), "--speculative-config", value]) == 2
     err = capsys.readouterr().err
     assert "--speculative-config" in err and message in err and "Traceback" not in err
+
+
+def test_a_method_no_mode_serves_is_refused_by_name(capsys) -> None:
+    config = '{"method": "medusa", "num_speculative_tokens": 2}'
+    argv = ["serve", "--model-path", str(TARGET), "--port", "0", "--speculative-config", config]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "'medusa' is served by no installed speculation mode" in err
+    assert "draft_model, eagle, ngram" in err and "Traceback" not in err

@@ -114,7 +114,8 @@ def _speculative_config(text: str) -> SpeculativeConfig:
 
 def speculation_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The NeuronConfig settings --speculative-config makes: the verification phase of
-    num_speculative_tokens + 1 tokens."""
+    num_speculative_tokens + 1 tokens, and what the speculation mode serving its method adds
+    (``engine_settings``)."""
     config = args.speculative_config
     if config is None:
         return {}
@@ -124,18 +125,31 @@ def speculation_settings(args: argparse.Namespace) -> dict[str, Any]:
             f"--speculation-length {given} and --speculative-config's num_speculative_tokens "
             f"{config.num_speculative_tokens} disagree; give one of them"
         )
-    return {"speculation_length": config.num_speculative_tokens}
+    modes = get_registry().records("speculation_modes")
+    serving = [mode for mode in modes if config.method in mode.engine_methods]
+    if not serving:
+        served = sorted({method for mode in modes for method in mode.engine_methods})
+        raise NxdPlugError(
+            f"--speculative-config's method {config.method!r} is served by no installed "
+            f"speculation mode; these are: {', '.join(served)}"
+        )
+    settings = {"speculation_length": config.num_speculative_tokens}
+    mode = serving[0]
+    if mode.engine_settings is not None:
+        settings |= mode.load("engine_settings")(config)
+    return settings
 
 
 def engine_draft(args: argparse.Namespace, config: Any) -> Any:
-    """The draft application of --speculative-config's ``model`` (None without one): the
+    """The draft application of --speculative-config's ``model`` for ``draft_model`` (None
+    otherwise): the
     target's settings without speculation and with lines of its own (no block layout),
     compiled and loaded as the target is (beside --compiled-model-path, with ``-draft``)."""
     from nxdplug.cli.inference import load_model  # which imports this module
     from nxdplug.config import load_pretrained_config
 
     speculative = args.speculative_config
-    if speculative is None or speculative.model is None:
+    if speculative is None or speculative.method != "draft_model" or speculative.model is None:
         return None
     if config.neuron_config.tp_degree > 1:
         raise NxdPlugError(

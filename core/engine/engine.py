@@ -245,6 +245,9 @@ class Engine:
                 f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size})",
                 field="logit_bias",
             )
+        fused = None if self.speculation is None else self.speculation.fused
+        if fused is not None:
+            self._check_fused(request, fused.positions_past_end)
         if request.settings.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer", field="stop")
         if (
@@ -256,6 +259,25 @@ class Engine:
         self.inputs.check(request.step_keywords)
         if request.settings.structured_output is not None:
             request.constraint = self._constraint(*request.settings.structured_output)
+
+    def _check_fused(self, request: Request, past_end: int) -> None:
+        """What a fused speculator needs of a request: room for its last call's writes, and
+        its own prompt phase (which does not score prompts)."""
+        needed = len(request.prompt_ids) + request.settings.max_tokens + past_end
+        if needed > self.max_positions:
+            raise RequestError(
+                f"speculating, the prompt's {len(request.prompt_ids)} tokens plus max_tokens="
+                f"{request.settings.max_tokens} need {needed} positions of the model's "
+                f"{self.max_positions} (seq_len); ask for at most "
+                f"{self.max_positions - past_end - len(request.prompt_ids)} tokens",
+                field="max_tokens",
+            )
+        if request.settings.prompt_logprobs is not None:
+            raise RequestError(
+                f"prompt_logprobs are not given with {self.speculation.config.method!r} "
+                "speculation: its own prompt phase encodes the prompt",
+                field="prompt_logprobs",
+            )
 
     def _constraint(self, kind: str, spec: str) -> TokenConstraint:
         """A request's structured output, compiled; a RequestError saying why it cannot be."""
@@ -329,7 +351,9 @@ class Engine:
             if r not in encoded and not r.encoding and not r.finished
         ]
         decoding = self._make_room(decoding)
-        if decoding and self.speculation is not None:
+        if decoding and self.speculation is not None and self.speculation.fused is not None:
+            outputs += self._speculate_fused(decoding)
+        elif decoding and self.speculation is not None:
             outputs += self._speculate(decoding)
         elif decoding:
             calls = self._decode_calls(decoding)
@@ -406,7 +430,8 @@ class Engine:
             self._step_keywords(batch),
             self.device,
         )
-        outputs = self.runner.run(step)
+        fused = None if self.speculation is None else self.speculation.fused
+        outputs = self.runner.run(step) if fused is None else fused.encode(batch, step)
         done = []
         for row, (request, count) in enumerate(chunks):
             request.computed += count
@@ -425,7 +450,7 @@ class Engine:
         When any is offered some, those requests verify in one call (``spec_batch_size`` rows
         a call; one offered none takes a single token from it) and the others decode; when
         none is, every request decodes, by the cheaper one-token phase."""
-        assert self.speculation is not None
+        assert self.speculation is not None and self.speculation.proposer is not None
         k = self.speculation.k
         verifying = [r for r in decoding if r.length + k <= self.max_positions]
         proposals = []
@@ -454,18 +479,38 @@ class Engine:
                 self._step_keywords(rows),
                 self.device,
             )
-            outputs += self._take_verified(rows, offered, self.runner.run(step).logits)
+            outputs += self._take_verified(rows, offered, self.runner.run(step).logits)[0]
+        return outputs
+
+    def _speculate_fused(self, decoding: list[Request]) -> list[RequestOutput]:
+        """One step of the decoding requests by a fused speculator: each call drafts and
+        scores (``spec_batch_size`` rows a call); each request takes what a verification
+        gives it, at most one token fewer than it has left from the drafts."""
+        assert self.speculation is not None and self.speculation.fused is not None
+        fused, k = self.speculation.fused, self.speculation.k
+        outputs = []
+        for start in range(0, len(decoding), self.spec_rows):
+            rows = decoding[start : start + self.spec_rows]
+            drafts, logits = fused.verify(rows)
+            offered = [
+                d[: min(k, r.settings.max_tokens - len(r.output_ids) - 1)]
+                for r, d in zip(rows, drafts, strict=True)
+            ]
+            taken, added = self._take_verified(rows, offered, logits)
+            fused.taken(rows, added)
+            outputs += taken
         return outputs
 
     def _take_verified(
         self, rows: list[Request], proposals: list[list[int]], logits: torch.Tensor
-    ) -> list[RequestOutput]:
+    ) -> tuple[list[RequestOutput], list[int]]:
         """The target's tokens of a verification (``logits`` [rows, k+1, vocab]), position by
         position, each chosen as a decode step would choose it; a request takes the next
-        position while its token equals the proposal there and it goes on."""
+        position while its token equals the proposal there and it goes on. Returns the
+        outputs and how many tokens each request added."""
         assert self.speculation is not None
         texts, reasons = [""] * len(rows), [None] * len(rows)
-        accepted = [0] * len(rows)
+        accepted, added = [0] * len(rows), [0] * len(rows)
         live = list(range(len(rows)))
         argmax = self.choice.argmax_of_every_position(rows, logits)
         for position in range(logits.shape[1]):
@@ -478,6 +523,7 @@ class Engine:
             going_on = []
             for index, row in enumerate(live):
                 reason, text = self._add_token(rows[row], chosen, index)
+                added[row] += 1
                 texts[row] += text
                 reasons[row] = reason
                 proposal = proposals[row]
@@ -490,7 +536,7 @@ class Engine:
         for row, request in enumerate(rows):
             self.speculation.metrics.record(len(proposals[row]), accepted[row])
             outputs.append(self._report(request, reasons[row], texts[row]))
-        return outputs
+        return outputs, added
 
     def _make_room(self, decoding: list[Request]) -> list[Request]:
         """Room in the cache for each decoding request's next position, in admission order;

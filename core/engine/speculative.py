@@ -17,12 +17,18 @@ probability of it, else draw from the rest.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from nxdplug.engine.requests import Request
 from nxdplug.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from nxdplug.runtime.outputs import CausalLMOutputWithTokens
+    from nxdplug.runtime.scheduled_step import ScheduledStep
 
 # vLLM's ``speculative_config`` keys that nxdplug reads; any other key is refused by name.
 KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
@@ -93,6 +99,28 @@ class Proposer(Protocol):
         clears when the request loses its line."""
 
 
+class FusedSpeculator(Protocol):
+    """The engine side of a speculation mode whose own phases draft and verify in one call
+    (fused EAGLE), built with ``(application, speculative_config, draft)``. It encodes its
+    requests' prompts (its prompt phase feeds its draft too), and each step drafts k tokens
+    per request and scores them; the engine takes the tokens as it takes a verification's.
+    Its state per request lives in ``request.proposer_state``."""
+
+    # Cache positions its calls write past a request's prompt plus max_tokens.
+    positions_past_end: int
+
+    def encode(self, requests: Sequence[Request], step: ScheduledStep) -> CausalLMOutputWithTokens:
+        """Encode ``step`` (the requests' whole prompts into their lines); each request's
+        last-token logits [rows, 1, vocab]."""
+
+    def verify(self, requests: Sequence[Request]) -> tuple[list[list[int]], torch.Tensor]:
+        """Each request's k drafts after its tokens so far, and the target's logits of its
+        last token and the drafts [rows, k+1, vocab]."""
+
+    def taken(self, requests: Sequence[Request], counts: Sequence[int]) -> None:
+        """Each request added its first ``counts[i]`` tokens of the last verification."""
+
+
 @attrs.define
 class SpeculationMetrics:
     """vLLM's speculative-decoding counters: ``drafts`` (request steps that proposed
@@ -133,11 +161,13 @@ class SpeculationMetrics:
 
 @attrs.define
 class Speculation:
-    """An engine's speculation: its config, k, its mode's proposer and the counters."""
+    """An engine's speculation: its config, k, its mode's proposer (or fused speculator) and
+    the counters."""
 
     config: SpeculativeConfig
     k: int
-    proposer: Proposer
+    proposer: Proposer | None
+    fused: FusedSpeculator | None
     metrics: SpeculationMetrics
 
 
@@ -171,7 +201,10 @@ def engine_speculation(
             ],
             source=source,
         )
-    if config.method not in mode.engine_methods or mode.engine_proposer is None:
+    if (
+        config.method not in mode.engine_methods
+        or (mode.engine_proposer or mode.engine_fused) is None
+    ):
         served = ", ".join(mode.engine_methods) or "no method"
         raise ConfigError(
             [
@@ -189,5 +222,8 @@ def engine_speculation(
             ],
             source=source,
         )
+    if mode.engine_fused is not None:
+        fused = mode.load("engine_fused")(application, config, draft)
+        return Speculation(config, wanted, None, fused, SpeculationMetrics(wanted))
     proposer = mode.load("engine_proposer")(application, config, draft)
-    return Speculation(config, wanted, proposer, SpeculationMetrics(wanted))
+    return Speculation(config, wanted, proposer, None, SpeculationMetrics(wanted))

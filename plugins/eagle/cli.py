@@ -37,8 +37,13 @@ class EagleCommandLine:
         return {}  # --speculation-length is a core NeuronConfig option
 
     def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
-        if args.draft_model_path is not None:
-            attach_fused_draft(config, args.draft_model_path)
+        """The draft of --draft-model-path, or of serve's --speculative-config (``eagle``)."""
+        path = getattr(args, "draft_model_path", None)
+        speculative = getattr(args, "speculative_config", None)
+        if path is None and speculative is not None and speculative.method == "eagle":
+            path = Path(speculative.model)
+        if path is not None:
+            attach_fused_draft(config, path)
 
     def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
         return {}  # the draft runs inside the target's graphs

@@ -34,6 +34,9 @@ def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
         validate=f"{PACKAGE}.validation:validate",
         transform_model=f"{PACKAGE}.draft:add_draft",
         add_submodels=f"{PACKAGE}.fused:add_submodels",
+        engine_methods=("eagle",),
+        engine_fused=f"{PACKAGE}.engine:EagleEngineSpeculator",
+        engine_settings=f"{PACKAGE}.engine:engine_settings",
         description="EAGLE-1 draft fused with the target: k drafts and their check in one graph",
     )
 
