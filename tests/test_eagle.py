@@ -28,6 +28,7 @@ from nxdplug import (
     load_pretrained_config,
 )
 from nxdplug.contrib_models.llama import NeuronLlamaForCausalLM
+from nxdplug.engine import Engine, SamplingSettings
 from nxdplug.errors import CheckpointError, ConfigError, NxdPlugError
 from nxdplug.modules.norms import RMSNorm
 from nxdplug.pipeline import config_problems, select_plugins
@@ -214,14 +215,30 @@ def test_draft_with_input_norm(target, tmp_path):
 
 
 def test_compiled_matches_eager(target, draft, tmp_path):
+    """The compiled graphs speculate as the eager ones, in generate() and in the serving
+    engine (vLLM's eagle method: HF's greedy tokens)."""
     ids, mask = random_prompts(512, (4, 10), seed=6)
     eager = speculate(eagle_app(target, draft), ids, mask, 20)
-    config = eagle_config(target, draft)
+    config = eagle_config(target, draft, is_continuous_batching=True)
     NeuronLlamaForCausalLM(target, config).compile(tmp_path / "compiled", quiet=True)
-    loaded = NeuronLlamaForCausalLM(target, eagle_config(target, draft))
+    loaded = NeuronLlamaForCausalLM(
+        target, eagle_config(target, draft, is_continuous_batching=True)
+    )
     loaded.load(tmp_path / "compiled", quiet=True)
     assert torch.equal(speculate(loaded, ids, mask, 20), eager)
     assert loaded.speculation_stats.accepted > 0
+
+    plain = HuggingFaceGenerationAdapter(plain_app(target))
+    expected = plain.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+    engine = Engine(loaded, eos_token_ids=[], speculative_config={"method": "eagle"})
+    rows = [row[real.bool()].tolist() for row, real in zip(ids, mask, strict=True)]
+    order = [engine.add_request(row, SamplingSettings(20, 0)) for row in rows]
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+    assert [tokens[r] for r in order] == expected[:, ids.shape[1] :].tolist()
+    assert engine.speculation.metrics.accepted_tokens > 0
 
 
 # --- pycoder-tiny ---
