@@ -148,16 +148,6 @@ class SpeculationMetrics:
         for position in range(accepted):
             self.accepted_per_position[position] += 1
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verification of a request that proposed (accepted ones plus the
-        target's own), vLLM's ``mean acceptance length``."""
-        return 1 + self.accepted_tokens / self.drafts if self.drafts else 0.0
-
 
 @attrs.define
 class Speculation:
