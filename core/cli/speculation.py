@@ -142,9 +142,9 @@ def speculation_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def engine_draft(args: argparse.Namespace, config: Any) -> Any:
     """The draft application of --speculative-config's ``model`` for ``draft_model`` (None
-    otherwise): the
-    target's settings without speculation and with lines of its own (no block layout),
-    compiled and loaded as the target is (beside --compiled-model-path, with ``-draft``)."""
+    otherwise): the target's settings without speculation and with lines of its own (no
+    block layout), compiled and loaded as the target is (beside --compiled-model-path, with
+    ``-draft``)."""
     from nxdplug.cli.inference import load_model  # which imports this module
     from nxdplug.config import load_pretrained_config
 

@@ -98,6 +98,7 @@ class Engine:
                 speculative_config, "the engine's speculative_config"
             )
         self.speculation = engine_speculation(application, speculative_config, draft_model)
+        self._fused = None if self.speculation is None else self.speculation.fused
         neuron_config = application.neuron_config
         self.application = application
         self.tokenizer = tokenizer
@@ -245,9 +246,8 @@ class Engine:
                 f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size})",
                 field="logit_bias",
             )
-        fused = None if self.speculation is None else self.speculation.fused
-        if fused is not None:
-            self._check_fused(request, fused.positions_past_end)
+        if self._fused is not None:
+            self._check_fused(request, self._fused.positions_past_end)
         if request.settings.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer", field="stop")
         if (
@@ -351,7 +351,7 @@ class Engine:
             if r not in encoded and not r.encoding and not r.finished
         ]
         decoding = self._make_room(decoding)
-        if decoding and self.speculation is not None and self.speculation.fused is not None:
+        if decoding and self._fused is not None:
             outputs += self._speculate_fused(decoding)
         elif decoding and self.speculation is not None:
             outputs += self._speculate(decoding)
@@ -430,7 +430,7 @@ class Engine:
             self._step_keywords(batch),
             self.device,
         )
-        fused = None if self.speculation is None else self.speculation.fused
+        fused = self._fused
         outputs = self.runner.run(step) if fused is None else fused.encode(batch, step)
         done = []
         for row, (request, count) in enumerate(chunks):
@@ -457,7 +457,7 @@ class Engine:
         for request, proposal in zip(
             verifying, self.speculation.proposer.propose(verifying, k), strict=True
         ):
-            proposal = proposal[: max(request.settings.max_tokens - len(request.output_ids) - 1, 0)]
+            proposal = proposal[: _usable_proposals(request)]
             if proposal and not self.lines.grow(request.line, request.length + len(proposal)):
                 proposal = []
             proposals.append(proposal)
@@ -479,38 +479,34 @@ class Engine:
                 self._step_keywords(rows),
                 self.device,
             )
-            outputs += self._take_verified(rows, offered, self.runner.run(step).logits)[0]
+            outputs += self._take_verified(rows, offered, self.runner.run(step).logits)
         return outputs
 
     def _speculate_fused(self, decoding: list[Request]) -> list[RequestOutput]:
         """One step of the decoding requests by a fused speculator: each call drafts and
         scores (``spec_batch_size`` rows a call); each request takes what a verification
         gives it, at most one token fewer than it has left from the drafts."""
-        assert self.speculation is not None and self.speculation.fused is not None
-        fused, k = self.speculation.fused, self.speculation.k
-        outputs = []
+        assert self._fused is not None and self.speculation is not None
+        k, outputs = self.speculation.k, []
         for start in range(0, len(decoding), self.spec_rows):
             rows = decoding[start : start + self.spec_rows]
-            drafts, logits = fused.verify(rows)
-            offered = [
-                d[: min(k, r.settings.max_tokens - len(r.output_ids) - 1)]
-                for r, d in zip(rows, drafts, strict=True)
-            ]
-            taken, added = self._take_verified(rows, offered, logits)
-            fused.taken(rows, added)
-            outputs += taken
+            before = [len(r.output_ids) for r in rows]
+            drafts, logits = self._fused.verify(rows)
+            offered = [d[: min(k, _usable_proposals(r))] for r, d in zip(rows, drafts, strict=True)]
+            outputs += self._take_verified(rows, offered, logits)
+            added = [len(r.output_ids) - n for r, n in zip(rows, before, strict=True)]
+            self._fused.taken(rows, added)
         return outputs
 
     def _take_verified(
         self, rows: list[Request], proposals: list[list[int]], logits: torch.Tensor
-    ) -> tuple[list[RequestOutput], list[int]]:
+    ) -> list[RequestOutput]:
         """The target's tokens of a verification (``logits`` [rows, k+1, vocab]), position by
         position, each chosen as a decode step would choose it; a request takes the next
-        position while its token equals the proposal there and it goes on. Returns the
-        outputs and how many tokens each request added."""
+        position while its token equals the proposal there and it goes on."""
         assert self.speculation is not None
         texts, reasons = [""] * len(rows), [None] * len(rows)
-        accepted, added = [0] * len(rows), [0] * len(rows)
+        accepted = [0] * len(rows)
         live = list(range(len(rows)))
         argmax = self.choice.argmax_of_every_position(rows, logits)
         for position in range(logits.shape[1]):
@@ -523,7 +519,6 @@ class Engine:
             going_on = []
             for index, row in enumerate(live):
                 reason, text = self._add_token(rows[row], chosen, index)
-                added[row] += 1
                 texts[row] += text
                 reasons[row] = reason
                 proposal = proposals[row]
@@ -536,7 +531,7 @@ class Engine:
         for row, request in enumerate(rows):
             self.speculation.metrics.record(len(proposals[row]), accepted[row])
             outputs.append(self._report(request, reasons[row], texts[row]))
-        return outputs, added
+        return outputs
 
     def _make_room(self, decoding: list[Request]) -> list[Request]:
         """Room in the cache for each decoding request's next position, in admission order;
@@ -791,6 +786,12 @@ class Engine:
             prompt_logprobs=scores,
             cached_tokens=request.cached_tokens,
         )
+
+
+def _usable_proposals(request: Request) -> int:
+    """The most proposed tokens a verification can give ``request``: one fewer than it has
+    left (the verification adds a token of the target's own)."""
+    return max(request.settings.max_tokens - len(request.output_ids) - 1, 0)
 
 
 def _scores_prompt(request: Request) -> bool:
