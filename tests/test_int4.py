@@ -1,7 +1,7 @@
 """int4 weights (``quantization_dtype="int4"``, per output channel or blockwise).
 
 The checkpoint packs 4-bit values as compressed-tensors does (checked against its own packer);
-in memory they are in PyTorch's CPU int4 kernel layout, read back exactly for prompts. The
+in memory they are in the plugin's int4 kernel layout (``tests/test_int4_kernels.py``). The
 model is checked against HF transformers running the dequantized weights: greedy tokens equal
 and logits within float32 rounding, through both the kernel (decoding) and the dequantized
 GEMM (prompts), with a last group shorter than the others (``intermediate_size`` 176 in groups
@@ -23,10 +23,7 @@ from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaForCausalLM
 from nxdplug.errors import ConfigError
 from nxdplug.modules.parallel_linear import ColumnParallelLinear
 from nxdplug.plugins.quantization.int4 import (
-    dequantize_int4,
     from_kernel_layout,
-    int4_dequantize_op,
-    kernel_scales,
     pack_int4,
     padded_features,
     quantize_int4,
@@ -45,10 +42,10 @@ def test_packing_is_compressed_tensors_and_the_kernel_layout_reads_back(rows, co
     assert q.min() >= -8 and q.max() <= 7 and scale.shape == (rows, -(-columns // group))
     assert torch.equal(pack_int4(q), pack_to_int32(q, 4))
     assert torch.equal(unpack_int4(pack_int4(q)), q)
-    padded = -(-columns // 64) * 64
+    padded = padded_features(columns)
     kernel = to_kernel_layout(q, padded)
     assert kernel.shape == (rows, padded // 2)
-    assert torch.equal(from_kernel_layout(kernel, rows)[:, :columns], q)
+    assert torch.equal(from_kernel_layout(kernel)[:, :columns], q)
     # Each value within half a step of its group's scale.
     steps = scale.repeat_interleave(group, dim=1)[:, :columns]
     assert ((weight - q * steps).abs() <= steps / 2 + 1e-6).all()
@@ -131,7 +128,7 @@ def test_int4_model_is_hf_on_its_dequantized_weights(checkpoint, tmp_path, granu
     )
     # The projections hold 4 bits a weight in the kernel's layout.
     down = app.context_encoding_model.model.layers[0].mlp.down_proj
-    assert down.weight.dtype == torch.uint8 and down.weight.shape == (64, 192 // 2)
+    assert down.weight.dtype == torch.uint8 and down.weight.shape == (64, 256 // 2)
 
 
 @pytest.mark.parametrize(
@@ -157,9 +154,9 @@ def test_int4_settings_are_checked(checkpoint, tmp_path, change, message) -> Non
 def test_weight_memory_counts_the_packed_weights() -> None:
     layer = hold_int4(ColumnParallelLinear(176, 64), group=32)
     memory = weight_memory(nn.ModuleDict({"proj": layer}))
-    # 176 inputs held as 192 (whole groups of 32), two to a byte, and a float32 scale and zero
-    # point per group of each row; the dense count is the 64 x 176 weights.
-    assert memory.held == 64 * 192 // 2 + (192 // 32) * 64 * 2 * 4
+    # 176 inputs held as 256 (whole blocks of 128), two to a byte, and a float32 scale and an
+    # int8 zero point per group of each row; the dense count is the 64 x 176 weights.
+    assert memory.held == 64 * 256 // 2 + 64 * (256 // 32) * (4 + 1)
     assert memory.float32 == 4 * 64 * 176
 
 
@@ -177,25 +174,3 @@ def test_a_compiled_int4_model_gives_the_eager_tokens(checkpoint, tmp_path) -> N
         input_ids, attention_mask=mask, **settings
     )
     assert torch.equal(actual, expected)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "columns", "group"), [(128, 256, 64), (80, 176, 32)])
-def test_the_cpp_dequantization_is_the_layouts_own(rows, columns, group, dtype) -> None:
-    """The plugin's C++ loop (prompts' dequantization) gives what reading the kernel layout
-    back in PyTorch operations gives, bit for bit: rows past the last block of 64, a padded
-    last group, zero points."""
-    generator = torch.Generator().manual_seed(rows)
-    q, scale = quantize_int4(torch.randn(rows, columns, generator=generator), group)
-    padded = padded_features(columns, group, group)
-    zero_point = torch.randint(-3, 4, scale.shape, generator=generator)
-    scales = kernel_scales(scale, group, group, padded, zero_point).to(dtype)
-    packed = to_kernel_layout(q, padded)
-    op = int4_dequantize_op()
-    assert op is not None, "the int4 dequantization extension did not build on this machine"
-    dequantized = op(packed, scales, columns).t()
-    q_back = from_kernel_layout(packed, rows).float()[:, :columns]
-    steps = scales[..., 0].t().float().repeat_interleave(group, dim=1)[:, :columns]
-    zeros = scales[..., 1].t().float().repeat_interleave(group, dim=1)[:, :columns]
-    assert torch.equal(dequantized, (q_back * steps + zeros).to(dtype))
-    assert torch.equal(dequantize_int4(packed, scales, columns, dtype), dequantized)

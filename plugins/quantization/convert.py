@@ -101,9 +101,9 @@ def refuse_misfits(problems: list[str], neuron_config: Any) -> None:
 
 def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
     """Packed int4 weights (int32 [out, in / 8]) and their scales ([out, in / group]) to the
-    int4 layers' layout: the CPU kernel's packing and ``scales_and_zeros`` (:mod:`.int4`). A
-    checkpoint of another tool may have signed zero points beside them (``weight_zero_point``
-    [out, in / group], as GPTQ and AWQ write asymmetric weights); they fold into the zeros."""
+    int4 layers' layout (:mod:`.int4`). A checkpoint of another tool may have signed zero
+    points beside them (``weight_zero_point`` [out, in / group], as GPTQ and AWQ write
+    asymmetric weights); symmetric weights get zeros."""
     neuron_config = config.neuron_config
     fitted = dict(state_dict)
     problems = []
@@ -127,10 +127,10 @@ def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[s
             )
             continue
         kernel_group = kernel_group_size(group, in_features)
-        padded = padded_features(in_features, group, kernel_group)
-        zero_point = fitted.pop(f"{key}{ZERO_POINT_SUFFIX}", None)
+        padded = padded_features(in_features)
+        zero_point = fitted.get(f"{key}{ZERO_POINT_SUFFIX}")
         fitted[key] = to_kernel_layout(unpack_int4(packed), padded)
-        fitted[f"{key}{SCALE_SUFFIX}"] = kernel_scales(
+        fitted[f"{key}{SCALE_SUFFIX}"], fitted[f"{key}{ZERO_POINT_SUFFIX}"] = kernel_scales(
             scale.float(), group, kernel_group, padded, zero_point
         )
     refuse_misfits(problems, neuron_config)

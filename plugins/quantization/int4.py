@@ -1,16 +1,17 @@
-"""4-bit weights: the checkpoint's packing, PyTorch's CPU int4 matmul, and dequantization.
+"""4-bit weights: the checkpoint's packing, the plugin's kernel layout, its matmul and
+dequantization.
 
 A weight ``W`` [out, in] is stored as signed 4-bit integers ``Q`` in -8..7 with one scale per
-``group`` consecutive input features of a row (``scale`` [out, in / group]), ``W ≈ Q * scale``.
+``group`` consecutive input features of a row (``scale`` [out, in / group]), ``W ≈ Q * scale``;
+other tools' checkpoints may add a signed zero point per group, ``W = (Q - zero_point) * scale``.
 
 - In a checkpoint, ``Q`` is packed as compressed-tensors' ``pack-quantized`` format packs it
   (what llm-compressor writes and vLLM reads): ``Q + 8`` as unsigned nibbles, eight per int32
   along the input features, the first in the lowest bits ([out, in / 8]).
-- In memory, ``Q + 8`` is in the layout of ``aten._convert_weight_to_int4pack_for_cpu``
-  ([out, in / 2] uint8), which ``aten._weight_int4pack_mm_for_cpu`` multiplies by a few rows
-  reading 4 bits a weight. That layout is not documented: :func:`from_kernel_layout` reads it
-  back for prompts (dequantize, then a GEMM), and :func:`check_kernel_layout` confirms, once per
-  process, that this PyTorch packs the way it reads.
+- In memory, ``Q + 8`` is in the layout of the plugin's kernels (``int4_kernels.cpp``, which
+  describes it): blocks of 128 input features as 64 bytes, rows in tiles of four; the scales
+  (float32) and zero points (int8) [out, groups] in the same tile order. The matmul reads it as
+  it is for a few rows (decoding); prompts dequantize it for a GEMM.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from typing import Any
 import torch
 
 from nxdplug.errors import NotSupportedError
-from nxdplug.runtime.cpp_ops import build_operator
+from nxdplug.plugins.quantization.kernel import tile_rows, untile_rows
+from nxdplug.runtime.cpp_ops import build_operator_library
 
 PACK_FACTOR = 8  # 4-bit values per int32
 OFFSET = 8  # Q + OFFSET is the unsigned nibble
-KERNEL_GROUP_SIZES = (256, 128, 64, 32)  # what the CPU kernel takes, largest first
-KERNEL_BLOCK_ROWS = 64  # the kernel layout interleaves rows in blocks of this many
-DEQUANTIZE_SOURCE = Path(__file__).with_name("int4_dequantize.cpp")
-DEQUANTIZE_LIBRARY = "nxdplug_int4"
+KERNEL_BLOCK = 128  # input features per 64 bytes of the kernel layout
+KERNEL_CHUNK = 64  # input features per activation scale; groups are 32 or a multiple of this
+KERNEL_SOURCE = Path(__file__).with_name("int4_kernels.cpp")
+KERNEL_LIBRARY = "nxdplug_int4"
 
 
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,77 +62,49 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (nibbles - OFFSET).to(torch.int8).reshape(packed.shape[0], -1)
 
 
-def to_kernel_layout(q: torch.Tensor, padded_in_features: int | None = None) -> torch.Tensor:
-    """Signed 4-bit values [out, in] (zero columns added up to ``padded_in_features``) -> the
-    CPU kernel's packed uint8 [out, padded_in / 2]."""
-    pad = 0 if padded_in_features is None else padded_in_features - q.shape[1]
-    unsigned = torch.nn.functional.pad(q.to(torch.int32), (0, pad)) + OFFSET
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 2)
-
-
-def from_kernel_layout(packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The CPU kernel's packed uint8 -> signed 4-bit values as int8 [out, in].
-
-    Rows come in blocks of 64: for each input feature, 32 bytes hold rows ``j`` (low nibble)
-    and ``j + 32`` (high nibble) of the block. Rows past the last whole block come in pairs:
-    a byte holds rows ``2j`` and ``2j + 1``.
-    """
-    flat = packed.reshape(-1)
-    in_features = flat.numel() * 2 // out_features
-    blocked = out_features // KERNEL_BLOCK_ROWS * KERNEL_BLOCK_ROWS
-    head = flat[: blocked * in_features // 2].reshape(-1, in_features, KERNEL_BLOCK_ROWS // 2)
-    head = torch.cat([head & 0xF, head >> 4], dim=-1).transpose(1, 2)
-    parts = [head.reshape(blocked, in_features)]
-    if out_features > blocked:
-        tail = flat[blocked * in_features // 2 :].reshape(in_features, -1)
-        parts.append(torch.stack([tail & 0xF, tail >> 4], dim=-1).reshape(in_features, -1).t())
-    return (torch.cat(parts).to(torch.int16) - OFFSET).to(torch.int8)
-
-
-@functools.cache
-def check_kernel_layout() -> None:
-    """Refuse int4 weights where this PyTorch's packing is not the one
-    :func:`from_kernel_layout` reads (or where it has no CPU int4 kernel)."""
-    generator = torch.Generator().manual_seed(0)
-    for rows in (KERNEL_BLOCK_ROWS * 2, KERNEL_BLOCK_ROWS + 16):
-        q = torch.randint(-8, 8, (rows, 64), generator=generator, dtype=torch.int8)
-        try:
-            packed = to_kernel_layout(q)
-        except (RuntimeError, AttributeError) as exc:
-            raise NotSupportedError(
-                f"int4 weights need PyTorch's CPU int4 matmul, which this build lacks ({exc}); "
-                "use quantization_dtype='int8'"
-            ) from exc
-        if not torch.equal(from_kernel_layout(packed, rows), q):
-            raise NotSupportedError(
-                f"this PyTorch ({torch.__version__}) packs int4 weights in a layout nxdplug "
-                "does not read; use quantization_dtype='int8' or the PyTorch nxdplug is tested "
-                "with"
-            )
+def padded_features(in_features: int) -> int:
+    """The input features the kernel layout holds: whole blocks of KERNEL_BLOCK, the columns
+    past ``in_features`` zero."""
+    return -(-in_features // KERNEL_BLOCK) * KERNEL_BLOCK
 
 
 def kernel_group_size(group: int, in_features: int) -> int:
-    """The group size the kernel runs for groups of ``group`` input features: ``group`` itself
-    when the kernel takes it, else the largest kernel size dividing it; for one group per row
-    (``group >= in_features``), the largest kernel size dividing the row rounded up to 32 (the
-    least padding), its scale repeated."""
+    """The group size the kernels run for groups of ``group`` input features: ``group`` itself
+    when it is 32 or a multiple of 64; 32 for the other multiples of 32 (each scale repeated);
+    the padded row for one group per row (``group >= in_features``)."""
     if group >= in_features:
-        row = -(-in_features // 32) * 32
-        return next(size for size in KERNEL_GROUP_SIZES if row % size == 0)
-    for size in KERNEL_GROUP_SIZES:
-        if group % size == 0:
-            return size
+        return padded_features(in_features)
+    if group == KERNEL_CHUNK // 2 or group % KERNEL_CHUNK == 0:
+        return group
+    if group % (KERNEL_CHUNK // 2) == 0:
+        return KERNEL_CHUNK // 2
     raise NotSupportedError(
-        f"int4 groups of {group} input features: the CPU kernel takes groups of "
-        f"{', '.join(map(str, KERNEL_GROUP_SIZES))} or a multiple of one of them"
+        f"int4 groups of {group} input features: the int4 kernels take groups of a multiple of 32"
     )
 
 
-def padded_features(in_features: int, group: int, kernel_group: int) -> int:
-    """The input features the kernel layout holds: whole groups (whole kernel groups for one
-    group per row), the columns past ``in_features`` zero."""
-    whole = kernel_group if group >= in_features else group
-    return -(-in_features // whole) * whole
+def kernel_groups(kernel_group: int, padded_in_features: int) -> int:
+    """Scales per row in the kernel layout."""
+    return -(-padded_in_features // kernel_group)
+
+
+def to_kernel_layout(q: torch.Tensor, padded_in_features: int) -> torch.Tensor:
+    """Signed 4-bit values [out, in] (zero columns added up to ``padded_in_features``) -> the
+    kernel layout, uint8 [out, padded_in / 2]: in each block of 128 features, byte ``i`` holds
+    feature ``i`` in its low nibble and ``64 + i`` in its high one; the rows tiled."""
+    rows, columns = q.shape
+    padded = torch.nn.functional.pad(q.to(torch.int16), (0, padded_in_features - columns))
+    halves = (padded + OFFSET).to(torch.uint8).reshape(rows, -1, 2, KERNEL_CHUNK)
+    packed = halves[:, :, 0] | (halves[:, :, 1] << 4)
+    return tile_rows(packed.reshape(rows, -1).contiguous())
+
+
+def from_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
+    """The kernel layout -> signed 4-bit values as int8 [out, padded_in]."""
+    rows = packed.shape[0]
+    blocks = untile_rows(packed).reshape(rows, -1, 1, KERNEL_CHUNK)
+    unsigned = torch.cat([blocks & 0xF, blocks >> 4], dim=2).reshape(rows, -1)
+    return (unsigned.to(torch.int16) - OFFSET).to(torch.int8)
 
 
 def kernel_scales(
@@ -139,58 +113,84 @@ def kernel_scales(
     kernel_group: int,
     padded_in_features: int,
     zero_point: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """[out, groups] scales (and signed zero points, ``W = (Q - zero_point) * scale``) -> the
-    kernel's ``scales_and_zeros`` [padded_in / kernel_group, out, 2], each repeated over the
-    kernel groups it covers. The kernel computes ``Q * scale + zero``, so ``zero`` is
-    ``-zero_point * scale`` (0 when symmetric)."""
-    kernel_groups = padded_in_features // kernel_group
-    zero = torch.zeros_like(scale) if zero_point is None else -zero_point.float() * scale
-    pair = torch.stack([scale, zero], dim=-1)
-    return (
-        pair.repeat_interleave(kernel_groups // scale.shape[1], dim=1).transpose(0, 1).contiguous()
-    )
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, groups] scales and signed zero points (None: symmetric) -> the kernels' float32
+    scales and int8 zero points [out, kernel groups], each repeated over the kernel groups it
+    covers (groups past the checkpoint's: scale 1, zero point 0), tiled."""
+    rows = scale.shape[0]
+    count = kernel_groups(kernel_group, padded_in_features)
+    repeat = max(1, group // kernel_group) if scale.shape[1] > 1 else count
+    zero_point = torch.zeros_like(scale, dtype=torch.int8) if zero_point is None else zero_point
+    scales, zeros = (t.repeat_interleave(repeat, dim=1)[:, :count] for t in (scale, zero_point))
+    missing = count - scales.shape[1]
+    scales = torch.cat([scales.float(), scales.new_ones(rows, missing, dtype=torch.float32)], 1)
+    zeros = torch.cat([zeros.to(torch.int8), zeros.new_zeros(rows, missing, dtype=torch.int8)], 1)
+    return tile_rows(scales.contiguous(), lane=1), tile_rows(zeros.contiguous(), lane=1)
 
 
-def int4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, kernel_group: int, scales: torch.Tensor
-) -> torch.Tensor:
-    """``x`` [rows, in] times the packed weight, in x's dtype (the scales must be in it too)."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, kernel_group, scales)
+def from_kernel_scales(tiled: torch.Tensor) -> torch.Tensor:
+    """The kernels' tiled scales or zero points -> [out, kernel groups]."""
+    return untile_rows(tiled, lane=1)
 
 
 @functools.cache
-def int4_dequantize_op() -> Any | None:
-    """``int4_dequantize(packed, scales_and_zeros, in_features)`` -> the weight transposed,
-    [in, out], in the scales' dtype (``int4_dequantize.cpp``), or None where it cannot be
-    built."""
-    return build_operator(
-        DEQUANTIZE_LIBRARY,
-        DEQUANTIZE_SOURCE,
-        "int4_dequantize",
-        _dequantized_like,
-        purpose="int4 dequantization",
-        instead="int4 layers dequantize with PyTorch operations for prompts, which is slower",
-    )
+def int4_kernels() -> Any | None:
+    """``torch.ops.nxdplug_int4`` with ``int4_matmul(x [M, K] float32 or bfloat16, packed,
+    scales, zero_points, group)`` -> ``[M, out]`` in x's dtype and ``int4_dequantize(packed,
+    scales, zero_points, group, in_features, dtype)`` -> W ``[out, in_features]``, or None where
+    they cannot be built (no C++ compiler or ninja, a CPU other than x86)."""
+    if not build_operator_library(
+        KERNEL_LIBRARY,
+        KERNEL_SOURCE,
+        purpose="int4 kernels",
+        instead="int4 layers dequantize with PyTorch operations at each call, which is slower",
+    ):
+        return None
+    torch.library.register_fake(f"{KERNEL_LIBRARY}::int4_matmul")(_product_like)
+    torch.library.register_fake(f"{KERNEL_LIBRARY}::int4_dequantize")(_dequantized_like)
+    return getattr(torch.ops, KERNEL_LIBRARY)
 
 
-def _dequantized_like(packed: torch.Tensor, scales: torch.Tensor, in_features: int) -> torch.Tensor:
-    return scales.new_empty((in_features, packed.shape[0]))
+def _product_like(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor,
+    group: int,
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], packed.shape[0]))
+
+
+def _dequantized_like(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor,
+    group: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return packed.new_empty((packed.shape[0], in_features), dtype=dtype)
 
 
 def dequantize_int4(
-    packed: torch.Tensor, scales: torch.Tensor, in_features: int, dtype: torch.dtype
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zero_points: torch.Tensor,
+    kernel_group: int,
+    in_features: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The kernel-layout weight as a [out, in] matrix of ``dtype`` (``Q * scale + zero`` in
-    float32, then cast; the zero padding columns dropped): by the plugin's C++ loop on the CPU
-    when the scales are in ``dtype`` (a transposed view of its [in, out] result), else by
-    PyTorch operations."""
-    op = int4_dequantize_op() if packed.device.type == "cpu" else None
-    if op is not None and scales.dtype == dtype:
-        return op(packed, scales, in_features).t()
-    out_features = packed.shape[0]
-    q = from_kernel_layout(packed, out_features)
-    groups = scales.shape[0]
-    scale, zero = (scales[..., i].t().float()[..., None] for i in (0, 1))
-    grouped = q.reshape(out_features, groups, -1).float() * scale + zero
-    return grouped.reshape(out_features, -1)[:, :in_features].to(dtype)
+    """The kernel-layout weight as a [out, in_features] matrix of ``dtype``: by the plugin's
+    C++ loop on the CPU, else by PyTorch operations (``(Q - zero_point) * scale`` in float32,
+    then cast, as the loop computes it)."""
+    kernels = int4_kernels() if packed.device.type == "cpu" else None
+    if kernels is not None:
+        return kernels.int4_dequantize(
+            packed, scales, zero_points, kernel_group, in_features, dtype
+        )
+    q = from_kernel_layout(packed)[:, :in_features].float()
+    scale, zero = (
+        from_kernel_scales(t).repeat_interleave(kernel_group, dim=1)[:, :in_features]
+        for t in (scales, zero_points)
+    )
+    return ((q - zero.float()) * scale).to(dtype)

@@ -49,39 +49,40 @@ def _output_like(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> 
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def tile_rows(weight: torch.Tensor) -> torch.Tensor:
+def tile_rows(weight: torch.Tensor, lane: int = TILE_LANE) -> torch.Tensor:
     """A [N, K] weight in the order the int8 matmul reads, same shape: the rows in tiles of
-    TILE_ROWS, each tile holding its rows' first TILE_LANE columns one row after the other, then
-    their next TILE_LANE, ..., then their last ``K % TILE_LANE``; the last ``N % TILE_ROWS``
-    rows as they are."""
+    TILE_ROWS, each tile holding its rows' first ``lane`` columns one row after the other, then
+    their next ``lane``, ..., then their last ``K % lane``; the last ``N % TILE_ROWS`` rows as
+    they are. (The int4 kernels read their weights, scales and zero points in this order
+    too.)"""
     rows, features = weight.shape
     tiled_rows = rows // TILE_ROWS * TILE_ROWS
-    lanes = features // TILE_LANE
+    lanes = features // lane
     count = tiled_rows // TILE_ROWS
     tiles = weight[:tiled_rows].reshape(count, TILE_ROWS, features)
-    chunks = tiles[..., : lanes * TILE_LANE].reshape(count, TILE_ROWS, lanes, TILE_LANE)
-    tails = tiles[..., lanes * TILE_LANE :]
+    chunks = tiles[..., : lanes * lane].reshape(count, TILE_ROWS, lanes, lane)
+    tails = tiles[..., lanes * lane :]
     tiled = torch.cat(
         (
-            chunks.transpose(1, 2).reshape(count, TILE_ROWS * lanes * TILE_LANE),
-            tails.reshape(count, TILE_ROWS * (features - lanes * TILE_LANE)),
+            chunks.transpose(1, 2).reshape(count, TILE_ROWS * lanes * lane),
+            tails.reshape(count, TILE_ROWS * (features - lanes * lane)),
         ),
         dim=1,
     )
     return torch.cat((tiled.reshape(tiled_rows, features), weight[tiled_rows:]))
 
 
-def untile_rows(tiled: torch.Tensor) -> torch.Tensor:
+def untile_rows(tiled: torch.Tensor, lane: int = TILE_LANE) -> torch.Tensor:
     """The [N, K] weight that :func:`tile_rows` put in the tiled order."""
     rows, features = tiled.shape
     tiled_rows = rows // TILE_ROWS * TILE_ROWS
-    lanes = features // TILE_LANE
+    lanes = features // lane
     count = tiled_rows // TILE_ROWS
     tiles = tiled[:tiled_rows].reshape(count, TILE_ROWS * features)
-    chunks = tiles[:, : TILE_ROWS * lanes * TILE_LANE].reshape(count, lanes, TILE_ROWS, TILE_LANE)
-    tail = features - lanes * TILE_LANE
-    tails = tiles[:, TILE_ROWS * lanes * TILE_LANE :].reshape(count, TILE_ROWS, tail)
+    chunks = tiles[:, : TILE_ROWS * lanes * lane].reshape(count, lanes, TILE_ROWS, lane)
+    tail = features - lanes * lane
+    tails = tiles[:, TILE_ROWS * lanes * lane :].reshape(count, TILE_ROWS, tail)
     rows_of_tiles = torch.cat(
-        (chunks.transpose(1, 2).reshape(count, TILE_ROWS, lanes * TILE_LANE), tails), dim=2
+        (chunks.transpose(1, 2).reshape(count, TILE_ROWS, lanes * lane), tails), dim=2
     )
     return torch.cat((rows_of_tiles.reshape(tiled_rows, features), tiled[tiled_rows:]))

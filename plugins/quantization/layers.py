@@ -22,11 +22,10 @@ from nxdplug.modules.parallel_linear import (
     RowParallelLinear,
 )
 from nxdplug.plugins.quantization.int4 import (
-    check_kernel_layout,
     dequantize_int4,
-    int4_dequantize_op,
-    int4_matmul,
+    int4_kernels,
     kernel_group_size,
+    kernel_groups,
     padded_features,
 )
 from nxdplug.plugins.quantization.kernel import int8_matmul_op, tile_rows, untile_rows
@@ -42,12 +41,9 @@ from nxdplug.plugins.quantization.targets import (
 # 671 at 32; its cost grows by about a GEMV a row, the GEMM's barely).
 INT8_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
-# Up to this many rows PyTorch's int4 matmul beats dequantizing for a GEMM (1 thread, 2048x8192
-# bf16 weights: 1.2 against 4.6 ms at 1 row, 5.1 against 6.3 at 8).
+# Up to this many rows the int4 matmul beats dequantizing for a GEMM (to be measured).
 INT4_KERNEL_MAX_ROWS = 8
-INT4_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# The CPU kernel's packing takes weights whose output rows are a multiple of this.
-INT4_ROW_MULTIPLE = 16
+INT4_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class QuantizedWeight:
@@ -118,61 +114,71 @@ class QuantizedWeight:
 
 
 class Int4Weight:
-    """What the int4 layers add to their parallel linear base: the weight packed in the CPU
-    kernel's layout (uint8 [out, in / 2]), its scales as the kernel takes them
-    (``weight_scale`` [in / kernel_group, out, 2], in the model's dtype), and the two ways to
-    multiply (:mod:`.int4`)."""
+    """What the int4 layers add to their parallel linear base: the weight packed in the int4
+    kernels' layout (uint8 [out, padded in / 2]), its float32 scales and int8 zero points
+    ([out, groups], tiled), and the two ways to multiply (:mod:`.int4`)."""
 
+    keeps_dtype = ("weight_scale",)
     weight: nn.Parameter
     weight_scale: nn.Parameter
+    weight_zero_point: nn.Parameter
     kernel_group: int
     multiplied_features: int
-    padded_in_features: int
 
     def _hold_int4(self, group: int) -> None:
         out_features, in_features = self.weight.shape
-        if out_features % INT4_ROW_MULTIPLE:
-            raise ConfigError(
-                f"int4 weights need output rows in multiples of {INT4_ROW_MULTIPLE} (PyTorch's "
-                f"CPU int4 packing); this projection has {out_features}: add it to "
-                "modules_to_not_convert"
-            )
-        check_kernel_layout()
-        # Registers the dequantization now: a compiled graph that calls it by name can only be
-        # loaded once it is there.
-        int4_dequantize_op()
+        # Registers the kernels now: a compiled graph that calls them by name can only be
+        # loaded once they are there.
+        int4_kernels()
         self.kernel_group = kernel_group_size(group, in_features)
-        # The layout may hold zero columns past the input features the layer multiplies.
+        # The layout holds zero columns past the input features the layer multiplies.
         self.multiplied_features = in_features
-        self.padded_in_features = padded_features(in_features, group, self.kernel_group)
-        device, dtype = self.weight.device, self.weight.dtype
-        packed_shape = (out_features, self.padded_in_features // 2)
+        padded = padded_features(in_features)
+        device = self.weight.device
         self.weight = nn.Parameter(
-            torch.empty(packed_shape, dtype=torch.uint8, device=device), requires_grad=False
+            torch.empty(out_features, padded // 2, dtype=torch.uint8, device=device),
+            requires_grad=False,
         )
-        groups = self.padded_in_features // self.kernel_group
+        groups = (out_features, kernel_groups(self.kernel_group, padded))
         self.weight_scale = nn.Parameter(
-            torch.ones(groups, out_features, 2, dtype=dtype, device=device), requires_grad=False
+            torch.ones(groups, dtype=torch.float32, device=device), requires_grad=False
+        )
+        self.weight_zero_point = nn.Parameter(
+            torch.zeros(groups, dtype=torch.int8, device=device), requires_grad=False
         )
 
     def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
         """The int4 weight dequantized for this call (prompts); the base layer does the rest."""
-        return dequantize_int4(self.weight, self.weight_scale, self.multiplied_features, dtype)
+        return dequantize_int4(
+            self.weight,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.kernel_group,
+            self.multiplied_features,
+            dtype,
+        )
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Up to INT4_KERNEL_MAX_ROWS rows (decoding) go to PyTorch's CPU int4 matmul, which
-        reads the packed weight as it is; more rows dequantize the weight for a GEMM."""
+        """Up to INT4_KERNEL_MAX_ROWS rows (decoding) on the CPU go to the plugin's int4
+        matmul, which reads the packed weight as it is; more rows, other dtypes and devices
+        dequantize the weight for a GEMM."""
         rows = x.numel() // x.shape[-1]
-        if (
-            rows > INT4_KERNEL_MAX_ROWS
-            or x.device.type != "cpu"
-            or x.dtype not in INT4_KERNEL_INPUT_DTYPES
-        ):
+        kernels = (
+            int4_kernels()
+            if rows <= INT4_KERNEL_MAX_ROWS
+            and x.device.type == "cpu"
+            and x.dtype in INT4_KERNEL_INPUT_DTYPES
+            else None
+        )
+        if kernels is None:
             return super().project(x, bias)
-        scales = self.weight_scale.to(x.dtype)
-        padding = self.padded_in_features - self.multiplied_features
-        flat = nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, padding))
-        out = int4_matmul(flat, self.weight, self.kernel_group, scales)
+        out = kernels.int4_matmul(
+            x.reshape(rows, x.shape[-1]),
+            self.weight,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.kernel_group,
+        )
         out = out.reshape(*x.shape[:-1], -1)
         return out if bias is None else out + bias
 

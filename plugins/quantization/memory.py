@@ -6,7 +6,7 @@ import attrs
 from torch import nn
 
 from nxdplug.plugins.quantization.layers import Int4Weight
-from nxdplug.plugins.quantization.targets import SCALE_SUFFIX
+from nxdplug.plugins.quantization.targets import SCALE_SUFFIX, ZERO_POINT_SUFFIX
 
 MIB = 2**20
 
@@ -39,7 +39,7 @@ def weight_memory(model: nn.Module) -> WeightMemory:
                 continue
             seen.add(id(parameter))
             held += parameter.numel() * parameter.element_size()
-            if name.endswith(SCALE_SUFFIX):
+            if name.endswith((SCALE_SUFFIX, ZERO_POINT_SUFFIX)):
                 continue
             if name == "weight" and isinstance(module, Int4Weight):
                 dense += module.weight.shape[0] * module.multiplied_features

@@ -1,0 +1,474 @@
+// int4 weights in the plugin's own layout: a matmul for a few rows of x (decoding) that reads
+// the weight in its 4 bits, and the dequantization that prompts' GEMM takes.
+//
+// A weight W [N, K] is W[n, k] = (u[n, k] - 8 - z[n, g]) * s[n, g] for unsigned nibbles u, a
+// signed zero point z (0 for symmetric weights) and a float32 scale s per row and group g of
+// `group` input features (32, or a multiple of 64; one group per row for per-channel scales).
+//
+// The layout (int4.py's to_kernel_layout): K is padded with zero weights to Kp, a multiple of
+// 128. Row n's packed bytes are Kp / 2 bytes in blocks of 64, byte i of block b holding column
+// 128 b + i in its low nibble and column 128 b + 64 + i in its high nibble. The rows are in
+// tiles of four, and a tile holds its rows' first blocks one after the other, then their second
+// blocks, and so on (kernel.py's tile_rows, 64 bytes a lane): one sequential stream of memory. The
+// last N % 4 rows are on their own. Scales (float32) and zero points (int8) are [N, groups] in
+// the same tiled order, one value a lane.
+//
+// The matmul: each 64-column chunk c of a row of x is scaled by a power of two a_c so that its
+// largest magnitude is below 2^B, rounded to integers v, and v is written as D signed base-256
+// digits (B = 8 D - 2; bfloat16 rows take D = 2, float32 rows D = 3). Then for each chunk
+//   sum_k v_k u_k = sum_p 256^p sum_k d_pk u_k
+// is integer arithmetic that AVX512-VNNI's vpdpbusd does 64 nibbles at a time (unsigned x signed
+// bytes), converted to float once a chunk and scaled by s_g a_c. The zero terms, sum_g s_g
+// (8 + z_g) sum_{k in g} a_c v_k, take one short dot product a row over the groups rather than
+// work in the inner loop. Per 64 weights and row: D vpdpbusd and a handful of other
+// instructions, against llama.cpp's q4_0 which rounds activations to 8 bits a block of 32: here
+// a bfloat16 value within 2^-6 of its chunk's largest is taken exactly.
+//
+// Why not PyTorch's _weight_int4pack_mm_for_cpu: it converts the nibbles to floats, and read
+// its weights at about a third of this machine's memory bandwidth (2026-11-28).
+//
+// x86 CPUs without AVX512-VNNI, and rows holding an infinity or a NaN, take a plain loop.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 64;            // columns per vpdpbusd, and per activation scale
+constexpr int64_t kBlock = 2 * kChunk;    // columns per 64 packed bytes
+constexpr int64_t kRowsPerTile = 4;
+constexpr int64_t kOffset = 8;            // u - kOffset is the signed 4-bit value
+constexpr int64_t kBytesPerTask = 65536;  // packed bytes below which a thread is not worth it
+
+template <typename T>
+constexpr int kDigits = std::is_same_v<T, float> ? 3 : 2;
+
+struct Layout {
+  int64_t rows;        // N
+  int64_t padded_k;    // Kp
+  int64_t group;       // input features per scale
+  int64_t groups;      // scales per row
+
+  // Where the tiled value (row n, lane j of `width` elements, rows of `row` elements) is.
+  int64_t tiled(int64_t n, int64_t lane, int64_t row, int64_t width) const {
+    const int64_t tile_rows = n < rows / kRowsPerTile * kRowsPerTile ? kRowsPerTile : 1;
+    const int64_t first = n - n % tile_rows;
+    return first * row + lane * width * tile_rows + (n - first) * width;
+  }
+  int64_t byte_of(int64_t n, int64_t k) const {
+    return tiled(n, k / kBlock, padded_k / 2, kChunk) + k % kChunk;
+  }
+  int64_t group_of(int64_t n, int64_t k) const { return tiled(n, k / group, groups, 1); }
+};
+
+// W[n, k] in float32.
+inline float weight_at(const uint8_t* packed, const float* scales, const int8_t* zeros,
+                       const Layout& layout, int64_t n, int64_t k) {
+  const uint8_t byte = packed[layout.byte_of(n, k)];
+  const int u = k % kBlock < kChunk ? byte & 0xF : byte >> 4;
+  const int64_t g = layout.group_of(n, k);
+  return static_cast<float>(u - kOffset - zeros[g]) * scales[g];
+}
+
+// float to T, rounding to nearest even for bfloat16 without a branch (the values are finite).
+template <typename T>
+inline T from_float(float value) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+  } else {
+    return static_cast<T>(value);
+  }
+}
+
+// ---- the matmul ---------------------------------------------------------------------------
+
+// Activation rows as integer digits, reused by the calls of one thread.
+struct Digits {
+  int64_t padded_k = 0;
+  int64_t groups = 0;
+  int count = 0;
+  std::vector<int8_t> planes;      // [M][count][Kp]
+  std::vector<float> chunk_scale;  // [M][Kp / 64]: x = v * chunk_scale
+  std::vector<float> group_sums;   // [M][groups][4]: sum over group g of v * chunk_scale
+
+  int8_t* plane(int64_t m, int p) { return planes.data() + (m * count + p) * padded_k; }
+  const int8_t* plane(int64_t m, int p) const {
+    return planes.data() + (m * count + p) * padded_k;
+  }
+  const float* scales(int64_t m) const {
+    return chunk_scale.data() + m * (padded_k / kChunk);
+  }
+  const float* sums(int64_t m) const { return group_sums.data() + m * groups * kRowsPerTile; }
+};
+
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) __m512 load_floats(const T* data,
+                                                                       __mmask16 mask) {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(mask, data);
+  } else {
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, data);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+
+// The lanes of a 16-float load that hold elements when `left` of them remain.
+inline __mmask16 floats_present(int64_t left) {
+  if (left <= 0) return 0;
+  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// The digits, chunk scales and group sums of x [rows, K]; false when x holds an infinity or a
+// NaN, which integers cannot carry.
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) bool fill_digits(const T* x, int64_t rows,
+                                                                      int64_t K,
+                                                                      const Layout& layout,
+                                                                      Digits& digits) {
+  constexpr int D = kDigits<T>;
+  constexpr int B = 8 * D - 2;
+  const int64_t Kp = layout.padded_k, chunks = Kp / kChunk;
+  digits.count = D;
+  digits.padded_k = Kp;
+  digits.groups = layout.groups;
+  digits.planes.assign(rows * D * Kp, 0);
+  digits.chunk_scale.assign(rows * chunks, 0.f);
+  digits.group_sums.assign(rows * layout.groups * kRowsPerTile, 0.f);
+  const __m512i bias = _mm512_set1_epi32(128), low_byte = _mm512_set1_epi32(255);
+  const __m512 infinity = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* row = x + m * K;
+    float* sums = digits.group_sums.data() + m * layout.groups * kRowsPerTile;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t first = c * kChunk;
+      __m512 largest = _mm512_setzero_ps();
+      __mmask16 not_finite = 0;
+      for (int64_t k = first; k < first + kChunk; k += 16) {
+        const __mmask16 mask = floats_present(K - k);
+        const __m512 magnitude = _mm512_abs_ps(load_floats(row + k, mask));
+        not_finite |= _mm512_mask_cmp_ps_mask(mask, magnitude, infinity, _CMP_NLT_UQ);
+        largest = _mm512_max_ps(largest, magnitude);
+      }
+      if (not_finite) return false;
+      int exponent = 0;
+      const float peak = _mm512_reduce_max_ps(largest);
+      if (peak > 0.f) std::frexp(peak, &exponent);
+      const float scale = std::ldexp(1.0f, exponent - B);
+      digits.chunk_scale[m * chunks + c] = scale;
+      const __m512 to_integer = _mm512_set1_ps(std::ldexp(1.0f, B - exponent));
+      for (int64_t k = first; k < first + kChunk; k += 16) {
+        __m512i v = _mm512_cvtps_epi32(
+            _mm512_mul_ps(load_floats(row + k, floats_present(K - k)), to_integer));
+        const float part = static_cast<float>(_mm512_reduce_add_epi32(v)) * scale;
+        for (int r = 0; r < kRowsPerTile; ++r) sums[(k / layout.group) * kRowsPerTile + r] += part;
+        for (int p = 0; p < D; ++p) {
+          const __m512i digit =
+              _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, bias), low_byte), bias);
+          _mm512_mask_cvtepi32_storeu_epi8(digits.plane(m, p) + k, 0xFFFF, digit);
+          v = _mm512_srai_epi32(_mm512_sub_epi32(v, digit), 8);
+        }
+      }
+    }
+  }
+  return true;
+}
+
+// sum_k v_k u_k of one chunk, per lane: the digit planes' products combined, 256^p each.
+template <int D>
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline __m512i chunk_products(
+    __m512i u, const __m512i (&d)[D]) {
+  __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, d[D - 1]);
+  for (int p = D - 2; p >= 0; --p) t = _mm512_dpbusd_epi32(_mm512_slli_epi32(t, 8), u, d[p]);
+  return t;
+}
+
+// s_g a_c for chunk c of each row of a tile, lane by lane (groups of 32: lanes 0-7 hold group
+// 2c's, 8-15 group 2c + 1's). `scales` holds the tile's [groups][R] values: the R rows' scales of
+// a group are one load, scaled once, then spread to each row's register.
+template <int R, bool kPairs>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void chunk_scales(
+    const float* scales, int64_t c, int64_t group, __m512 a, __m512 (&s)[R]) {
+  if constexpr (R == kRowsPerTile) {
+    if constexpr (kPairs) {
+      // [group 2c: rows 0-3, group 2c + 1: rows 0-3]
+      const __m512 both = _mm512_mul_ps(
+          _mm512_castps256_ps512(_mm256_loadu_ps(scales + 2 * c * R)), a);
+      for (int r = 0; r < R; ++r)
+        s[r] = _mm512_permutexvar_ps(
+            _mm512_set_epi32(4 + r, 4 + r, 4 + r, 4 + r, 4 + r, 4 + r, 4 + r, 4 + r, r, r, r, r,
+                             r, r, r, r),
+            both);
+    } else {
+      const __m512 rows = _mm512_mul_ps(
+          _mm512_castps128_ps512(_mm_loadu_ps(scales + (c * kChunk / group) * R)), a);
+      for (int r = 0; r < R; ++r) s[r] = _mm512_permutexvar_ps(_mm512_set1_epi32(r), rows);
+    }
+  } else if constexpr (kPairs) {
+    s[0] = _mm512_mul_ps(_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[2 * c]),
+                                              _mm512_set1_ps(scales[2 * c + 1])),
+                         a);
+  } else {
+    s[0] = _mm512_mul_ps(_mm512_set1_ps(scales[c * kChunk / group]), a);
+  }
+}
+
+// out[m, n .. n + R) for a tile of R rows (R = 4, or 1 for a last row): `tile` its packed bytes,
+// `scales` and `zeros` its [groups][R] values. Group 32 (`kPairs`) puts two groups in a chunk.
+template <int D, int R, bool kPairs, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void vnni_tile(
+    const Digits& digits, int64_t m, const uint8_t* tile, const float* scales,
+    const int8_t* zeros, const Layout& layout, T* out) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const int64_t Kp = layout.padded_k;
+  const float* chunk_scale = digits.scales(m);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < Kp / kBlock; ++b) {
+    __m512i nibbles[2][R];
+    for (int r = 0; r < R; ++r) {
+      const __m512i bytes = _mm512_loadu_si512(tile + (b * R + r) * kChunk);
+      nibbles[0][r] = _mm512_and_si512(bytes, low4);
+      nibbles[1][r] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = 2 * b + h;
+      __m512i d[D];
+      for (int p = 0; p < D; ++p) d[p] = _mm512_loadu_si512(digits.plane(m, p) + c * kChunk);
+      __m512 s[R];
+      chunk_scales<R, kPairs>(scales, c, layout.group, _mm512_set1_ps(chunk_scale[c]), s);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chunk_products<D>(nibbles[h][r], d)), s[r],
+                                 acc[r]);
+    }
+  }
+  // The zero terms: sum_g s_g (8 + z_g) sum_{k in g} x_k, over [groups][R] values.
+  const float* sums = digits.sums(m);
+  float zero_terms[R] = {};
+  if constexpr (R == kRowsPerTile) {
+    __m512 terms = _mm512_setzero_ps();
+    const __m512i offset = _mm512_set1_epi32(kOffset);
+    const int64_t values = layout.groups * R;
+    for (int64_t j = 0; j < values; j += 16) {
+      const __mmask16 mask = floats_present(values - j);
+      const __m512 s = _mm512_maskz_loadu_ps(mask, scales + j);
+      const __m512i z = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, zeros + j));
+      const __m512 o = _mm512_cvtepi32_ps(_mm512_add_epi32(z, offset));
+      terms = _mm512_fmadd_ps(_mm512_mul_ps(s, o), _mm512_maskz_loadu_ps(mask, sums + j), terms);
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, terms);
+    for (int i = 0; i < 16; ++i) zero_terms[i % R] += lanes[i];
+  } else {
+    for (int64_t g = 0; g < layout.groups; ++g)
+      zero_terms[0] += scales[g] * static_cast<float>(kOffset + zeros[g]) * sums[g * kRowsPerTile];
+  }
+  for (int r = 0; r < R; ++r) out[r] = static_cast<T>(_mm512_reduce_add_ps(acc[r]) - zero_terms[r]);
+}
+
+// Each thread takes whole tiles and runs every row of x over a tile while it is in the L1
+// cache, so that the weight is read from memory once whatever the rows. False, with nothing
+// written, when x is not all finite.
+template <bool kPairs, typename T>
+bool vnni_matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const float* scales,
+                 const int8_t* zeros, const Layout& layout, T* out) {
+  constexpr int D = kDigits<T>;
+  thread_local Digits this_thread;
+  Digits& digits = this_thread;  // the caller's, which the workers below must read, not theirs
+  if (!fill_digits(x, rows, K, layout, digits)) return false;
+  const int64_t N = layout.rows, row_bytes = layout.padded_k / 2;
+  const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;
+  const int64_t grain = std::max<int64_t>(1, kBytesPerTask / (kRowsPerTile * row_bytes));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n = tile * kRowsPerTile;
+      for (int64_t m = 0; m < rows; ++m) {
+        if (n + kRowsPerTile <= N) {
+          vnni_tile<D, kRowsPerTile, kPairs>(digits, m, packed + n * row_bytes,
+                                             scales + n * layout.groups,
+                                             zeros + n * layout.groups, layout, out + m * N + n);
+        } else {
+          for (int64_t i = n; i < N; ++i)
+            vnni_tile<D, 1, kPairs>(digits, m, packed + i * row_bytes, scales + i * layout.groups,
+                                    zeros + i * layout.groups, layout, out + m * N + i);
+        }
+      }
+    }
+  });
+  return true;
+}
+
+template <typename T>
+void plain_matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const float* scales,
+                  const int8_t* zeros, const Layout& layout, T* out) {
+  const int64_t N = layout.rows;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < rows; ++m) {
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; ++k)
+          sum += static_cast<float>(x[m * K + k]) * weight_at(packed, scales, zeros, layout, n, k);
+        out[m * N + n] = static_cast<T>(sum);
+      }
+  });
+}
+
+// NXDPLUG_INT4_MATMUL_PORTABLE=1 takes the plain loop on any CPU (to check it where it would
+// not otherwise run).
+bool has_vnni() {
+  static const bool supported = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512vl") &&
+                                __builtin_cpu_supports("avx512vnni") &&
+                                std::getenv("NXDPLUG_INT4_MATMUL_PORTABLE") == nullptr;
+  return supported;
+}
+
+template <typename T>
+void matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const float* scales,
+            const int8_t* zeros, const Layout& layout, T* out) {
+  const bool pairs = layout.group == kChunk / 2;
+  // Infinities and NaNs take the plain loop too, which carries them to the output.
+  const bool done = has_vnni() &&
+                    (pairs ? vnni_matmul<true>(x, rows, K, packed, scales, zeros, layout, out)
+                           : vnni_matmul<false>(x, rows, K, packed, scales, zeros, layout, out));
+  if (!done) plain_matmul(x, rows, K, packed, scales, zeros, layout, out);
+}
+
+Layout checked_layout(const at::Tensor& packed, const at::Tensor& scales,
+                      const at::Tensor& zero_points, int64_t group, const char* op) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              op, ": a contiguous uint8 [out, in / 2] weight expected, got ", packed.sizes());
+  const int64_t N = packed.size(0), Kp = packed.size(1) * 2;
+  TORCH_CHECK(Kp % kBlock == 0, op, ": in features padded to a multiple of ", kBlock,
+              " expected, got ", Kp);
+  TORCH_CHECK(group == kChunk / 2 || (group > 0 && group % kChunk == 0), op,
+              ": groups of 32 or a multiple of 64 input features expected, got ", group);
+  const int64_t groups = (Kp + group - 1) / group;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.numel() == N * groups,
+              op, ": float32 scales [", N, ", ", groups, "] expected, got ", scales.scalar_type(),
+              " ", scales.sizes());
+  TORCH_CHECK(zero_points.scalar_type() == at::kChar && zero_points.is_contiguous() &&
+                  zero_points.numel() == N * groups,
+              op, ": int8 zero points [", N, ", ", groups, "] expected, got ",
+              zero_points.scalar_type(), " ", zero_points.sizes());
+  TORCH_CHECK(packed.device().is_cpu(), op, ": CPU tensors only");
+  return Layout{N, Kp, group, groups};
+}
+
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& zero_points, int64_t group) {
+  const Layout layout = checked_layout(packed, scales, zero_points, group, "int4_matmul");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) <= layout.padded_k, "int4_matmul: x [M, K <= ",
+              layout.padded_k, "] expected, got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int4_matmul: float32 or bfloat16 x expected, got ", x.scalar_type());
+  const at::Tensor inputs = x.contiguous();
+  const int64_t rows = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({rows, layout.rows}, x.options());
+  const auto* bytes = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = zero_points.data_ptr<int8_t>();
+  if (x.scalar_type() == at::kFloat) {
+    matmul(inputs.data_ptr<float>(), rows, K, bytes, s, z, layout, out.data_ptr<float>());
+  } else {
+    matmul(inputs.data_ptr<c10::BFloat16>(), rows, K, bytes, s, z, layout,
+           out.data_ptr<c10::BFloat16>());
+  }
+  return out;
+}
+
+// ---- the dequantization -------------------------------------------------------------------
+
+// Rows [n, n + R) of W [N, in_features]: block b of row r holds 128 columns.
+template <int R, typename T>
+void dequantize_tile(const uint8_t* tile, const float* scales, const int8_t* zeros,
+                     const Layout& layout, int64_t in_features, T* out) {
+  for (int64_t b = 0; b < layout.padded_k / kBlock; ++b) {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* bytes = tile + (b * R + r) * kChunk;
+      T* row = out + r * in_features;
+      for (int h = 0; h < 2; ++h) {
+        const int64_t first = b * kBlock + h * kChunk;
+        const int64_t count = std::min<int64_t>(kChunk, in_features - first);
+        if (count <= 0) break;
+        // A chunk lies in one group, or (groups of 32) in two.
+        for (int64_t half = 0; half < count; half += layout.group < kChunk ? layout.group : kChunk) {
+          const int64_t g = (first + half) / layout.group;
+          const float s = scales[g * R + r];
+          const float o = static_cast<float>(kOffset + zeros[g * R + r]);
+          const int64_t end = std::min<int64_t>(count, half + std::min(layout.group, kChunk));
+          for (int64_t i = half; i < end; ++i) {
+            const int u = h == 0 ? bytes[i] & 0xF : bytes[i] >> 4;
+            row[first + i] = from_float<T>((static_cast<float>(u) - o) * s);
+          }
+        }
+      }
+    }
+  }
+}
+
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
+                           const at::Tensor& zero_points, int64_t group, int64_t in_features,
+                           at::ScalarType dtype) {
+  const Layout layout = checked_layout(packed, scales, zero_points, group, "int4_dequantize");
+  TORCH_CHECK(in_features > 0 && in_features <= layout.padded_k,
+              "int4_dequantize: in_features in 1..", layout.padded_k, " expected, got ",
+              in_features);
+  const int64_t N = layout.rows, row_bytes = layout.padded_k / 2;
+  at::Tensor out = at::empty({N, in_features}, packed.options().dtype(dtype));
+  const auto* bytes = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int8_t* z = zero_points.data_ptr<int8_t>();
+  const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "int4_dequantize", [&] {
+    scalar_t* w = out.data_ptr<scalar_t>();
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t n = tile * kRowsPerTile;
+        if (n + kRowsPerTile <= N) {
+          dequantize_tile<kRowsPerTile>(bytes + n * row_bytes, s + n * layout.groups,
+                                        z + n * layout.groups, layout, in_features,
+                                        w + n * in_features);
+        } else {
+          for (int64_t i = n; i < N; ++i)
+            dequantize_tile<1>(bytes + i * row_bytes, s + i * layout.groups,
+                               z + i * layout.groups, layout, in_features, w + i * in_features);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nxdplug_int4, m) {
+  // x [M, K] times W^T -> [M, out], in x's dtype.
+  m.def("int4_matmul(Tensor x, Tensor packed, Tensor scales, Tensor zero_points, int group) "
+        "-> Tensor");
+  // -> W [out, in_features] in dtype.
+  m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor zero_points, int group, "
+        "int in_features, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nxdplug_int4, CPU, m) {
+  m.impl("int4_matmul", &int4_matmul);
+  m.impl("int4_dequantize", &int4_dequantize);
+}
