@@ -7,10 +7,13 @@ decades, non-finite inputs, and the portable loop that CPUs without AVX512-VNNI 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from fresh_process import cpu_has, run_and_load
 
+from nxdplug.modules.parallel_linear import ColumnParallelLinear
 from nxdplug.plugins.quantization.int4 import (
     dequantize_int4,
     from_kernel_layout,
@@ -22,6 +25,7 @@ from nxdplug.plugins.quantization.int4 import (
     quantize_int4,
     to_kernel_layout,
 )
+from nxdplug.plugins.quantization.layers import INT4_KERNEL_MAX_ROWS, hold_int4
 
 CASES = [  # (out rows, in features, group, zero points)
     (64, 768, 32, False),
@@ -192,3 +196,35 @@ def test_the_portable_loop_gives_the_product_too(kernels, tmp_path) -> None:
             expected = activations(3, features, dtype).double() @ weight.T
             error = product_error(outputs[rows, features, dtype], expected)
             assert error <= tolerance, (rows, features, dtype, error)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("count", [1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1])
+def test_int4_layers_give_the_product_whichever_path_they_take(
+    kernels, monkeypatch, dtype, count
+) -> None:
+    """An int4 layer multiplies up to INT4_KERNEL_MAX_ROWS float32 or bfloat16 rows in the
+    int4 matmul and dequantizes its weight for more rows or float16 inputs: each way, the
+    product plus bias."""
+    calls = []
+    monkeypatch.setattr(
+        "nxdplug.plugins.quantization.layers.int4_kernels",
+        lambda: SimpleNamespace(
+            int4_matmul=lambda *args: calls.append(1) or kernels.int4_matmul(*args)
+        ),
+    )
+    layer = hold_int4(ColumnParallelLinear(300, 9, bias=True), group=96)
+    packed, scales, zero_points, _, weight = operands(9, 300, 96, True)
+    bias = torch.randn(9)
+    layer.load_state_dict(
+        {"weight": packed, "weight_scale": scales, "weight_zero_point": zero_points, "bias": bias}
+    )
+    layer.to(dtype)
+    layer.weight_scale.data = scales  # float32 whatever the model's dtype, as the loader keeps it
+    x = activations(count, 300, dtype)
+    out = layer(x.reshape(1, count, 300))
+    assert out.dtype == dtype and out.shape == (1, count, 9)
+    assert len(calls) == (1 if count <= INT4_KERNEL_MAX_ROWS and dtype != torch.float16 else 0)
+    expected = x.double() @ weight.T + bias.to(dtype).double()
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    assert product_error(out[0], expected) <= tolerance
