@@ -2,8 +2,10 @@
 layout read back exactly, the dequantization bit for bit against PyTorch operations, and the
 matmul against the exact product in float64 of the weights the layout stands for: groups of 32,
 64, 128, 96 (run as 32) and one per row, zero points, rows past the last tile of four, input
-features short of the padded block, 1-8 rows of float32 and bfloat16 activations spanning four
-decades, non-finite inputs, and the portable loop that CPUs without AVX512-VNNI take."""
+features short of the padded block, float32 and bfloat16 activations spanning four decades in
+each of the matmul's three ways (integer digits for a few rows, bfloat16 dot products for more
+bfloat16 rows, dequantization and a GEMM for many), non-finite inputs, and the portable loop
+that CPUs without AVX512-VNNI take."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from nxdplug.plugins.quantization.int4 import (
     quantize_int4,
     to_kernel_layout,
 )
-from nxdplug.plugins.quantization.layers import INT4_KERNEL_MAX_ROWS, hold_int4
+from nxdplug.plugins.quantization.layers import hold_int4
 
 CASES = [  # (out rows, in features, group, zero points)
     (64, 768, 32, False),
@@ -119,11 +121,12 @@ def product_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 
 @needs_vnni
 @pytest.mark.parametrize(("rows", "features", "group", "zeros"), CASES)
-@pytest.mark.parametrize("count", [1, 3, 8])
+@pytest.mark.parametrize("count", [1, 3, 8, 30, 150])
 def test_the_matmul_is_the_exact_product_within_rounding(
     kernels, rows, features, group, zeros, count
 ) -> None:
-    """float32 rows keep 22 bits of each 64 features' largest value, bfloat16 rows 14: the
+    """float32 rows keep 22 bits of each 64 features' largest value (or are multiplied by the
+    dequantized weight), bfloat16 rows 14 (or multiply the weight rounded to bfloat16): the
     first within float32 accumulation error, the second within the output's bfloat16 step."""
     packed, scales, zero_points, kernel_group, weight = operands(rows, features, group, zeros)
     for dtype, tolerance in ((torch.float32, 2e-6), (torch.bfloat16, 8e-3)):
@@ -135,14 +138,32 @@ def test_the_matmul_is_the_exact_product_within_rounding(
 
 @needs_vnni
 def test_bfloat16_rows_are_within_their_own_rounding(kernels) -> None:
-    """Each bfloat16 output is within one bfloat16 step of the exact product (plus 2^-14 of the
-    largest output): the activations keep 14 bits of each 64 features' largest value. Rounded
-    to 8 bits, as llama.cpp's q8_0 rounds them, they would not."""
+    """Each bfloat16 output of the integer path (a few rows) is within one bfloat16 step of the
+    exact product (plus 2^-14 of the largest output): the activations keep 14 bits of each 64
+    features' largest value. Rounded to 8 bits, as llama.cpp's q8_0 rounds them, they would
+    not."""
     packed, scales, zero_points, kernel_group, weight = operands(256, 2048, 32, False)
     x = activations(2, 2048, torch.bfloat16)
     expected = x.double() @ weight.T
     out = kernels.int4_matmul(x, packed, scales, zero_points, kernel_group).double()
     bound = expected.abs() * 2**-8 + expected.abs().max() * 2**-14
+    assert ((out - expected).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not cpu_has("avx512bw", "avx512_bf16"), reason="this CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("count", [5, 17, 128])
+def test_several_bfloat16_rows_multiply_the_weight_rounded_to_bfloat16(kernels, count) -> None:
+    """From 5 rows, bfloat16 activations multiply each tile dequantized to bfloat16 (as the
+    dequantization rounds it), products exact and sums in float32: within one bfloat16 step
+    (and float32 accumulation) of that product, with zero points and groups of 96."""
+    packed, scales, zero_points, kernel_group, _ = operands(9, 1000, 96, True)
+    weight = kernels.int4_dequantize(
+        packed, scales, zero_points, kernel_group, 1000, torch.bfloat16
+    ).double()
+    x = activations(count, 1000, torch.bfloat16)
+    expected = x.double() @ weight.T
+    out = kernels.int4_matmul(x, packed, scales, zero_points, kernel_group).double()
+    bound = expected.abs() * 2**-8 + expected.abs().max() * 1e-6
     assert ((out - expected).abs() <= bound).all()
 
 
@@ -199,13 +220,12 @@ def test_the_portable_loop_gives_the_product_too(kernels, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("count", [1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("count", [1, 200])
 def test_int4_layers_give_the_product_whichever_path_they_take(
     kernels, monkeypatch, dtype, count
 ) -> None:
-    """An int4 layer multiplies up to INT4_KERNEL_MAX_ROWS float32 or bfloat16 rows in the
-    int4 matmul and dequantizes its weight for more rows or float16 inputs: each way, the
-    product plus bias."""
+    """An int4 layer gives float32 and bfloat16 rows to the int4 matmul and dequantizes its
+    weight for float16 ones: each way, the product plus bias."""
     calls = []
     monkeypatch.setattr(
         "nxdplug.plugins.quantization.layers.int4_kernels",
@@ -224,7 +244,7 @@ def test_int4_layers_give_the_product_whichever_path_they_take(
     x = activations(count, 300, dtype)
     out = layer(x.reshape(1, count, 300))
     assert out.dtype == dtype and out.shape == (1, count, 9)
-    assert len(calls) == (1 if count <= INT4_KERNEL_MAX_ROWS and dtype != torch.float16 else 0)
+    assert len(calls) == (0 if dtype == torch.float16 else 1)
     expected = x.double() @ weight.T + bias.to(dtype).double()
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     assert product_error(out[0], expected) <= tolerance

@@ -6,8 +6,9 @@ quantization_type=...)`` switches it on. ``save_quantized_state_dict`` writes th
 with the method record ``<dtype>-<per_tensor|per_channel|blockwise>``; loading swaps the
 projections (:mod:`.targets` says which, less ``modules_to_not_convert``) for layers that keep
 the quantized weights in memory: on the CPU, int8 weights times up to 32 rows (decoding) go to
-the plugin's int8 matmul (:mod:`.kernel`), int4 weights times a few rows to PyTorch's int4
-matmul (:mod:`.int4`); prompts, fp8 weights and other devices dequantize per call.
+the plugin's int8 matmul (:mod:`.kernel`), int4 weights to its int4 matmul (:mod:`.int4`, which
+dequantizes for long prompts itself); prompts, fp8 weights and other devices dequantize per
+call.
 f8e4m3 needs ``XLA_HANDLE_SPECIAL_SCALAR=1`` on Neuron only; on the CPU nothing is needed.
 """
 

@@ -41,10 +41,6 @@ from nxdplug.plugins.quantization.targets import (
 # 671 at 32; its cost grows by about a GEMV a row, the GEMM's barely).
 INT8_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
-# Up to this many rows the int4 matmul beats dequantizing for a bf16 GEMM (2 threads, forty
-# 2048x768 and 768x2048 weights in groups of 32: 11.4 against 30.0 ms at 8 rows, 27.2 against
-# 37.2 at 24, 43.8 against 41.9 at 32; its cost grows by about a GEMV a row).
-INT4_KERNEL_MAX_ROWS = 24
 INT4_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -161,15 +157,14 @@ class Int4Weight:
         )
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Up to INT4_KERNEL_MAX_ROWS rows (decoding) on the CPU go to the plugin's int4
-        matmul, which reads the packed weight as it is; more rows, other dtypes and devices
-        dequantize the weight for a GEMM."""
+        """float32 and bfloat16 rows on the CPU go to the plugin's int4 matmul, which reads
+        the packed weight as it is for up to a hundred-odd rows (decoding, a batch's steps,
+        short prompts) and dequantizes it for a GEMM beyond (``int4_kernels.cpp`` says where
+        each way wins); float16 and other devices dequantize here."""
         rows = x.numel() // x.shape[-1]
         kernels = (
             int4_kernels()
-            if rows <= INT4_KERNEL_MAX_ROWS
-            and x.device.type == "cpu"
-            and x.dtype in INT4_KERNEL_INPUT_DTYPES
+            if x.device.type == "cpu" and x.dtype in INT4_KERNEL_INPUT_DTYPES
             else None
         )
         if kernels is None:
