@@ -154,9 +154,9 @@ def test_int4_settings_are_checked(checkpoint, tmp_path, change, message) -> Non
 def test_weight_memory_counts_the_packed_weights() -> None:
     layer = hold_int4(ColumnParallelLinear(176, 64), group=32)
     memory = weight_memory(nn.ModuleDict({"proj": layer}))
-    # 176 inputs held as 256 (whole blocks of 128), two to a byte, and a float32 scale and an
+    # 176 inputs held as 256 (whole blocks of 128), two to a byte, and a float16 scale and an
     # int8 zero point per group of each row; the dense count is the 64 x 176 weights.
-    assert memory.held == 64 * 256 // 2 + 64 * (256 // 32) * (4 + 1)
+    assert memory.held == 64 * 256 // 2 + 64 * (256 // 32) * (2 + 1)
     assert memory.float32 == 4 * 64 * 176
 
 

@@ -15,7 +15,9 @@ import pytest
 import torch
 from fresh_process import cpu_has, run_and_load
 
+from nxdplug.errors import CheckpointError
 from nxdplug.modules.parallel_linear import ColumnParallelLinear
+from nxdplug.plugins.quantization.convert import fit_int4_weights
 from nxdplug.plugins.quantization.int4 import (
     dequantize_int4,
     from_kernel_layout,
@@ -23,6 +25,7 @@ from nxdplug.plugins.quantization.int4 import (
     int4_kernels,
     kernel_group_size,
     kernel_scales,
+    pack_int4,
     padded_features,
     quantize_int4,
     to_kernel_layout,
@@ -50,10 +53,17 @@ def kernels():
     return ops
 
 
-def operands(rows: int, features: int, group: int, zeros: bool, seed: int = 0):
+def operands(
+    rows: int,
+    features: int,
+    group: int,
+    zeros: bool,
+    seed: int = 0,
+    scale_dtype: torch.dtype = torch.float16,
+):
     """``(packed, scales, zero points, kernel group, W)``: a random weight quantized in groups
-    (with zero points in -3..3 if ``zeros``), in the kernel layout, and the float64 weight it
-    stands for."""
+    (with zero points in -3..3 if ``zeros``), in the kernel layout with scales in
+    ``scale_dtype``, and the float64 weight it stands for."""
     generator = torch.Generator().manual_seed(seed)
     group = min(group, features)
     q, scale = quantize_int4(torch.randn(rows, features, generator=generator), group)
@@ -61,7 +71,7 @@ def operands(rows: int, features: int, group: int, zeros: bool, seed: int = 0):
     zero = zero if zeros else None
     kernel_group = kernel_group_size(group, features)
     padded = padded_features(features)
-    scales, zero_points = kernel_scales(scale, group, kernel_group, padded, zero)
+    scales, zero_points = kernel_scales(scale, group, kernel_group, padded, zero, scale_dtype)
     per_feature = [
         t.double().repeat_interleave(group, dim=1)[:, :features]
         for t in (scale, torch.zeros_like(scale) if zero is None else zero)
@@ -94,8 +104,13 @@ def test_the_layout_reads_back_exactly(rows, features) -> None:
 
 @pytest.mark.parametrize(("rows", "features", "group", "zeros"), CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_dequantization_is_the_layouts_own(kernels, rows, features, group, zeros, dtype):
-    packed, scales, zero_points, kernel_group, weight = operands(rows, features, group, zeros)
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_the_dequantization_is_the_layouts_own(
+    kernels, rows, features, group, zeros, dtype, scale_dtype
+):
+    packed, scales, zero_points, kernel_group, weight = operands(
+        rows, features, group, zeros, scale_dtype=scale_dtype
+    )
     out = kernels.int4_dequantize(packed, scales, zero_points, kernel_group, features, dtype)
     assert out.shape == (rows, features) and out.dtype == dtype
     assert torch.equal(out, weight.to(dtype))
@@ -104,7 +119,7 @@ def test_the_dequantization_is_the_layouts_own(kernels, rows, features, group, z
         from_kernel_scales(t).repeat_interleave(kernel_group, dim=1)[:, :features]
         for t in (scales, zero_points)
     )
-    assert torch.equal(out, ((q - zero.float()) * scale).to(dtype))
+    assert torch.equal(out, ((q - zero.float()) * scale.float()).to(dtype))
 
 
 def test_pytorch_operations_dequantize_where_the_kernels_do_not_run(monkeypatch) -> None:
@@ -122,13 +137,16 @@ def product_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 @needs_vnni
 @pytest.mark.parametrize(("rows", "features", "group", "zeros"), CASES)
 @pytest.mark.parametrize("count", [1, 3, 8, 30, 150])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 def test_the_matmul_is_the_exact_product_within_rounding(
-    kernels, rows, features, group, zeros, count
+    kernels, rows, features, group, zeros, count, scale_dtype
 ) -> None:
     """float32 rows keep 22 bits of each 64 features' largest value (or are multiplied by the
     dequantized weight), bfloat16 rows 14 (or multiply the weight rounded to bfloat16): the
     first within float32 accumulation error, the second within the output's bfloat16 step."""
-    packed, scales, zero_points, kernel_group, weight = operands(rows, features, group, zeros)
+    packed, scales, zero_points, kernel_group, weight = operands(
+        rows, features, group, zeros, scale_dtype=scale_dtype
+    )
     for dtype, tolerance in ((torch.float32, 2e-6), (torch.bfloat16, 8e-3)):
         x = activations(count, features, dtype)
         out = kernels.int4_matmul(x, packed, scales, zero_points, kernel_group)
@@ -184,7 +202,7 @@ def test_bad_operands_are_refused(kernels) -> None:
         kernels.int4_matmul(x, packed.to(torch.int8), scales, zero_points, kernel_group)
     with pytest.raises(RuntimeError, match="groups of 32 or a multiple of 64"):
         kernels.int4_matmul(x, packed, scales, zero_points, 48)
-    with pytest.raises(RuntimeError, match=r"float32 scales \[8, 8\]"):
+    with pytest.raises(RuntimeError, match=r"float16 or float32 scales \[8, 8\]"):
         kernels.int4_matmul(x, packed, scales[:4], zero_points, kernel_group)
     with pytest.raises(RuntimeError, match=r"K <= 256"):
         kernels.int4_matmul(activations(1, 300, torch.float32), packed, scales, zero_points, 32)
@@ -248,3 +266,42 @@ def test_int4_layers_give_the_product_whichever_path_they_take(
     expected = x.double() @ weight.T + bias.to(dtype).double()
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     assert product_error(out[0], expected) <= tolerance
+
+
+def int4_config(path: str = "/checkpoints/int4") -> SimpleNamespace:
+    return SimpleNamespace(
+        neuron_config=SimpleNamespace(
+            quantization_dtype="int4",
+            quantization_type="blockwise_symmetric",
+            quantization_block_size=32,
+            modules_to_not_convert=None,
+            quantized_checkpoints_path=path,
+            torch_dtype=torch.bfloat16,
+        )
+    )
+
+
+def test_scales_are_held_in_float16(caplog) -> None:
+    """The kernels hold a bfloat16 model's scales in float16: this plugin's quantizer writes
+    float16 values, other tools' float32 scales are rounded with a log line saying by how much,
+    and a scale float16 cannot hold is reported by tensor name. A float32 model's stay float32
+    as stored."""
+    q, scale = quantize_int4(torch.randn(8, 64, generator=torch.Generator().manual_seed(0)), 32)
+    assert torch.equal(scale.half().float(), scale)
+    state = {"layers.0.mlp.up_proj.weight": pack_int4(q)}
+    fitted = fit_int4_weights(state | {"layers.0.mlp.up_proj.weight_scale": scale}, int4_config())
+    assert fitted["layers.0.mlp.up_proj.weight_scale"].dtype == torch.float16
+    assert "rounded to float16" not in caplog.text
+
+    fit_int4_weights(state | {"layers.0.mlp.up_proj.weight_scale": scale * 1.0001}, int4_config())
+    assert "int4 scales of /checkpoints/int4 rounded to float16" in caplog.text
+
+    with pytest.raises(CheckpointError, match=r"up_proj.weight_scale: int4 scales .* float16"):
+        fit_int4_weights(state | {"layers.0.mlp.up_proj.weight_scale": scale * 1e6}, int4_config())
+
+    float32_config = int4_config()
+    float32_config.neuron_config.torch_dtype = torch.float32
+    exact = scale * 1.0001
+    fitted = fit_int4_weights(state | {"layers.0.mlp.up_proj.weight_scale": exact}, float32_config)
+    held = fitted["layers.0.mlp.up_proj.weight_scale"]
+    assert held.dtype == torch.float32 and torch.equal(from_kernel_scales(held)[:, :2], exact)

@@ -6,6 +6,7 @@ It runs after the layout steps (GQA replication, QKV fusion), which carry each
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,9 +15,11 @@ import torch
 from nxdplug.errors import CheckpointError
 from nxdplug.plugins.quantization.int4 import (
     PACK_FACTOR,
+    float16_rounding,
     kernel_group_size,
     kernel_scales,
     padded_features,
+    scale_dtype,
     to_kernel_layout,
     unpack_int4,
 )
@@ -28,6 +31,8 @@ from nxdplug.plugins.quantization.targets import (
     has_row_scales,
     is_quantized_module,
 )
+
+log = logging.getLogger(__name__)
 
 
 def fit_quantized_weights(
@@ -103,10 +108,14 @@ def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[s
     """Packed int4 weights (int32 [out, in / 8]) and their scales ([out, in / group]) to the
     int4 layers' layout (:mod:`.int4`). A checkpoint of another tool may have signed zero
     points beside them (``weight_zero_point`` [out, in / group], as GPTQ and AWQ write
-    asymmetric weights); symmetric weights get zeros."""
+    asymmetric weights); symmetric weights get zeros. Scales are held in float16 (float32 in a
+    float32 model): a scale float16 cannot hold is reported, and rounding other tools' float32
+    scales is logged."""
     neuron_config = config.neuron_config
     fitted = dict(state_dict)
     problems = []
+    rounding = 0.0
+    dtype = scale_dtype(neuron_config.torch_dtype)
     for key, _, packed, scale in quantized_weights(state_dict, neuron_config):
         if packed.dtype != torch.int32 or packed.dim() != 2 or scale is None or scale.dim() != 2:
             problems.append(
@@ -129,9 +138,23 @@ def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[s
         kernel_group = kernel_group_size(group, in_features)
         padded = padded_features(in_features)
         zero_point = fitted.get(f"{key}{ZERO_POINT_SUFFIX}")
+        try:
+            scales, zero_points = kernel_scales(
+                scale, group, kernel_group, padded, zero_point, dtype
+            )
+        except ValueError as error:
+            problems.append(f"{key}{SCALE_SUFFIX}: {error}; leave the module in full precision")
+            continue
+        if dtype == torch.float16:
+            rounding = max(rounding, float16_rounding(scale))
         fitted[key] = to_kernel_layout(unpack_int4(packed), padded)
-        fitted[f"{key}{SCALE_SUFFIX}"], fitted[f"{key}{ZERO_POINT_SUFFIX}"] = kernel_scales(
-            scale.float(), group, kernel_group, padded, zero_point
-        )
+        fitted[f"{key}{SCALE_SUFFIX}"], fitted[f"{key}{ZERO_POINT_SUFFIX}"] = scales, zero_points
     refuse_misfits(problems, neuron_config)
+    if rounding:
+        log.warning(
+            "int4 scales of %s rounded to float16, which the int4 kernels hold: a scale moved "
+            "by up to %.2g of itself",
+            neuron_config.quantized_checkpoints_path,
+            rounding,
+        )
     return fitted

@@ -10,7 +10,8 @@ other tools' checkpoints may add a signed zero point per group, ``W = (Q - zero_
   along the input features, the first in the lowest bits ([out, in / 8]).
 - In memory, ``Q + 8`` is in the layout of the plugin's kernels (``int4_kernels.cpp``, which
   describes it): blocks of 128 input features as 64 bytes, rows in tiles of four; the scales
-  (float32) and zero points (int8) [out, groups] in the same tile order. The matmul reads it as
+  (float16, or float32 in a float32 model) and zero points (int8) [out, groups] in the same
+  tile order. The matmul reads it as
   it is for a few rows (decoding); prompts dequantize it for a GEMM.
 """
 
@@ -37,13 +38,19 @@ KERNEL_LIBRARY = "nxdplug_int4"
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(Q int8 [out, in], scale float32 [out, ceil(in / group)])``: round to nearest,
     symmetric, each group's largest magnitude at 7.5 steps (compressed-tensors' symmetric int4
-    scale); a last group shorter than ``group`` has its own scale; an all-zero group gets 1."""
+    scale) rounded up to a float16 value, which the kernels hold (at least float16's smallest
+    normal number); a last group shorter than ``group`` has its own scale; an all-zero group
+    gets 1."""
     out_features, in_features = weight.shape
     groups = -(-in_features // group)
     padded = torch.nn.functional.pad(weight.float(), (0, groups * group - in_features))
     grouped = padded.reshape(out_features, groups, group)
     amax = grouped.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / 7.5, torch.ones_like(amax))
+    smallest = torch.finfo(torch.float16).tiny
+    scale = torch.where(amax > 0, (amax / 7.5).clamp(min=smallest), torch.ones_like(amax))
+    half = scale.to(torch.float16)
+    half = torch.where(half.float() < scale, torch.nextafter(half, half.new_tensor(1e4)), half)
+    scale = half.float()
     q = (grouped / scale[..., None]).round().clamp(-8, 7).reshape(out_features, -1)
     return q[:, :in_features].to(torch.int8), scale
 
@@ -107,16 +114,25 @@ def from_kernel_layout(packed: torch.Tensor) -> torch.Tensor:
     return (unsigned.to(torch.int16) - OFFSET).to(torch.int8)
 
 
+def scale_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels hold scales in: float32 in a float32 model (exactly a float32
+    checkpoint's), else float16 (half the bytes; 11 significant bits, more than bfloat16's)."""
+    return torch.float32 if model_dtype == torch.float32 else torch.float16
+
+
 def kernel_scales(
     scale: torch.Tensor,
     group: int,
     kernel_group: int,
     padded_in_features: int,
     zero_point: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, groups] scales and signed zero points (None: symmetric) -> the kernels' float32
-    scales and int8 zero points [out, kernel groups], each repeated over the kernel groups it
-    covers (groups past the checkpoint's: scale 1, zero point 0), tiled."""
+    """[out, groups] scales and signed zero points (None: symmetric) -> the kernels' scales
+    (in ``dtype``, :func:`scale_dtype`) and int8 zero points [out, kernel groups], each repeated
+    over the kernel groups it covers (groups past the checkpoint's: scale 1, zero point 0),
+    tiled. Scales beyond float16's range are refused (ValueError); others are rounded to it (see
+    :func:`float16_rounding`)."""
     rows = scale.shape[0]
     count = kernel_groups(kernel_group, padded_in_features)
     repeat = max(1, group // kernel_group) if scale.shape[1] > 1 else count
@@ -125,7 +141,21 @@ def kernel_scales(
     missing = count - scales.shape[1]
     scales = torch.cat([scales.float(), scales.new_ones(rows, missing, dtype=torch.float32)], 1)
     zeros = torch.cat([zeros.to(torch.int8), zeros.new_zeros(rows, missing, dtype=torch.int8)], 1)
-    return tile_rows(scales.contiguous(), lane=1), tile_rows(zeros.contiguous(), lane=1)
+    halves = scales.to(dtype)
+    if not halves.isfinite().all() or ((halves == 0) & (scales != 0)).any():
+        raise ValueError(
+            f"int4 scales from {scale.abs().min().item():.3g} to {scale.abs().max().item():.3g} "
+            f"do not fit {str(dtype).removeprefix('torch.')}, which the int4 kernels hold them in"
+        )
+    return tile_rows(halves.contiguous(), lane=1), tile_rows(zeros.contiguous(), lane=1)
+
+
+def float16_rounding(scale: torch.Tensor) -> float:
+    """The largest relative change rounding ``scale`` to float16 makes (0 for the scales this
+    plugin's quantizer writes, and for float16 and most bfloat16 checkpoints' scales)."""
+    scale = scale.float()
+    change = (scale.to(torch.float16).float() - scale).abs() / scale.abs().clamp(min=1e-30)
+    return change.max().item() if change.numel() else 0.0
 
 
 def from_kernel_scales(tiled: torch.Tensor) -> torch.Tensor:
@@ -190,7 +220,7 @@ def dequantize_int4(
         )
     q = from_kernel_layout(packed)[:, :in_features].float()
     scale, zero = (
-        from_kernel_scales(t).repeat_interleave(kernel_group, dim=1)[:, :in_features]
+        from_kernel_scales(t).float().repeat_interleave(kernel_group, dim=1)[:, :in_features]
         for t in (scales, zero_points)
     )
     return ((q - zero.float()) * scale).to(dtype)

@@ -2,7 +2,7 @@
 // the weight in its 4 bits, and the dequantization that prompts' GEMM takes.
 //
 // A weight W [N, K] is W[n, k] = (u[n, k] - 8 - z[n, g]) * s[n, g] for unsigned nibbles u, a
-// signed zero point z (0 for symmetric weights) and a float32 scale s per row and group g of
+// signed zero point z (0 for symmetric weights) and a float16 scale s per row and group g of
 // `group` input features (32, or a multiple of 64; one group per row for per-channel scales).
 //
 // The layout (int4.py's to_kernel_layout): K is padded with zero weights to Kp, a multiple of
@@ -10,7 +10,7 @@
 // 128 b + i in its low nibble and column 128 b + 64 + i in its high nibble. The rows are in
 // tiles of four, and a tile holds its rows' first blocks one after the other, then their second
 // blocks, and so on (kernel.py's tile_rows, 64 bytes a lane): one sequential stream of memory. The
-// last N % 4 rows are on their own. Scales (float32) and zero points (int8) are [N, groups] in
+// last N % 4 rows are on their own. Scales (float16) and zero points (int8) are [N, groups] in
 // the same tiled order, one value a lane.
 //
 // The matmul: each 64-column chunk c of a row of x is scaled by a power of two a_c so that its
@@ -55,6 +55,40 @@ constexpr int64_t kBytesPerTask = 65536;  // packed bytes below which a thread i
 template <typename T>
 constexpr int kDigits = std::is_same_v<T, float> ? 3 : 2;
 
+// Scales are float16 in bfloat16 and float16 models (half the bytes, 11 significant bits) and
+// float32 in float32 ones (exactly a float32 checkpoint's).
+inline float value(float s) { return s; }
+inline float value(c10::Half s) { return static_cast<float>(s); }
+
+// 4, 8 or up to 16 scales as floats.
+template <typename S>
+__attribute__((target("avx512f,avx512vl,f16c"), always_inline)) inline __m128 four_scales(
+    const S* s) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm_loadu_ps(s);
+  } else {
+    return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s)));
+  }
+}
+template <typename S>
+__attribute__((target("avx512f,avx512vl,f16c"), always_inline)) inline __m256 eight_scales(
+    const S* s) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(s);
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+  }
+}
+template <typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 scales_present(
+    const S* s, __mmask16 present) {
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_maskz_loadu_ps(present, s);
+  } else {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(present, s));
+  }
+}
+
 struct Layout {
   int64_t rows;        // N
   int64_t padded_k;    // Kp
@@ -74,12 +108,13 @@ struct Layout {
 };
 
 // W[n, k] in float32.
-inline float weight_at(const uint8_t* packed, const float* scales, const int8_t* zeros,
+template <typename S>
+inline float weight_at(const uint8_t* packed, const S* scales, const int8_t* zeros,
                        const Layout& layout, int64_t n, int64_t k) {
   const uint8_t byte = packed[layout.byte_of(n, k)];
   const int u = k % kBlock < kChunk ? byte & 0xF : byte >> 4;
   const int64_t g = layout.group_of(n, k);
-  return static_cast<float>(u - kOffset - zeros[g]) * scales[g];
+  return static_cast<float>(u - kOffset - zeros[g]) * value(scales[g]);
 }
 
 // float to T, rounding to nearest even for bfloat16 without a branch (the values are finite).
@@ -201,38 +236,38 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) inline __m
 // s_g a_c for chunk c of each row of a tile, lane by lane (groups of 32: lanes 0-7 hold group
 // 2c's, 8-15 group 2c + 1's). `scales` holds the tile's [groups][R] values: the R rows' scales of
 // a group are one load, scaled once, then spread to each row's register.
-template <int R, bool kPairs>
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline void chunk_scales(
-    const float* scales, int64_t c, int64_t group, __m512 a, __m512 (&s)[R]) {
+template <int R, bool kPairs, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) inline void chunk_scales(
+    const S* scales, int64_t c, int64_t group, __m512 a, __m512 (&s)[R]) {
   if constexpr (R == kRowsPerTile) {
     if constexpr (kPairs) {
       // [group 2c: rows 0-3, group 2c + 1: rows 0-3]
-      const __m512 both = _mm512_mul_ps(
-          _mm512_castps256_ps512(_mm256_loadu_ps(scales + 2 * c * R)), a);
+      const __m512 both =
+          _mm512_mul_ps(_mm512_castps256_ps512(eight_scales(scales + 2 * c * R)), a);
       for (int r = 0; r < R; ++r)
         s[r] = _mm512_permutexvar_ps(
             _mm512_set_epi32(4 + r, 4 + r, 4 + r, 4 + r, 4 + r, 4 + r, 4 + r, 4 + r, r, r, r, r,
                              r, r, r, r),
             both);
     } else {
-      const __m512 rows = _mm512_mul_ps(
-          _mm512_castps128_ps512(_mm_loadu_ps(scales + (c * kChunk / group) * R)), a);
+      const __m512 rows =
+          _mm512_mul_ps(_mm512_castps128_ps512(four_scales(scales + (c * kChunk / group) * R)), a);
       for (int r = 0; r < R; ++r) s[r] = _mm512_permutexvar_ps(_mm512_set1_epi32(r), rows);
     }
   } else if constexpr (kPairs) {
-    s[0] = _mm512_mul_ps(_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[2 * c]),
-                                              _mm512_set1_ps(scales[2 * c + 1])),
+    s[0] = _mm512_mul_ps(_mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(value(scales[2 * c])),
+                                              _mm512_set1_ps(value(scales[2 * c + 1]))),
                          a);
   } else {
-    s[0] = _mm512_mul_ps(_mm512_set1_ps(scales[c * kChunk / group]), a);
+    s[0] = _mm512_mul_ps(_mm512_set1_ps(value(scales[c * kChunk / group])), a);
   }
 }
 
 // out[m, n .. n + R) for a tile of R rows (R = 4, or 1 for a last row): `tile` its packed bytes,
 // `scales` and `zeros` its [groups][R] values. Group 32 (`kPairs`) puts two groups in a chunk.
-template <int D, int R, bool kPairs, typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void vnni_tile(
-    const Digits& digits, int64_t m, const uint8_t* tile, const float* scales,
+template <int D, int R, bool kPairs, typename T, typename S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void vnni_tile(
+    const Digits& digits, int64_t m, const uint8_t* tile, const S* scales,
     const int8_t* zeros, const Layout& layout, T* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int64_t Kp = layout.padded_k;
@@ -266,7 +301,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void vnni_tile(
     const int64_t values = layout.groups * R;
     for (int64_t j = 0; j < values; j += 16) {
       const __mmask16 mask = floats_present(values - j);
-      const __m512 s = _mm512_maskz_loadu_ps(mask, scales + j);
+      const __m512 s = scales_present(scales + j, mask);
       const __m512i z = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, zeros + j));
       const __m512 o = _mm512_cvtepi32_ps(_mm512_add_epi32(z, offset));
       terms = _mm512_fmadd_ps(_mm512_mul_ps(s, o), _mm512_maskz_loadu_ps(mask, sums + j), terms);
@@ -276,7 +311,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void vnni_tile(
     for (int i = 0; i < 16; ++i) zero_terms[i % R] += lanes[i];
   } else {
     for (int64_t g = 0; g < layout.groups; ++g)
-      zero_terms[0] += scales[g] * static_cast<float>(kOffset + zeros[g]) * sums[g * kRowsPerTile];
+      zero_terms[0] +=
+          value(scales[g]) * static_cast<float>(kOffset + zeros[g]) * sums[g * kRowsPerTile];
   }
   for (int r = 0; r < R; ++r) out[r] = static_cast<T>(_mm512_reduce_add_ps(acc[r]) - zero_terms[r]);
 }
@@ -284,8 +320,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void vnni_tile(
 // Each thread takes whole tiles and runs every row of x over a tile while it is in the L1
 // cache, so that the weight is read from memory once whatever the rows. False, with nothing
 // written, when x is not all finite.
-template <bool kPairs, typename T>
-bool vnni_matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const float* scales,
+template <bool kPairs, typename T, typename S>
+bool vnni_matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const S* scales,
                  const int8_t* zeros, const Layout& layout, T* out) {
   constexpr int D = kDigits<T>;
   thread_local Digits this_thread;
@@ -313,8 +349,8 @@ bool vnni_matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, con
   return true;
 }
 
-template <typename T>
-void plain_matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const float* scales,
+template <typename T, typename S>
+void plain_matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const S* scales,
                   const int8_t* zeros, const Layout& layout, T* out) {
   const int64_t N = layout.rows;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -341,12 +377,12 @@ constexpr int64_t kDotRowsAtOnce = 4;  // rows of x sharing each load of the til
 
 // Each row's table of a group's 16 values, (u - 8 - z) s in bfloat16. The tile's [groups][R]
 // layout puts a group's R scales and zero points side by side: one load each, spread by row.
-template <int R>
+template <int R, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline void
-group_tables(const float* scales, const int8_t* zeros, int64_t g, __m512i (&tables)[R]) {
+group_tables(const S* scales, const int8_t* zeros, int64_t g, __m512i (&tables)[R]) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __mmask16 present = static_cast<__mmask16>((1u << R) - 1);
-  const __m512 s = _mm512_maskz_loadu_ps(present, scales + g * R);
+  const __m512 s = scales_present(scales + g * R, present);
   const __m512 o = _mm512_cvtepi32_ps(_mm512_add_epi32(
       _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(present, zeros + g * R)),
       _mm512_set1_epi32(kOffset)));
@@ -361,9 +397,9 @@ group_tables(const float* scales, const int8_t* zeros, int64_t g, __m512i (&tabl
 
 // The tile's rows [R][Kp] in bfloat16, each value (u - 8 - z) s rounded as the dequantization
 // rounds it.
-template <int R>
+template <int R, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dequantize_tile_bf16(
-    const uint8_t* tile, const float* scales, const int8_t* zeros, const Layout& layout,
+    const uint8_t* tile, const S* scales, const int8_t* zeros, const Layout& layout,
     c10::BFloat16* w) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int64_t Kp = layout.padded_k;
@@ -428,8 +464,9 @@ void tile_products(const c10::BFloat16* w, const c10::BFloat16* x, int64_t rows,
   }
 }
 
+template <typename S>
 void bf16_matmul(const c10::BFloat16* x, int64_t rows, int64_t K, const uint8_t* packed,
-                 const float* scales, const int8_t* zeros, const Layout& layout,
+                 const S* scales, const int8_t* zeros, const Layout& layout,
                  c10::BFloat16* out) {
   const int64_t N = layout.rows, Kp = layout.padded_k, row_bytes = Kp / 2;
   thread_local std::vector<c10::BFloat16> this_thread;
@@ -479,8 +516,8 @@ bool has_vnni() {
   return supported;
 }
 
-template <typename T>
-void matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const float* scales,
+template <typename T, typename S>
+void matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const S* scales,
             const int8_t* zeros, const Layout& layout, T* out) {
   const bool pairs = layout.group == kChunk / 2;
   // Infinities and NaNs take the plain loop too, which carries them to the output.
@@ -488,6 +525,13 @@ void matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, const fl
                     (pairs ? vnni_matmul<true>(x, rows, K, packed, scales, zeros, layout, out)
                            : vnni_matmul<false>(x, rows, K, packed, scales, zeros, layout, out));
   if (!done) plain_matmul(x, rows, K, packed, scales, zeros, layout, out);
+}
+
+// f(S{}) with S the scales' element type, float or c10::Half.
+template <typename F>
+auto with_scale_type(const at::Tensor& scales, F&& f) {
+  if (scales.scalar_type() == at::kFloat) return f(float{});
+  return f(c10::Half{});
 }
 
 Layout checked_layout(const at::Tensor& packed, const at::Tensor& scales,
@@ -500,9 +544,11 @@ Layout checked_layout(const at::Tensor& packed, const at::Tensor& scales,
   TORCH_CHECK(group == kChunk / 2 || (group > 0 && group % kChunk == 0), op,
               ": groups of 32 or a multiple of 64 input features expected, got ", group);
   const int64_t groups = (Kp + group - 1) / group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+  TORCH_CHECK((scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat) &&
+                  scales.is_contiguous() &&
                   scales.numel() == N * groups,
-              op, ": float32 scales [", N, ", ", groups, "] expected, got ", scales.scalar_type(),
+              op, ": float16 or float32 scales [", N, ", ", groups, "] expected, got ",
+              scales.scalar_type(),
               " ", scales.sizes());
   TORCH_CHECK(zero_points.scalar_type() == at::kChar && zero_points.is_contiguous() &&
                   zero_points.numel() == N * groups,
@@ -543,25 +589,28 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor inputs = x.contiguous();
   at::Tensor out = at::empty({rows, layout.rows}, x.options());
   const auto* bytes = packed.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
   const int8_t* z = zero_points.data_ptr<int8_t>();
-  if (dot) {
-    bf16_matmul(inputs.data_ptr<c10::BFloat16>(), rows, K, bytes, s, z, layout,
-                out.data_ptr<c10::BFloat16>());
-  } else if (bf16) {
-    matmul(inputs.data_ptr<c10::BFloat16>(), rows, K, bytes, s, z, layout,
-           out.data_ptr<c10::BFloat16>());
-  } else {
-    matmul(inputs.data_ptr<float>(), rows, K, bytes, s, z, layout, out.data_ptr<float>());
-  }
+  with_scale_type(scales, [&](auto type) {
+    using S = decltype(type);
+    const S* s = scales.data_ptr<S>();
+    if (dot) {
+      bf16_matmul(inputs.data_ptr<c10::BFloat16>(), rows, K, bytes, s, z, layout,
+                  out.data_ptr<c10::BFloat16>());
+    } else if (bf16) {
+      matmul(inputs.data_ptr<c10::BFloat16>(), rows, K, bytes, s, z, layout,
+             out.data_ptr<c10::BFloat16>());
+    } else {
+      matmul(inputs.data_ptr<float>(), rows, K, bytes, s, z, layout, out.data_ptr<float>());
+    }
+  });
   return out;
 }
 
 // ---- the dequantization -------------------------------------------------------------------
 
 // Rows [n, n + R) of W [N, in_features]: block b of row r holds 128 columns.
-template <int R, typename T>
-void dequantize_tile(const uint8_t* tile, const float* scales, const int8_t* zeros,
+template <int R, typename T, typename S>
+void dequantize_tile(const uint8_t* tile, const S* scales, const int8_t* zeros,
                      const Layout& layout, int64_t in_features, T* out) {
   for (int64_t b = 0; b < layout.padded_k / kBlock; ++b) {
     for (int r = 0; r < R; ++r) {
@@ -574,7 +623,7 @@ void dequantize_tile(const uint8_t* tile, const float* scales, const int8_t* zer
         // A chunk lies in one group, or (groups of 32) in two.
         for (int64_t half = 0; half < count; half += layout.group < kChunk ? layout.group : kChunk) {
           const int64_t g = (first + half) / layout.group;
-          const float s = scales[g * R + r];
+          const float s = value(scales[g * R + r]);
           const float o = static_cast<float>(kOffset + zeros[g * R + r]);
           const int64_t end = std::min<int64_t>(count, half + std::min(layout.group, kChunk));
           for (int64_t i = half; i < end; ++i) {
@@ -597,24 +646,27 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
   const int64_t N = layout.rows, row_bytes = layout.padded_k / 2;
   at::Tensor out = at::empty({N, in_features}, packed.options().dtype(dtype));
   const auto* bytes = packed.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
   const int8_t* z = zero_points.data_ptr<int8_t>();
   const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "int4_dequantize", [&] {
     scalar_t* w = out.data_ptr<scalar_t>();
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t n = tile * kRowsPerTile;
-        if (n + kRowsPerTile <= N) {
-          dequantize_tile<kRowsPerTile>(bytes + n * row_bytes, s + n * layout.groups,
-                                        z + n * layout.groups, layout, in_features,
-                                        w + n * in_features);
-        } else {
-          for (int64_t i = n; i < N; ++i)
-            dequantize_tile<1>(bytes + i * row_bytes, s + i * layout.groups,
-                               z + i * layout.groups, layout, in_features, w + i * in_features);
+    with_scale_type(scales, [&](auto type) {
+      const auto* s = scales.data_ptr<decltype(type)>();
+      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t tile = begin; tile < end; ++tile) {
+          const int64_t n = tile * kRowsPerTile;
+          if (n + kRowsPerTile <= N) {
+            dequantize_tile<kRowsPerTile>(bytes + n * row_bytes, s + n * layout.groups,
+                                          z + n * layout.groups, layout, in_features,
+                                          w + n * in_features);
+          } else {
+            for (int64_t i = n; i < N; ++i)
+              dequantize_tile<1>(bytes + i * row_bytes, s + i * layout.groups,
+                                 z + i * layout.groups, layout, in_features,
+                                 w + i * in_features);
+          }
         }
-      }
+      });
     });
   });
   return out;

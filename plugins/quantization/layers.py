@@ -27,6 +27,7 @@ from nxdplug.plugins.quantization.int4 import (
     kernel_group_size,
     kernel_groups,
     padded_features,
+    scale_dtype,
 )
 from nxdplug.plugins.quantization.kernel import int8_matmul_op, tile_rows, untile_rows
 from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight, int4_group
@@ -113,8 +114,9 @@ class QuantizedWeight:
 
 class Int4Weight:
     """What the int4 layers add to their parallel linear base: the weight packed in the int4
-    kernels' layout (uint8 [out, padded in / 2]), its float32 scales and int8 zero points
-    ([out, groups], tiled), and the two ways to multiply (:mod:`.int4`)."""
+    kernels' layout (uint8 [out, padded in / 2]), its scales (float16; float32 in a float32
+    model) and int8 zero points ([out, groups], tiled), and the two ways to multiply
+    (:mod:`.int4`)."""
 
     keeps_dtype = ("weight_scale",)
     weight: nn.Parameter
@@ -123,7 +125,7 @@ class Int4Weight:
     kernel_group: int
     multiplied_features: int
 
-    def _hold_int4(self, group: int) -> None:
+    def _hold_int4(self, group: int, scale_dtype: torch.dtype) -> None:
         out_features, in_features = self.weight.shape
         # Registers the kernels now: a compiled graph that calls them by name can only be
         # loaded once they are there.
@@ -139,7 +141,7 @@ class Int4Weight:
         )
         groups = (out_features, kernel_groups(self.kernel_group, padded))
         self.weight_scale = nn.Parameter(
-            torch.ones(groups, dtype=torch.float32, device=device), requires_grad=False
+            torch.ones(groups, dtype=scale_dtype, device=device), requires_grad=False
         )
         self.weight_zero_point = nn.Parameter(
             torch.zeros(groups, dtype=torch.int8, device=device), requires_grad=False
@@ -248,7 +250,8 @@ def quantize_linear_layers(model: nn.Module, config: Any) -> None:
         if quantized_twin(type(module)) is None or not is_quantized_module(name, skip):
             continue
         if int4:
-            hold_int4(module, int4_group(neuron_config, module.in_features))
+            group = int4_group(neuron_config, module.in_features)
+            hold_int4(module, group, scale_dtype(neuron_config.torch_dtype))
         else:
             hold_quantized(module, dtype, has_row_scales(name, per_channel))
 
@@ -266,14 +269,15 @@ def hold_quantized(layer: nn.Module, dtype: torch.dtype, row_scales: bool) -> nn
     return layer
 
 
-def hold_int4(layer: nn.Module, group: int) -> nn.Module:
-    """``layer`` (a parallel linear) turned into its int4 twin, unloaded, with scales for
-    groups of ``group`` input features (as :func:`hold_quantized` does for 8 bits)."""
+def hold_int4(layer: nn.Module, group: int, scale_dtype: torch.dtype = torch.float16) -> nn.Module:
+    """``layer`` (a parallel linear) turned into its int4 twin, unloaded, with scales in
+    ``scale_dtype`` for groups of ``group`` input features (as :func:`hold_quantized` does for
+    8 bits)."""
     twin = quantized_twin(type(layer), Int4Weight)
     if twin is None:
         raise TypeError(f"{type(layer).__name__} is not a parallel linear layer to quantize")
     layer.__class__ = twin
-    layer._hold_int4(group)
+    layer._hold_int4(group, scale_dtype)
     return layer
 
 
