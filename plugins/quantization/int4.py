@@ -11,8 +11,8 @@ other tools' checkpoints may add a signed zero point per group, ``W = (Q - zero_
 - In memory, ``Q + 8`` is in the layout of the plugin's kernels (``int4_kernels.cpp``, which
   describes it): blocks of 128 input features as 64 bytes, rows in tiles of four; the scales
   (float16, or float32 in a float32 model) and zero points (int8) [out, groups] in the same
-  tile order. The matmul reads it as
-  it is for a few rows (decoding); prompts dequantize it for a GEMM.
+  tile order. The matmul reads it as it is: integer digits of the activations for a few rows,
+  bfloat16 tiles dequantized in the cache for more; long prompts dequantize it for a GEMM.
 """
 
 from __future__ import annotations
