@@ -1,19 +1,21 @@
-// int4 weights in the plugin's own layout: a matmul for a few rows of x (decoding) that reads
-// the weight in its 4 bits, and the dequantization that prompts' GEMM takes.
+// int4 weights in the plugin's own layout: a matmul that reads the weight in its 4 bits (an
+// integer path for a few rows of x, a bfloat16 one for more; the whole weight dequantized for a
+// GEMM beyond, see int4_matmul below), and the dequantization.
 //
 // A weight W [N, K] is W[n, k] = (u[n, k] - 8 - z[n, g]) * s[n, g] for unsigned nibbles u, a
-// signed zero point z (0 for symmetric weights) and a float16 scale s per row and group g of
-// `group` input features (32, or a multiple of 64; one group per row for per-channel scales).
+// signed zero point z (0 for symmetric weights) and a scale s (float16, or float32 in float32
+// models) per row and group g of `group` input features (32, or a multiple of 64; one group per
+// row for per-channel scales).
 //
 // The layout (int4.py's to_kernel_layout): K is padded with zero weights to Kp, a multiple of
 // 128. Row n's packed bytes are Kp / 2 bytes in blocks of 64, byte i of block b holding column
 // 128 b + i in its low nibble and column 128 b + 64 + i in its high nibble. The rows are in
 // tiles of four, and a tile holds its rows' first blocks one after the other, then their second
 // blocks, and so on (kernel.py's tile_rows, 64 bytes a lane): one sequential stream of memory. The
-// last N % 4 rows are on their own. Scales (float16) and zero points (int8) are [N, groups] in
-// the same tiled order, one value a lane.
+// last N % 4 rows are on their own. Scales and zero points (int8) are [N, groups] in the same
+// tiled order, one value a lane.
 //
-// The matmul: each 64-column chunk c of a row of x is scaled by a power of two a_c so that its
+// The integer path: each 64-column chunk c of a row of x is scaled by a power of two a_c so that its
 // largest magnitude is below 2^B, rounded to integers v, and v is written as D signed base-256
 // digits (B = 8 D - 2; bfloat16 rows take D = 2, float32 rows D = 3). Then for each chunk
 //   sum_k v_k u_k = sum_p 256^p sum_k d_pk u_k
@@ -27,7 +29,9 @@
 // Why not PyTorch's _weight_int4pack_mm_for_cpu: it converts the nibbles to floats, and read
 // its weights at about a third of this machine's memory bandwidth (2026-11-28).
 //
-// x86 CPUs without AVX512-VNNI, and rows holding an infinity or a NaN, take a plain loop.
+// x86 CPUs without AVX512-VNNI, and rows holding an infinity or a NaN, take a plain loop
+// instead of the integer path; CPUs without AVX512-BF16 take the integer path instead of the
+// bfloat16 one.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
