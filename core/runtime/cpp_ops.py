@@ -14,7 +14,7 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +38,26 @@ def build_operator(
     """``torch.ops.<library>.<operator>`` from ``source``, built and loaded, with ``fake`` (its
     output for given inputs, without computing it) registered for tracing; None where it cannot
     be built (see :func:`build_operator_library`). Call it once per process."""
+    operators = build_operators(library, source, {operator: fake}, purpose=purpose, instead=instead)
+    return None if operators is None else getattr(operators, operator)
+
+
+def build_operators(
+    library: str,
+    source: Path,
+    fakes: Mapping[str, Callable[..., torch.Tensor]],
+    *,
+    purpose: str,
+    instead: str,
+) -> Any | None:
+    """``torch.ops.<library>`` from ``source``, built and loaded, with each operator's fake
+    (``fakes``, by operator name) registered for tracing; None where it cannot be built. Call it
+    once per process."""
     if not build_operator_library(library, source, purpose=purpose, instead=instead):
         return None
-    torch.library.register_fake(f"{library}::{operator}")(fake)
-    return getattr(getattr(torch.ops, library), operator)
+    for operator, fake in fakes.items():
+        torch.library.register_fake(f"{library}::{operator}")(fake)
+    return getattr(torch.ops, library)
 
 
 def build_operator_library(library: str, source: Path, *, purpose: str, instead: str) -> bool:

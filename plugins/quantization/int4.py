@@ -25,7 +25,7 @@ import torch
 
 from nxdplug.errors import NotSupportedError
 from nxdplug.plugins.quantization.kernel import tile_rows, untile_rows
-from nxdplug.runtime.cpp_ops import build_operator_library
+from nxdplug.runtime.cpp_ops import build_operators
 
 PACK_FACTOR = 8  # 4-bit values per int32
 OFFSET = 8  # Q + OFFSET is the unsigned nibble
@@ -169,16 +169,13 @@ def int4_kernels() -> Any | None:
     scales, zero_points, group)`` -> ``[M, out]`` in x's dtype and ``int4_dequantize(packed,
     scales, zero_points, group, in_features, dtype)`` -> W ``[out, in_features]``, or None where
     they cannot be built (no C++ compiler or ninja, a CPU other than x86)."""
-    if not build_operator_library(
+    return build_operators(
         KERNEL_LIBRARY,
         KERNEL_SOURCE,
+        {"int4_matmul": _product_like, "int4_dequantize": _dequantized_like},
         purpose="int4 kernels",
         instead="int4 layers dequantize with PyTorch operations at each call, which is slower",
-    ):
-        return None
-    torch.library.register_fake(f"{KERNEL_LIBRARY}::int4_matmul")(_product_like)
-    torch.library.register_fake(f"{KERNEL_LIBRARY}::int4_dequantize")(_dequantized_like)
-    return getattr(torch.ops, KERNEL_LIBRARY)
+    )
 
 
 def _product_like(
