@@ -85,6 +85,8 @@ NEURON_DEFAULTS = {
     "enable_fused_speculation": False,
     "trace_tokengen_model": True,
     "is_eagle_draft": False,
+    "token_tree_config": None,
+    "enable_token_tree": False,
     "is_medusa": False,
     "medusa_speculation_length": 0,
     "num_medusa_heads": 0,

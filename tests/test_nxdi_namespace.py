@@ -78,6 +78,7 @@ STATIC_EXPORTS = {
     "nxdplug.nxdi.modules.moe_v2": {
         "initialize_moe_module": "nxdplug.modules.moe:initialize_moe_module",
     },
+    "nxdplug.nxdi.modules.eagle.token_tree": {"TokenTree": "nxdplug.runtime.token_tree:TokenTree"},
     "nxdplug.nxdi.modules.lora_serving": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
     "nxdplug.nxdi.modules.lora_serving.config": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
     "nxdplug.nxdi.modules.generation.sampling": {

@@ -10,8 +10,10 @@ names, with a did-you-mean, when the config is used.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -38,6 +40,23 @@ def _computed(compute: Any) -> Any:
 
 # How parameters take their dtypes: all cast to torch_dtype, or each keeps the one declared.
 CAST_TYPES = ("config", "as-declared")
+
+
+def _tree_config(value: Any) -> Any:
+    """A token tree given as a JSON file's path is read here (as NxD Inference's demo reads
+    ``--token-tree-json``); its structure is checked with the rest of the config."""
+    if not isinstance(value, (str, os.PathLike)):
+        return value
+    try:
+        return json.loads(Path(value).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            [
+                f"token_tree_config {str(value)!r} is not a readable JSON file ({error}); give "
+                'the tree as a dict, e.g. {"0": [1, 2], "1": [3]}, or the path of a JSON file '
+                "holding one"
+            ]
+        ) from None
 
 
 def _sorted_batches(value: Any) -> list[int] | None:
@@ -184,6 +203,13 @@ class NeuronConfig(ComparedByValue):
         default=_computed(lambda c: bool(c.enable_eagle_speculation))
     )
     is_eagle_draft: bool = False
+    # A draft token tree ({node: [children]}), as NxD Inference's token_tree_config.
+    token_tree_config: dict[str, list[int]] | None = attrs.field(
+        default=None, converter=_tree_config
+    )
+    enable_token_tree: bool = attrs.field(
+        default=_computed(lambda c: c.token_tree_config is not None)
+    )
 
     # Medusa
     is_medusa: bool = False

@@ -297,6 +297,31 @@ def _async_mode(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
         )
 
 
+def _token_tree(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    """NxD Inference's token tree: its structure, and what it drafts with (an EAGLE draft's own
+    config, a copy of the target's, carries the target's tree)."""
+    if nc.token_tree_config is None or nc.is_eagle_draft:
+        return
+    from nxdplug.runtime.token_tree import TokenTree, TokenTreeError
+
+    try:
+        tree = TokenTree(nc.token_tree_config)
+    except TokenTreeError as error:
+        yield from error.problems
+        return
+    if not nc.enable_eagle_speculation:
+        yield (
+            "token_tree_config is drafted by fused speculation, as in NxD Inference: set "
+            "enable_eagle_speculation=True with an EAGLE draft, or drop token_tree_config"
+        )
+    if nc.speculation_length != tree.node_nums:
+        yield (
+            f"token_tree_config has {tree.node_nums} nodes (the root included), so "
+            f"speculation_length must be {tree.node_nums}, as NxD Inference requires; it is "
+            f"{nc.speculation_length}"
+        )
+
+
 def _batch_bucketing(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
     if nc.token_generation_batches is not None:
         yield (
@@ -317,6 +342,7 @@ RULES: tuple[Rule, ...] = (
     _buckets,
     _sampling,
     _async_mode,
+    _token_tree,
     _lora_config,
     routed_mlp_problems,
 )

@@ -1,0 +1,1 @@
+"""NxD Inference's ``modules.eagle`` package: its token tree."""
