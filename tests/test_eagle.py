@@ -265,12 +265,117 @@ def test_pycoder_acceptance_and_losslessness():
     assert abs(mean_accepted - 1.417) < 0.1  # the README's chain simulation (2.42 tokens)
 
 
+# --- token trees (token_tree_config) ---
+
+TREE = {0: [1, 2, 3], 1: [4, 5], 2: [6], 4: [7]}  # 8 nodes, depth 4
+
+
+def tree_nodes(tree: dict[int, list[int]]) -> int:
+    return 1 + sum(len(children) for children in tree.values())
+
+
+@pytest.mark.parametrize("lengths", [(7,), (3, 11)], ids=["batch1", "batch2-padded"])
+def test_tree_output_is_the_targets(target, draft, lengths):
+    ids, mask = random_prompts(512, lengths, seed=len(lengths))
+    expected = reference(target, ids, mask, 24, batch_size=len(lengths))
+    options = {"batch_size": len(lengths), "token_tree_config": TREE}
+    app = eagle_app(target, draft, tree_nodes(TREE), **options)
+    assert torch.equal(speculate(app, ids, mask, 24), expected)
+    stats = app.speculation_stats
+    assert stats.drafted == 7 * stats.row_calls
+    assert stats.accepted > 0 and stats.row_calls < len(lengths) * 23
+
+
+def test_a_chain_shaped_tree_speculates_as_the_chain(target, draft):
+    """A tree that is a chain of k nodes drafts, verifies and accepts as k chain drafts."""
+    ids, mask = random_prompts(512, (5, 9), seed=3)
+    chain = eagle_app(target, draft, k=3)
+    tree = eagle_app(target, draft, 4, token_tree_config={0: [1], 1: [2], 2: [3]})
+    assert torch.equal(speculate(tree, ids, mask, 20), speculate(chain, ids, mask, 20))
+    assert tree.speculation_stats == chain.speculation_stats
+
+
+def test_compiled_tree_matches_eager(target, draft, tmp_path):
+    ids, mask = random_prompts(512, (4, 10), seed=6)
+    options = {"token_tree_config": TREE, "enable_bucketing": False}
+    eager = speculate(eagle_app(target, draft, tree_nodes(TREE), **options), ids, mask, 20)
+    assert torch.equal(eager, reference(target, ids, mask, 20))
+    config = eagle_config(target, draft, tree_nodes(TREE), **options)
+    NeuronLlamaForCausalLM(target, config).compile(tmp_path / "compiled", quiet=True)
+    loaded = NeuronLlamaForCausalLM(
+        target, eagle_config(target, draft, tree_nodes(TREE), **options)
+    )
+    loaded.load(tmp_path / "compiled", quiet=True)
+    assert torch.equal(speculate(loaded, ids, mask, 20), eager)
+    assert loaded.speculation_stats.accepted > 0
+
+
+def test_tree_config_errors(target, draft):
+    without_eagle = eagle_config(
+        target, draft, enable_eagle_speculation=False, token_tree_config=TREE
+    )
+    assert "set enable_eagle_speculation=True" in problems_of(without_eagle)
+    wrong_length = eagle_config(target, draft, k=4, token_tree_config=TREE)
+    assert "speculation_length must be 8" in problems_of(wrong_length)
+    not_a_tree = eagle_config(target, draft, k=3, token_tree_config={0: [2, 1]})
+    assert "level by level" in problems_of(not_a_tree)
+    with pytest.raises(ConfigError, match="speculation_length must be 8"):
+        NeuronLlamaForCausalLM(target, wrong_length)
+    served = eagle_app(
+        target, draft, tree_nodes(TREE), token_tree_config=TREE, is_continuous_batching=True
+    )
+    with pytest.raises(ConfigError, match="token trees run in generate"):
+        Engine(served, eos_token_ids=[], speculative_config={"method": "eagle"})
+
+
+def test_tree_too_long_generation_is_refused(target, draft):
+    app = eagle_app(target, draft, tree_nodes(TREE), token_tree_config=TREE)
+    ids, mask = random_prompts(512, (10,), seed=1)
+    with pytest.raises(NxdPlugError, match="raise seq_len"):
+        speculate(app, ids, mask, 64 - 10 - 7 + 2)
+    # One token fewer fits: the tree's last slot is the cache's last.
+    speculate(app, ids, mask, 64 - 10 - 7 + 1, eos_token_id=None)
+
+
+# Medusa-style sparse tree (mc_sim paths of top-k ranks), 8 drafted nodes, depth 5: as many
+# draft levels as the k=4 chain.
+PYCODER_TREE = {0: [1, 2], 1: [3, 4], 2: [5], 3: [6], 4: [7], 6: [8]}
+
+
+@needs_models
+def test_pycoder_tree_is_lossless_and_beats_the_chain():
+    """On the held-out prompts, the tree keeps more tokens per target call than the chain with
+    the same draft levels (measured: 2.84 against 2.44 tokens per call, 1.16x)."""
+    prompts = [json.loads(line) for line in (MODELS / "prompts.jsonl").open()]
+    prompts = [p["input_ids"] for p in prompts if p["kind"] == "file_start"][:20]
+    options = {"batch_size": 4, "seq_len": 144, "max_context_length": 64}
+    chain = eagle_app(PYCODER, PYCODER_EAGLE, k=4, **options)
+    tree = eagle_app(
+        PYCODER, PYCODER_EAGLE, tree_nodes(PYCODER_TREE), token_tree_config=PYCODER_TREE, **options
+    )
+    plain = HuggingFaceGenerationAdapter(plain_app(PYCODER, **options))
+    per_call = {"chain": [0, 0], "tree": [0, 0]}
+    for start in range(0, 20, 4):
+        ids = torch.tensor(prompts[start : start + 4])
+        mask = torch.ones_like(ids)
+        expected = plain.generate(ids, attention_mask=mask, max_new_tokens=64, eos_token_id=None)
+        for name, app in (("chain", chain), ("tree", tree)):
+            assert torch.equal(speculate(app, ids, mask, 64, eos_token_id=None), expected)
+            per_call[name][0] += app.speculation_stats.emitted
+            per_call[name][1] += app.speculation_stats.row_calls
+    chain_rate, tree_rate = (emitted / calls for emitted, calls in per_call.values())
+    print(f"pycoder-tiny EAGLE tokens per call: chain {chain_rate:.3f}, tree {tree_rate:.3f}")
+    assert tree_rate >= 1.15 * chain_rate
+
+
 # --- sampling ---
 
 
-def test_sampling_distribution_is_the_targets(tmp_path):
-    """Chi-square of the 2nd and 3rd new tokens (both speculated, k=2) against the target's
-    exact marginals, computed with transformers over every possible earlier token."""
+@pytest.mark.parametrize("tree", [None, {0: [1, 2], 1: [3], 2: [4]}], ids=["chain", "tree"])
+def test_sampling_distribution_is_the_targets(tmp_path, tree):
+    """Chi-square of the 2nd and 3rd new tokens (both speculated: k=2, or a tree of depth 3
+    whose nodes the target draws at) against the target's exact marginals, computed with
+    transformers over every possible earlier token."""
     vocab, temperature, rows, rounds = 24, 0.8, 16, 80
     torch.manual_seed(7)
     hf_config = LlamaConfig(
@@ -288,12 +393,16 @@ def test_sampling_distribution_is_the_targets(tmp_path):
     weights = load_file(draft / "model.safetensors")
     weights["lm_head.weight"] *= 0.1  # a flat q: neither always accepted nor always rejected
     save_file(weights, draft / "model.safetensors")
-    app = eagle_app(target, draft, k=2, batch_size=rows, seq_len=16, max_context_length=8)
+    tree_options = {} if tree is None else {"token_tree_config": tree}
+    k = 2 if tree is None else 5
+    app = eagle_app(
+        target, draft, k, batch_size=rows, seq_len=16, max_context_length=8, **tree_options
+    )
     prompt = torch.tensor([[5, 9, 2, 17]])
     ids, mask = prompt.expand(rows, -1), torch.ones(rows, 4, dtype=torch.long)
     torch.manual_seed(0)
     adapter = HuggingFaceGenerationAdapter(app)
-    draws, drafted, accepted = [], 0, 0
+    draws, calls, accepted = [], 0, 0
     for _ in range(rounds):
         out = adapter.generate(
             ids,
@@ -305,10 +414,12 @@ def test_sampling_distribution_is_the_targets(tmp_path):
             eos_token_id=None,
         )
         draws.append(out[:, 4:])
-        drafted += app.speculation_stats.drafted
+        calls += app.speculation_stats.row_calls
         accepted += app.speculation_stats.accepted
     draws = torch.cat(draws)
-    assert 0.1 < accepted / drafted < 0.9, "both the accept and the reject branch must run"
+    # Both the accept and the reject branch must run: of the two speculated positions, a call
+    # keeps some drafts, and not always both.
+    assert 0.1 < accepted / calls < 1.8, accepted / calls
 
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     with torch.no_grad():

@@ -72,7 +72,6 @@ NXDI_FLAGS = NXDI_FLAG_TEXT.split()
 # The features nxdplug lacks: each of these flags is refused.
 REFUSED = {
     "--bucket-n-active-tokens",
-    "--token-tree-json",
     "--windowed-context-encoding-size",
     "--activation-quantization-type",
     "--is-eagle3",
@@ -106,6 +105,7 @@ def sample_argv(flag: str, json_file: Path) -> list[str]:
         "--lora-ckpt-path": ["a : /adapters/a", "--enable-lora"],
         "--lora-ckpt-path-cpu": ["b : /adapters/b", "--enable-lora"],
         "--medusa-tree-json": [str(json_file)],
+        "--token-tree-json": [str(json_file)],
         "--modules-to-not-convert-file": [str(json_file)],
         "--tol-map": ["{None: (1e-5, 0.05)}"],
         "--k-quant-method": ["per_tensor_symmetric"],

@@ -1,6 +1,7 @@
 """transformers' logits processors under speculation, as HF's assisted generation runs them.
 
-Every speculation mode (a draft model, prompt lookup, Medusa, EAGLE) scores each verified
+Every speculation mode (a draft model, prompt lookup, Medusa, EAGLE with a chain or a token
+tree) scores each verified
 position with the processors over the sequence that position follows. Greedy: the tokens equal
 HF transformers' own ``generate()`` with the same settings (``min_new_tokens`` holding back an
 end-of-sequence token the target wants early; ``repetition_penalty`` and
@@ -89,12 +90,15 @@ def speculators(checkpoint: Path, root: Path) -> dict:
     batch = len(LENGTHS)
     speculating = target(checkpoint, batch=batch, k=3)
     medusa_tree = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    eagle_draft = make_eagle_draft(checkpoint, root / "eagle")
+    token_tree = {0: [1, 2, 3], 1: [4, 5], 2: [6], 4: [7]}
     return {
         "draft": (speculating, {"assistant_model": application(checkpoint, batch=batch)}),
         "prompt-lookup": (speculating, {"prompt_lookup_num_tokens": 2}),
         "medusa": (application(checkpoint, batch=batch, **medusa_options(medusa_tree)), {}),
-        "eagle": (
-            eagle_app(checkpoint, make_eagle_draft(checkpoint, root / "eagle"), batch_size=batch),
+        "eagle": (eagle_app(checkpoint, eagle_draft, batch_size=batch), {}),
+        "eagle-tree": (
+            eagle_app(checkpoint, eagle_draft, 8, batch_size=batch, token_tree_config=token_tree),
             {},
         ),
     }
@@ -105,7 +109,7 @@ def apps(checkpoint, tmp_path_factory):
     return speculators(checkpoint, tmp_path_factory.mktemp("speculators"))
 
 
-@pytest.mark.parametrize("mode", ["draft", "prompt-lookup", "medusa", "eagle"])
+@pytest.mark.parametrize("mode", ["draft", "prompt-lookup", "medusa", "eagle", "eagle-tree"])
 @pytest.mark.parametrize("name", ["min_new_tokens", "penalties"])
 def test_greedy_speculation_with_processors_is_hf_generate(hf, prompts, settings, apps, mode, name):
     app, source = apps[mode]

@@ -199,7 +199,6 @@ DEMO_FLAGS: tuple[DemoFlag, ...] = (
     # Speculation
     _demo("--draft-model-tp-degree", "the draft runs on the target's ranks", type=positive_int),
     _demo("--compiled-draft-model-path", "where the draft model is compiled", type=Path),
-    _refused("--token-tree-json", "token-tree speculation is not implemented"),
     # Parallelism
     _demo("--cp-degree", type=only(1, int, _ONE)),
     _demo("--mlp-cp-degree", type=only(1, int, _ONE)),

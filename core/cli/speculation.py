@@ -41,6 +41,8 @@ def without_speculation(neuron_config: Any) -> Any:
     for mode in get_registry().records("speculation_modes"):
         for name in mode.enabled_by:
             setattr(plain, name, getattr(defaults, name, None))
+    # NxD Inference's draft tree is read only while speculating.
+    plain.token_tree_config, plain.enable_token_tree = None, False
     plain.trace_tokengen_model = True
     return plain
 

@@ -153,6 +153,30 @@ class SpeculativeRequest:
         scores[chosen] = processed
         return scores
 
+    def tree_scores(
+        self,
+        logits: torch.Tensor,
+        active: torch.Tensor,
+        rows: GeneratedRows,
+        tokens: torch.Tensor,
+        chains: Sequence[Sequence[int]],
+    ) -> torch.Tensor:
+        """The target's scores of a token tree: [batch, n, vocab] logits whose node j follows
+        a row's committed tokens and then the tree's ``tokens`` ([batch, n]) on ``chains[j]``
+        (the nodes from the root to j, the root itself being committed); only ``active`` rows
+        are processed."""
+        if self.processors is None:
+            return logits
+        chosen = active.nonzero().squeeze(-1).tolist()
+        continuations = [
+            [[row[node] for node in chain[1:]] for chain in chains]
+            for row in tokens[chosen].tolist()
+        ]
+        scores = logits.float().clone()
+        processed = self.processors.verified(logits[chosen], chosen, rows.tokens, continuations)
+        scores[chosen] = processed
+        return scores
+
 
 class Speculator(Protocol):
     """The implementation of a SpeculationMode record."""

@@ -68,18 +68,25 @@ class EagleDraftModel(nn.Module):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         seq_ids: torch.Tensor,
+        tree_mask: torch.Tensor | None = None,
+        rotary_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predicted features [batch, seq, hidden] for the pairs ``(input_ids, features)``.
 
         ``input_ids`` [batch, seq] are the tokens x_{t+1}, ``features`` [batch, seq, hidden]
-        the features f_t, ``position_ids`` [batch, seq] the draft positions t (where the pairs'
-        keys and values are written), ``attention_mask`` [batch, keys] the valid cache
-        positions; a pair sees the cached pairs at positions up to its own.
+        the features f_t, ``position_ids`` [batch, seq] the cache slots the pairs' keys and
+        values are written to, ``attention_mask`` [batch, keys] the valid cache positions; a
+        pair sees the cached pairs at positions up to its own and sits at rotary position t =
+        its slot. A token tree's nodes pass their own ``tree_mask`` [batch, seq, keys] (what
+        each node sees) and ``rotary_positions`` (their depth after the prefix) instead.
         """
         x = self.embed_tokens(input_ids)
         x = self.fc(torch.cat((x, features.to(x.dtype)), dim=-1))
-        rope = self.rotary_emb(position_ids)
-        mask = attention_mask_4d(attention_mask, position_ids, None)
+        rope = self.rotary_emb(position_ids if rotary_positions is None else rotary_positions)
+        if tree_mask is None:
+            mask = attention_mask_4d(attention_mask, position_ids, None)
+        else:
+            mask = tree_mask[:, None].bool()
         length = attention_mask.shape[-1]
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, mask, CacheSlot(self.kv_mgr, index, position_ids, seq_ids, length))

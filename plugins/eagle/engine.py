@@ -70,6 +70,11 @@ class EagleEngineSpeculator:
                 "the engine chooses EAGLE's tokens on the host from the target's logits: build "
                 "the model without on_device_sampling_config"
             )
+        if application.neuron_config.token_tree_config is not None:
+            problems.append(
+                "token_tree_config: the engine's EAGLE drafts a chain; token trees run in "
+                "generate() (build the served model without token_tree_config)"
+            )
         if application.neuron_config.tp_degree > 1:
             problems.append("EAGLE in the engine with tensor parallelism is not implemented")
         if problems:

@@ -186,8 +186,12 @@ class EagleSpeculationWrapper(ModelWrapper):
 
 
 def add_submodels(context: Any) -> list[ModelWrapper]:
-    """The ``add_submodels`` callback: the two fused phases."""
-    return [
-        EagleContextWrapper(context.config, context.model_cls),
-        EagleSpeculationWrapper(context.config, context.model_cls),
-    ]
+    """The ``add_submodels`` callback: the two fused phases (the second drafts a tree when
+    ``token_tree_config`` is set)."""
+    if context.neuron_config.token_tree_config is not None:
+        from nxdplug.plugins.eagle.tree import add_tree_submodel
+
+        speculation = add_tree_submodel(context)
+    else:
+        speculation = EagleSpeculationWrapper(context.config, context.model_cls)
+    return [EagleContextWrapper(context.config, context.model_cls), speculation]

@@ -28,7 +28,7 @@ PACKAGE = "nxdplug.plugins.eagle"
 def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
     yield SpeculationMode(
         name="eagle",
-        implementation="nxdplug.plugins.eagle.speculator:EagleSpeculator",
+        implementation="nxdplug.plugins.eagle.speculator:eagle_speculator",
         enabled_by=ENABLED_BY,
         disabled_by=DRAFT,
         validate=f"{PACKAGE}.validation:validate",
@@ -37,7 +37,10 @@ def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
         engine_methods=("eagle",),
         engine_fused=f"{PACKAGE}.engine:EagleEngineSpeculator",
         engine_settings=f"{PACKAGE}.engine:engine_settings",
-        description="EAGLE-1 draft fused with the target: k drafts and their check in one graph",
+        description=(
+            "EAGLE-1 draft fused with the target: k drafts (a chain or a token tree) and "
+            "their check in one graph"
+        ),
     )
 
 

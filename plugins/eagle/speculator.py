@@ -59,11 +59,7 @@ class EagleSpeculator:
 
     def generate(self, request: SpeculativeRequest) -> torch.Tensor:
         app, k = self.application, self.k
-        if request.assistant_model is not None or request.prompt_lookup_num_tokens:
-            raise NxdPlugError(
-                "EAGLE drafts with its fused draft model; do not pass assistant_model or "
-                "prompt_lookup_num_tokens"
-            )
+        self._refuse_proposers(request)
         app.reset()
         stats = app.speculation_stats = AcceptanceStats()
         tokens, mask, positions = compact_left(
@@ -133,6 +129,14 @@ class EagleSpeculator:
             pending_count = torch.where(going_on, counts, pending_count)
         return rows.sequences(request.input_ids)
 
+    @staticmethod
+    def _refuse_proposers(request: SpeculativeRequest) -> None:
+        if request.assistant_model is not None or request.prompt_lookup_num_tokens:
+            raise NxdPlugError(
+                "EAGLE drafts with its fused draft model; do not pass assistant_model or "
+                "prompt_lookup_num_tokens"
+            )
+
     def _check_length(self, prompt: int, new_tokens: int) -> None:
         seq_len = self.application.neuron_config.seq_len
         needed = prompt + new_tokens + self.k - 1
@@ -163,3 +167,13 @@ class EagleSpeculator:
         q = (draft_logits * inv_temperature[:, :, None]).softmax(dim=-1)
         p = request.target_choice.probabilities(target_scores)
         return rejection_acceptance(drafts, q, p)
+
+
+def eagle_speculator(application: Any) -> EagleSpeculator:
+    """The mode's implementation: the chain's speculator, or the tree's when the model was
+    built with ``token_tree_config``."""
+    if application.neuron_config.token_tree_config is None:
+        return EagleSpeculator(application)
+    from nxdplug.plugins.eagle.tree_speculator import EagleTreeSpeculator
+
+    return EagleTreeSpeculator(application)

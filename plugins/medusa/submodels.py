@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.errors import NotSupportedError
 from nxdplug.plugins.medusa.tree import MedusaTree
 from nxdplug.runtime.model_base import last_token_states
 from nxdplug.runtime.model_wrapper import ModelWrapper
 from nxdplug.runtime.step import StepInputs
+from nxdplug.runtime.token_tree import tree_attention
 
 MEDUSA_CONTEXT_TAG = "medusa_context_encoding_model"
 
@@ -37,19 +37,6 @@ def head_candidates(model: nn.Module, hidden: torch.Tensor, top_k: int) -> torch
     """[batch, seq, heads, top_k] ids of each head's best tokens at ``hidden`` [batch, seq, h]."""
     logits = torch.stack([head(hidden) for head in model.medusa_head], dim=2)
     return logits.topk(top_k, dim=-1).indices
-
-
-def tree_attention(
-    model: nn.Module, tree_mask: torch.Tensor
-) -> tuple[dict[int | None, torch.Tensor], torch.Tensor]:
-    """The attention masks and rotary positions of tree nodes under a [batch, n, keys] mask:
-    each node sees its ancestors and the prefix, and its rotary position is the number of
-    earlier tokens it sees (its depth plus the prefix)."""
-    if {layer.self_attn.sliding_window for layer in model.layers} != {None}:
-        raise NotSupportedError(
-            "tree attention masks (Medusa) cannot be combined with sliding windows"
-        )
-    return {None: tree_mask[:, None].bool()}, tree_mask.long().sum(dim=-1) - 1
 
 
 class MedusaPhase(nn.Module):
