@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from nxdplug.runtime.token_tree import TokenTree
+
 SETTING_HINT = "e.g. medusa_tree=[[0], [0, 0], [1], [0, 1]]"
 
 
@@ -76,37 +78,46 @@ def tree_problems(
 
 
 class MedusaTree:
-    """A validated tree as index tables on the CPU (long or bool; :meth:`on` another device):
+    """A validated tree: its :class:`TokenTree` (``token_tree``: parents, ancestors, the mask
+    and the acceptance rule) and the Medusa tables, on the CPU (:meth:`on` another device):
 
-    ``parent`` [n], ``depth`` [n], ``head`` / ``rank`` [n-1] (which head's which top-k token
-    each non-root node is), ``ancestors`` [n, n] (node j sees node a: a is j or an ancestor),
-    ``paths`` [n, max_depth+1] (the nodes from the root to j, padded by repeating j).
+    ``parent`` [n], ``depth`` [n], ``ancestors`` [n, n] (the token tree's), ``head`` /
+    ``rank`` [n-1] (which head's which top-k token each non-root node is), ``paths``
+    [n, max_depth+1] (the nodes from the root to j, padded by repeating j).
     """
 
-    TABLES = ("parent", "depth", "head", "rank", "ancestors", "paths")
+    TABLES = ("head", "rank", "paths")
 
     def __init__(self, paths: Iterable[Sequence[int]]) -> None:
         ordered = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
         index = {(): 0} | {path: i + 1 for i, path in enumerate(ordered)}
-        nodes = [(), *ordered]
-        self.size = len(nodes)
+        children: dict[int, list[int]] = {}
+        for path in ordered:  # by depth, then rank: the level-by-level numbering
+            children.setdefault(index[path[:-1]], []).append(index[path])
+        self.token_tree = TokenTree(children)
+        self.size = self.token_tree.node_nums
         self.max_depth = max(len(p) for p in ordered)
         self.top_k = max(max(p) for p in ordered) + 1
-        chains = [[index[path[:i]] for i in range(len(path) + 1)] for path in nodes]
-        ancestors = [[a in chain for a in range(self.size)] for chain in chains]
-        paths_to = [
-            chain + [j] * (self.max_depth + 1 - len(chain)) for j, chain in enumerate(chains)
-        ]
-        self.parent = torch.tensor([index[p[:-1]] if p else 0 for p in nodes], device="cpu")
-        self.depth = torch.tensor([len(p) for p in nodes], device="cpu")
         self.head = torch.tensor([len(p) - 1 for p in ordered], device="cpu")
         self.rank = torch.tensor([p[-1] for p in ordered], device="cpu")
-        self.ancestors = torch.tensor(ancestors, dtype=torch.bool, device="cpu")
-        self.paths = torch.tensor(paths_to, dtype=torch.long, device="cpu")
+        self.paths = self.token_tree.path_to(torch.arange(self.size))
+
+    @property
+    def parent(self) -> torch.Tensor:
+        return self.token_tree.parent
+
+    @property
+    def depth(self) -> torch.Tensor:
+        return self.token_tree.rotary_position_id_offset
+
+    @property
+    def ancestors(self) -> torch.Tensor:
+        return self.token_tree.ancestors
 
     def on(self, device: torch.device) -> MedusaTree:
         """This tree with its tables on ``device``."""
         moved = copy.copy(self)
+        moved.token_tree = self.token_tree.on(device)
         for name in self.TABLES:
             setattr(moved, name, getattr(self, name).to(device))
         return moved
@@ -124,31 +135,12 @@ class MedusaTree:
     def attention_mask(self, prefix: torch.Tensor, width: int) -> torch.Tensor:
         """[rows, n, width] (long): node j of row r, written at cache slot ``prefix[r] + j``,
         sees the row's committed positions ``0..prefix[r]-1`` and its own ancestors and self."""
-        keys = torch.arange(width, device=prefix.device)
-        committed = keys[None, None, :] < prefix[:, None, None]
-        offset = keys[None, :] - prefix[:, None]  # [rows, width]: the node a key slot holds
-        in_tree = (offset >= 0) & (offset < self.size)
-        rows = len(prefix)
-        node = offset.clamp(0, self.size - 1)[:, None, :].expand(rows, self.size, width)
-        sees = self.ancestors.expand(rows, -1, -1).gather(2, node) & in_tree[:, None, :]
-        return (committed | sees).long()
+        return self.token_tree.attention_mask(prefix, width).long()
 
     def accept(
         self, tokens: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Acceptance of a verified tree.
-
-        ``tokens`` [rows, n] the candidates, ``targets`` [rows, n] the token the target chose
-        at each node (its argmax, or its draw when sampling: the token after that node). A
-        node is accepted when it and every ancestor equal their parent's target. Returns
-        ``(best [rows], accepted [rows])``: the deepest accepted node and its depth (siblings
-        hold distinct tokens, so it is unique).
-        """
-        match = tokens == targets[:, self.parent]
-        match[:, 0] = True
-        rejected_on_path = (~match)[:, None, :] & self.ancestors[None]
-        accepted_node = ~rejected_on_path.any(dim=-1)
-        order = torch.arange(self.size, device=tokens.device)
-        score = torch.where(accepted_node, self.depth * self.size + self.size - order, -1)
-        best = score.argmax(dim=-1)
-        return best, self.depth[best]
+        """Acceptance of a verified tree (:meth:`TokenTree.accept`): ``tokens`` [rows, n] the
+        candidates, ``targets`` [rows, n] the target's choice after each node. Returns the
+        deepest accepted node and its depth, both [rows]."""
+        return self.token_tree.accept(tokens, targets)
