@@ -150,6 +150,8 @@ class NeuronAttentionBase(nn.Module):
     (``q_norm.weight``, ``k_norm.weight``) are shared by all heads, so a rank normalizes its own
     heads and replicated K/V heads need nothing more. ``cache_attention`` (see
     :class:`CacheAttention`) stores the step's keys and values and attends over the cache.
+    ``input_size`` is the width the projections read when it is not ``hidden_size`` (a draft
+    layer that reads a token's embedding beside a feature).
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class NeuronAttentionBase(nn.Module):
         o_bias: bool = False,
         sliding_window: int | None = None,
         qk_layernorm: bool = False,
+        input_size: int | None = None,
     ) -> None:
         super().__init__()
         neuron_config = config.neuron_config
@@ -173,19 +176,20 @@ class NeuronAttentionBase(nn.Module):
         self.fused_qkv = bool(neuron_config.fused_qkv)
         tp = {"tp_degree": world, "rank": tp_rank()}
         hidden = config.hidden_size
+        inputs = input_size or hidden
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
         if self.fused_qkv:
             self.qkv_proj = ColumnParallelLinear(
-                hidden,
+                inputs,
                 q_size + 2 * kv_size,
                 bias=qkv_bias,
                 partitions=(q_size, kv_size, kv_size),
                 **tp,
             )
         else:
-            self.q_proj = ColumnParallelLinear(hidden, q_size, bias=qkv_bias, **tp)
-            self.k_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, **tp)
-            self.v_proj = ColumnParallelLinear(hidden, kv_size, bias=qkv_bias, **tp)
+            self.q_proj = ColumnParallelLinear(inputs, q_size, bias=qkv_bias, **tp)
+            self.k_proj = ColumnParallelLinear(inputs, kv_size, bias=qkv_bias, **tp)
+            self.v_proj = ColumnParallelLinear(inputs, kv_size, bias=qkv_bias, **tp)
         self.o_proj = RowParallelLinear(
             q_size, hidden, bias=o_bias, reduce_dtype=neuron_config.rpl_reduce_dtype, **tp
         )

@@ -114,13 +114,15 @@ class NeuronBaseModel(nn.Module):
         step: StepInputs,
         masks: dict[int | None, torch.Tensor] | None = None,
         rotary_positions: torch.Tensor | None = None,
+        layer_inputs: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final norm's output for every input token, [batch, seq, hidden]; writes this
         step's keys and values into the cache.
 
         A phase that lays its tokens out otherwise (a tree) passes its own ``masks`` (per
         attention window) and ``rotary_positions``; by default they follow the step's
-        positions and [batch, keys] mask.
+        positions and [batch, keys] mask. ``layer_inputs``, when given, receives each
+        layer's input [batch, seq, hidden] in order (a draft that reads inner layers).
         """
         if masks is None:
             masks = self.attention_masks(step.attention_mask, step.position_ids)
@@ -137,6 +139,8 @@ class NeuronBaseModel(nn.Module):
             if shards:  # a copy: a view of the slice would keep the whole embedding alive
                 x = shards.scatter(x).clone()
             for index, layer in enumerate(self.layers):
+                if layer_inputs is not None:
+                    layer_inputs.append(shards.gather(x) if shards else x)
                 cache = CacheSlot(
                     self.kv_mgr, index, step.position_ids, step.seq_ids, length, writer_rows
                 )
