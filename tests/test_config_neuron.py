@@ -85,6 +85,7 @@ NEURON_DEFAULTS = {
     "enable_fused_speculation": False,
     "trace_tokengen_model": True,
     "is_eagle_draft": False,
+    "is_eagle3": False,
     "token_tree_config": None,
     "enable_token_tree": False,
     "is_medusa": False,

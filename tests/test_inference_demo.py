@@ -74,7 +74,6 @@ REFUSED = {
     "--bucket-n-active-tokens",
     "--windowed-context-encoding-size",
     "--activation-quantization-type",
-    "--is-eagle3",
     "--apply-seq-ids-mask",
 }
 

@@ -85,4 +85,4 @@ def test_a_method_no_mode_serves_is_refused_by_name(capsys) -> None:
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "'medusa' is served by no installed speculation mode" in err
-    assert "draft_model, eagle, ngram" in err and "Traceback" not in err
+    assert "draft_model, eagle, eagle3, ngram" in err and "Traceback" not in err

@@ -203,6 +203,7 @@ class NeuronConfig(ComparedByValue):
         default=_computed(lambda c: bool(c.enable_eagle_speculation))
     )
     is_eagle_draft: bool = False
+    is_eagle3: bool = False
     # A draft token tree ({node: [children]}), as NxD Inference's token_tree_config.
     token_tree_config: dict[str, list[int]] | None = attrs.field(
         default=None, converter=_tree_config

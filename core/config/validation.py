@@ -297,10 +297,17 @@ def _async_mode(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
         )
 
 
-def _token_tree(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
-    """NxD Inference's token tree: its structure, and what it drafts with (an EAGLE draft's own
-    config, a copy of the target's, carries the target's tree)."""
-    if nc.token_tree_config is None or nc.is_eagle_draft:
+def _fused_draft_settings(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]:
+    """NxD Inference's settings of the fused draft (an EAGLE draft's own config, a copy of the
+    target's, carries them too): ``is_eagle3`` and the token tree's structure."""
+    if nc.is_eagle_draft:
+        return
+    if nc.is_eagle3 and not nc.enable_eagle_speculation:
+        yield (
+            "is_eagle3=True says the fused draft is an EAGLE-3 head: set "
+            "enable_eagle_speculation=True with that draft, or drop is_eagle3"
+        )
+    if nc.token_tree_config is None:
         return
     from nxdplug.runtime.token_tree import TokenTree, TokenTreeError
 
@@ -342,7 +349,7 @@ RULES: tuple[Rule, ...] = (
     _buckets,
     _sampling,
     _async_mode,
-    _token_tree,
+    _fused_draft_settings,
     _lora_config,
     routed_mlp_problems,
 )

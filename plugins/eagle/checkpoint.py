@@ -120,6 +120,9 @@ def merge_draft_state_dict(state_dict: dict[str, Any], config: Any) -> dict[str,
             f"the EAGLE draft {draft_path} has no {LM_HEAD}; copy the target's into it with "
             f"python -m nxdplug.plugins.eagle.checkpoint --target <target> --draft {draft_path}"
         )
+    if neuron_config.is_eagle3:
+        draft = eagle3_tensors(draft, state_dict, config.fused_spec_config.draft_config)
+        return state_dict | {DRAFT_PREFIX + name: tensor for name, tensor in draft.items()}
     has_norm = INPUT_NORM in draft
     if has_norm != bool(neuron_config.enable_eagle_draft_input_norm):
         setting = "True" if has_norm else "False"
@@ -129,6 +132,30 @@ def merge_draft_state_dict(state_dict: dict[str, Any], config: Any) -> dict[str,
             f"enable_eagle_draft_input_norm={setting}"
         )
     return state_dict | {DRAFT_PREFIX + name: tensor for name, tensor in draft.items()}
+
+
+def eagle3_tensors(
+    draft: dict[str, torch.Tensor], target: dict[str, Any], draft_config: Any
+) -> dict[str, torch.Tensor]:
+    """An EAGLE-3 checkpoint as the draft module holds it. Published heads leave out the
+    embedding (the target's is used, as their authors' loader does) and may leave out ``d2t``
+    when the draft's vocabulary is the target's; ``t2d`` (the inverse map) is not needed."""
+    draft = {name: tensor for name, tensor in draft.items() if name != "t2d"}
+    if "embed_tokens.weight" not in draft:
+        embedding = target.get(TIED_EMBEDDING, target.get("embed_tokens.weight"))
+        if embedding is None:
+            raise CheckpointError("the target's state dict has no embedding for the EAGLE-3 draft")
+        draft["embed_tokens.weight"] = embedding
+    draft_vocab = getattr(draft_config, "draft_vocab_size", None) or draft_config.vocab_size
+    if "d2t" not in draft:
+        if draft_vocab != draft_config.vocab_size:
+            raise CheckpointError(
+                f"the EAGLE-3 draft's vocabulary ({draft_vocab} tokens) is smaller than the "
+                f"target's ({draft_config.vocab_size}) but its checkpoint has no d2t map"
+            )
+        draft["d2t"] = torch.zeros(draft_vocab, dtype=torch.long)
+    draft["d2t"] = draft["d2t"].long()
+    return draft
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from nxdplug.modules.attention import attention_mask_4d, head_dim_of
 from nxdplug.modules.kv_cache import CacheLayout, CacheSlot, KVCacheManager
 from nxdplug.modules.parallel_linear import ColumnParallelLinear, ParallelEmbedding
 from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
+from nxdplug.runtime.step import StepInputs
 
 
 class EagleDraftModel(nn.Module):
@@ -49,17 +50,8 @@ class EagleDraftModel(nn.Module):
             self.layers[0].input_layernorm = nn.Identity()
         self.lm_head = ColumnParallelLinear(hidden, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
-        target = target_config.neuron_config
-        attention = self.layers[0].self_attn
-        layout = CacheLayout(
-            num_layers=len(self.layers),
-            max_batch_size=target.max_batch_size,
-            num_kv_heads=attention.num_kv_heads,
-            max_length=target.seq_len,
-            head_dim=attention.head_dim,
-            dtype=target.torch_dtype,
-        )
-        self.kv_mgr: KVCacheManager = context.kv_cache(layout)
+        self.kv_mgr = draft_cache(context, len(self.layers), self.layers[0].self_attn)
+        self.feature_size = hidden
 
     def forward(
         self,
@@ -92,7 +84,51 @@ class EagleDraftModel(nn.Module):
             x = layer(x, rope, mask, CacheSlot(self.kv_mgr, index, position_ids, seq_ids, length))
         return x
 
+    def token_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scores of the next token over the vocabulary (float32): the LM head, no norm."""
+        return self.lm_head(hidden).float()
+
+    def target_features(
+        self,
+        model: nn.Module,
+        step: StepInputs,
+        masks: dict[int | None, torch.Tensor] | None = None,
+        rotary_positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's final norm output, which is both its LM head's input and the feature
+        EAGLE-1 reads."""
+        final = model.hidden_states(step, masks, rotary_positions)
+        return final, final
+
+
+def feature_size(config: Any) -> int:
+    """The width of the target feature the draft reads: the hidden size (EAGLE-1), or three
+    layers' (EAGLE-3)."""
+    return config.hidden_size * (3 if config.neuron_config.is_eagle3 else 1)
+
+
+def draft_cache(context: Any, num_layers: int, attention: nn.Module) -> KVCacheManager:
+    """The draft's own KV cache, in the target's cache strategy, rows and length (so that one
+    ``seq_ids`` / position addresses both caches)."""
+    target = context.config.neuron_config
+    layout = CacheLayout(
+        num_layers=num_layers,
+        max_batch_size=target.max_batch_size,
+        num_kv_heads=attention.num_kv_heads,
+        max_length=target.seq_len,
+        head_dim=attention.head_dim,
+        dtype=target.torch_dtype,
+    )
+    return context.kv_cache(layout)
+
 
 def add_draft(model: nn.Module, context: Any) -> None:
-    """The ``transform_model`` callback: the target gets its draft as ``eagle_draft``."""
-    model.eagle_draft = EagleDraftModel(context.config.fused_spec_config.draft_config, context)
+    """The ``transform_model`` callback: the target gets its draft as ``eagle_draft`` (EAGLE-3's
+    when ``is_eagle3``)."""
+    draft_config = context.config.fused_spec_config.draft_config
+    if context.config.neuron_config.is_eagle3:
+        from nxdplug.plugins.eagle.draft3 import Eagle3DraftModel
+
+        model.eagle_draft = Eagle3DraftModel(draft_config, context)
+    else:
+        model.eagle_draft = EagleDraftModel(draft_config, context)

@@ -1,4 +1,4 @@
-"""Fused EAGLE in the serving engine (vLLM's ``eagle`` method).
+"""Fused EAGLE in the serving engine (vLLM's ``eagle`` and ``eagle3`` methods).
 
 The engine encodes a request's prompt by the fused context phase (the target, and the draft
 over the prompt's pairs), and each step runs the fused speculation phase for its requests:
@@ -28,9 +28,9 @@ from nxdplug.runtime.step import StepInputs
 
 
 def engine_settings(config: SpeculativeConfig) -> dict[str, Any]:
-    """The model vLLM's ``eagle`` method needs: the draft of ``model`` fused into the target
-    (its graphs draft and verify; no one-token phase). The command line's EAGLE extension
-    attaches the draft."""
+    """The model vLLM's ``eagle`` and ``eagle3`` methods need: the draft of ``model`` fused into
+    the target (its graphs draft and verify; no one-token phase), an EAGLE-3 head for
+    ``eagle3``. The command line's EAGLE extension attaches the draft."""
     if config.model is None:
         raise ConfigError(
             ["method 'eagle' needs 'model', the EAGLE draft's folder"],
@@ -40,6 +40,7 @@ def engine_settings(config: SpeculativeConfig) -> dict[str, Any]:
         "enable_eagle_speculation": True,
         "enable_fused_speculation": True,
         "trace_tokengen_model": False,
+        "is_eagle3": config.method == "eagle3",
     }
 
 
@@ -69,6 +70,14 @@ class EagleEngineSpeculator:
             problems.append(
                 "the engine chooses EAGLE's tokens on the host from the target's logits: build "
                 "the model without on_device_sampling_config"
+            )
+        is_eagle3 = bool(application.neuron_config.is_eagle3)
+        if (config.method == "eagle3") != is_eagle3:
+            built = "an EAGLE-3 draft (is_eagle3=True)" if is_eagle3 else "an EAGLE-1 draft"
+            wanted = "eagle3" if is_eagle3 else "eagle"
+            problems.append(
+                f"method {config.method!r}: the model was built with {built}; use method "
+                f"{wanted!r}"
             )
         if application.neuron_config.token_tree_config is not None:
             problems.append(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdplug.plugins.eagle.draft import feature_size
 from nxdplug.runtime.model_base import last_token_states
 from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG, ModelWrapper
 from nxdplug.runtime.step import StepInputs
@@ -49,17 +50,17 @@ class EagleContextPhase(nn.Module):
 
     def forward(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts compacted to the left ([batch, bucket], positions 0..). Returns the last
-        real token's logits [batch, 1, vocab] (float32) and feature [batch, 1, hidden]."""
-        features = self.model.hidden_states(step)
-        last = last_token_states(features, step.attention_mask)
+        real token's logits [batch, 1, vocab] (float32) and the feature the draft reads
+        [batch, 1, feature] (the final norm's output for EAGLE-1, three layers' for EAGLE-3)."""
+        draft = self.model.eagle_draft
+        final, features = draft.target_features(self.model, step)
         # Pair t = (x_{t+1}, f_t); the pair at each row's last position has no next token yet
         # (it is written with a placeholder and rewritten as the first pending pair).
         input_ids = step.input_ids
         next_tokens = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
-        self.model.eagle_draft(
-            next_tokens, features, step.attention_mask, step.position_ids, step.seq_ids
-        )
-        return self.model.lm_head(last).float(), last
+        draft(next_tokens, features, step.attention_mask, step.position_ids, step.seq_ids)
+        last = last_token_states(final, step.attention_mask)
+        return self.model.lm_head(last).float(), last_token_states(features, step.attention_mask)
 
 
 class EagleSpeculationPhase(nn.Module):
@@ -98,7 +99,7 @@ class EagleSpeculationPhase(nn.Module):
         base = pending_positions.gather(1, last[:, None])  # t = L-2
         drafts, draft_logits = [], []
         for step in range(self.speculation_length):
-            logits = draft.lm_head(hidden).float()
+            logits = draft.token_logits(hidden)
             scores = logits * inv_temperature[:, :, None] + noise[:, step : step + 1]
             token = scores.argmax(dim=-1)
             drafts.append(token)
@@ -109,10 +110,10 @@ class EagleSpeculationPhase(nn.Module):
         newest = pending_tokens.gather(1, last[:, None])
         tokens = torch.cat([newest, drafts_tensor], dim=1)
         offsets = torch.arange(1, self.speculation_length + 2, device=base.device)
-        features = self.model.hidden_states(
-            StepInputs(tokens, attention_mask, base + offsets, seq_ids)
+        final, features = draft.target_features(
+            self.model, StepInputs(tokens, attention_mask, base + offsets, seq_ids)
         )
-        target_logits = self.model.lm_head(features).float()
+        target_logits = self.model.lm_head(final).float()
         return drafts_tensor, torch.cat(draft_logits, dim=1), target_logits, features
 
 
@@ -153,7 +154,7 @@ class EagleSpeculationWrapper(ModelWrapper):
 
     def input_generator(self) -> list[StepInputs]:
         batch, k = self.batch_size, self.speculation_length
-        hidden, vocab = self.config.hidden_size, self.config.vocab_size
+        hidden, vocab = feature_size(self.config), self.config.vocab_size
         dtype, device = self.neuron_config.torch_dtype, self.device
         extra = {
             "pending_features": torch.zeros(batch, k + 1, hidden, dtype=dtype, device=device),

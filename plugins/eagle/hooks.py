@@ -1,4 +1,5 @@
-"""EAGLE speculative decoding (EAGLE-1, flat chain) with fused speculation.
+"""EAGLE speculative decoding (EAGLE-1 and EAGLE-3 drafts, a chain or a token tree) with fused
+speculation.
 
 ``enable_eagle_speculation=True`` (which turns ``enable_fused_speculation`` on) and
 ``speculation_length=k`` select the ``eagle`` speculation mode: the EAGLE draft named by
@@ -34,7 +35,7 @@ def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
         validate=f"{PACKAGE}.validation:validate",
         transform_model=f"{PACKAGE}.draft:add_draft",
         add_submodels=f"{PACKAGE}.fused:add_submodels",
-        engine_methods=("eagle",),
+        engine_methods=("eagle", "eagle3"),
         engine_fused=f"{PACKAGE}.engine:EagleEngineSpeculator",
         engine_settings=f"{PACKAGE}.engine:engine_settings",
         description=(
@@ -78,5 +79,5 @@ def nxdplug_cli_extensions() -> Iterable[CliExtension]:
         name="eagle-inference-demo",
         implementation="nxdplug.plugins.eagle.demo_flags:EagleDemoFlags",
         commands=("inference_demo",),
-        description="inference_demo's EAGLE flag (--is-eagle3, refused)",
+        description="inference_demo's EAGLE flag (--token-tree-json)",
     )

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdplug.plugins.eagle.draft import feature_size
 from nxdplug.plugins.eagle.fused import gather_rows
 from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG, ModelWrapper
 from nxdplug.runtime.step import StepInputs
@@ -78,7 +79,7 @@ class EagleTreePhase(nn.Module):
                     tree_mask=draft_sees[:, nodes],
                     rotary_positions=base + depth[ids],
                 )
-            logits = draft.lm_head(hidden)
+            logits = draft.token_logits(hidden)
             widest = max(tree.level_child[level])
             best = logits.topk(widest, dim=-1).indices.flatten(1)  # [batch, nodes * widest]
             tokens.append(best[:, tree.topk_permute_index[level]])
@@ -87,10 +88,10 @@ class EagleTreePhase(nn.Module):
         target_prefix = base[:, 0] + 1
         masks, rotary = tree_attention(self.model, tree.attention_mask(target_prefix, width))
         slots = target_prefix[:, None] + torch.arange(tree.node_nums, device=base.device)
-        features = self.model.hidden_states(
-            StepInputs(candidates, attention_mask, slots, seq_ids), masks, rotary
+        final, features = draft.target_features(
+            self.model, StepInputs(candidates, attention_mask, slots, seq_ids), masks, rotary
         )
-        return candidates, self.model.lm_head(features).float(), features
+        return candidates, self.model.lm_head(final).float(), features
 
 
 class EagleTreeWrapper(ModelWrapper):
@@ -116,7 +117,7 @@ class EagleTreeWrapper(ModelWrapper):
         batch, depth, device = self.batch_size, self.tree.depth, self.device
         extra = {
             "pending_features": torch.zeros(
-                batch, depth, self.config.hidden_size, dtype=self.neuron_config.torch_dtype
+                batch, depth, feature_size(self.config), dtype=self.neuron_config.torch_dtype
             ).to(device),
             "pending_count": torch.ones(batch, dtype=torch.long, device=device),
         }

@@ -88,4 +88,8 @@ def draft_config_problems(config: Any, draft: Any) -> Iterator[str]:
             )
     if getattr(draft, "num_hidden_layers", 0) < 1:
         yield "the EAGLE draft config has no decoder layers (num_hidden_layers < 1)"
+    if config.neuron_config.is_eagle3:
+        from nxdplug.plugins.eagle.draft3 import eagle3_draft_problems
+
+        yield from eagle3_draft_problems(config, draft)
     yield from (f"fused_spec_config.draft_config: {p}" for p in core_config_problems(draft))

@@ -1,0 +1,295 @@
+"""EAGLE-3 drafts (``is_eagle3``) in the ``eagle`` plugin.
+
+A random EAGLE-3 head in the published layout (``fc`` over three target layers, ``midlayer``
+with 2h-wide attention input, ``norm``, a draft-vocabulary ``lm_head`` and the ``d2t`` map) is
+checked two ways: its proposals equal a from-scratch forward written here from the format
+(HF's target hidden states, plain PyTorch), and speculation with it, chain or tree, gives the
+target's own tokens (greedy: HF's; sampled: the target's distribution).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_eagle import (
+    bigram_target,
+    eagle_app,
+    eagle_config,
+    plain_app,
+    problems_of,
+    reference,
+    speculate,
+)
+from transformers import AutoModelForCausalLM
+
+from nxdplug.contrib_models.llama import NeuronLlamaForCausalLM
+from nxdplug.engine import Engine, SamplingSettings
+from nxdplug.errors import CheckpointError, ConfigError
+from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
+from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG
+from nxdplug.runtime.step import StepInputs
+from nxdplug.testing import random_prompts
+
+TREE = {0: [1, 2, 3], 1: [4, 5], 2: [6], 4: [7]}
+
+
+def make_eagle3_draft(
+    target: Path,
+    folder: Path,
+    draft_vocab: int,
+    seed: int = 0,
+    scale: float = 0.05,
+    bigram: bool = False,
+) -> Path:
+    """A random EAGLE-3 head for ``target`` in the authors' and ``speculators``' layout: a
+    draft vocabulary of ``draft_vocab`` target ids (``d2t`` offsets, ``t2d`` mask), no
+    embedding (the target's is used).
+
+    ``bigram``: a head that guesses the near-bigram target's next token (so some drafts are
+    accepted): each pair attends mostly to itself and passes its token's normed embedding
+    through (q, k, v read the embedding half; one KV head per query head), and scores it
+    with the target's final norm and LM head, as the target nearly does."""
+    config = json.loads((target / "config.json").read_text())
+    hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = hidden // heads
+    generator = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * scale
+
+    ids = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": rand(inner, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inner, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inner),
+        "midlayer.input_layernorm.weight": 1 + rand(hidden),
+        "midlayer.hidden_norm.weight": 1 + rand(hidden),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(hidden),
+        "norm.weight": 1 + rand(hidden),
+        "lm_head.weight": rand(draft_vocab, hidden) * 20,
+        "d2t": ids - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    if bigram:
+        assert heads == kv_heads, "the pass-through needs one KV head per query head"
+        target_weights = load_file(target / "model.safetensors")
+        through = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+        tensors |= {
+            "midlayer.self_attn.q_proj.weight": 4 * through,
+            "midlayer.self_attn.k_proj.weight": 4 * through,
+            "midlayer.self_attn.v_proj.weight": through,
+            "midlayer.self_attn.o_proj.weight": torch.eye(hidden),
+            "midlayer.mlp.down_proj.weight": torch.zeros(hidden, inner),
+            "midlayer.input_layernorm.weight": torch.ones(hidden),
+            "norm.weight": target_weights["model.norm.weight"].clone(),
+            "lm_head.weight": target_weights["lm_head.weight"][ids].clone(),
+        }
+    config |= {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "num_hidden_layers": 1,
+        "draft_vocab_size": draft_vocab,
+    }
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("eagle3") / "target"
+    return bigram_target(folder, num_hidden_layers=5, num_key_value_heads=4)
+
+
+@pytest.fixture(scope="module")
+def draft(target, tmp_path_factory) -> Path:
+    """A random head over 300 of the 512 tokens, for the format's math."""
+    return make_eagle3_draft(target, tmp_path_factory.mktemp("eagle3") / "draft", 300, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def guessing(target, tmp_path_factory) -> Path:
+    """A head over the whole vocabulary that guesses right often enough to exercise
+    acceptance."""
+    return make_eagle3_draft(target, tmp_path_factory.mktemp("eagle3") / "guess", 512, bigram=True)
+
+
+# --- the draft's math, against a forward written from the format ---
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's rotary embedding (halves rotated) of x [heads, seq, dim] at ``positions``."""
+    dim = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = positions.double()[:, None] * inv[None]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    half = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], dim=-1)
+    return (x * cos + half * sin).to(x.dtype)
+
+
+def reference_drafts(target: Path, draft: Path, prompt: list[int], first: int, k: int) -> list[int]:
+    """k greedy EAGLE-3 drafts after ``prompt`` and the target's token ``first``: the pairs
+    (x_{t+1}, the inputs of target layers 2, L//2, L-3 at t) through fc, then each draft's
+    own output fed back, every step recomputed over the whole sequence (no cache)."""
+    config = json.loads((draft / "config.json").read_text())
+    weights = load_file(draft / "model.safetensors")
+    target_weights = load_file(target / "model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    layers = hf.config.num_hidden_layers
+    aux = torch.cat([states[i][0] for i in (2, layers // 2, layers - 3)], dim=-1)
+    eps, theta = config["rms_norm_eps"], config.get("rope_theta", 10000.0)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    embed = target_weights["model.embed_tokens.weight"]
+    w = {name.removeprefix("midlayer."): tensor for name, tensor in weights.items()}
+
+    def layer(tokens: list[int], features: torch.Tensor) -> torch.Tensor:
+        seq = len(tokens)
+        x = torch.cat(
+            [
+                rms(embed[tokens], w["input_layernorm.weight"], eps),
+                rms(features, w["hidden_norm.weight"], eps),
+            ],
+            dim=-1,
+        )
+        q = (x @ w["self_attn.q_proj.weight"].T).view(seq, heads, -1).transpose(0, 1)
+        key = (x @ w["self_attn.k_proj.weight"].T).view(seq, kv_heads, -1).transpose(0, 1)
+        value = (x @ w["self_attn.v_proj.weight"].T).view(seq, kv_heads, -1).transpose(0, 1)
+        positions = torch.arange(seq)
+        q, key = rotate(q, positions, theta), rotate(key, positions, theta)
+        key = key.repeat_interleave(heads // kv_heads, dim=0)
+        value = value.repeat_interleave(heads // kv_heads, dim=0)
+        scores = q @ key.transpose(1, 2) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(torch.ones(seq, seq).triu(1).bool(), float("-inf"))
+        attended = (scores.softmax(-1) @ value).transpose(0, 1).reshape(seq, -1)
+        h = features + attended @ w["self_attn.o_proj.weight"].T
+        normed = rms(h, w["post_attention_layernorm.weight"], eps)
+        gated = torch.nn.functional.silu(normed @ w["mlp.gate_proj.weight"].T)
+        return h + (gated * (normed @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+
+    tokens = [*prompt[1:], first]
+    features = aux @ weights["fc.weight"].T
+    drafts = []
+    for _ in range(k):
+        out = layer(tokens, features)
+        logits = rms(out[-1], weights["norm.weight"], eps) @ weights["lm_head.weight"].T
+        draft_id = int(logits.argmax())
+        drafts.append(draft_id + int(weights["d2t"][draft_id]))
+        tokens.append(drafts[-1])
+        features = torch.cat([features, out[-1:]])
+    return drafts
+
+
+def test_proposals_are_the_formats_forward(target, draft):
+    app = eagle_app(target, draft, k=3, batch_size=1, is_eagle3=True)
+    prompt = random_prompts(512, (9,), seed=2)[0][0].tolist()
+    tokens = torch.tensor([prompt])
+    mask, positions = torch.ones_like(tokens), torch.arange(len(prompt))[None]
+    seq_ids = torch.zeros(1, dtype=torch.long)
+    app.reset()
+    logits, feature = app.submodel(EAGLE_CONTEXT_TAG)(StepInputs(tokens, mask, positions, seq_ids))
+    first = int(logits[0, -1].argmax())
+    pending = torch.tensor([[first, 0, 0, 0]])
+    features = feature.new_zeros(1, 4, feature.shape[-1])
+    features[:, :1] = feature
+    step = StepInputs(
+        pending,
+        torch.ones_like(pending),
+        len(prompt) - 1 + torch.arange(4)[None],
+        seq_ids,
+        {
+            "pending_features": features,
+            "pending_count": torch.ones(1, dtype=torch.long),
+            "draft_noise": torch.zeros(1, 3, 512),
+            "inv_temperature": torch.ones(1, 1),
+        },
+    )
+    drafts = app.submodel(FUSED_SPECULATION_MODEL_TAG)(step)[0]
+    expected = reference_drafts(target, draft, prompt, first, 3)
+    assert drafts[0].tolist() == expected
+    assert len(set(expected)) > 1, "the drafts should vary"
+
+
+# --- losslessness ---
+
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("lengths", [(7,), (3, 11)], ids=["batch1", "batch2-padded"])
+def test_output_is_the_targets(target, draft, guessing, lengths, tree):
+    ids, mask = random_prompts(512, lengths, seed=len(lengths))
+    expected = reference(target, ids, mask, 24, batch_size=len(lengths))
+    assert all(len(set(row.tolist())) > 3 for row in expected[:, ids.shape[1] :])
+    options = {"batch_size": len(lengths), "is_eagle3": True}
+    if tree is not None:
+        options |= {"k": 8, "token_tree_config": tree}
+    for head in (draft, guessing):
+        app = eagle_app(target, head, **options)
+        assert torch.equal(speculate(app, ids, mask, 24), expected)
+    stats = app.speculation_stats
+    assert stats.accepted > 0 and stats.row_calls < len(lengths) * 23, stats
+
+
+def test_compiled_matches_eager_and_serves(target, draft, tmp_path):
+    """The compiled graphs (the target read at three layers, the draft's fc and 2h-wide
+    attention) speculate as the eager ones, and serve vLLM's eagle3 method."""
+    ids, mask = random_prompts(512, (4, 10), seed=6)
+    options = {"is_eagle3": True, "is_continuous_batching": True, "enable_bucketing": False}
+    eager = speculate(eagle_app(target, draft, **options), ids, mask, 20)
+    assert torch.equal(eager, reference(target, ids, mask, 20))
+    NeuronLlamaForCausalLM(target, eagle_config(target, draft, **options)).compile(
+        tmp_path / "compiled", quiet=True
+    )
+    loaded = NeuronLlamaForCausalLM(target, eagle_config(target, draft, **options))
+    loaded.load(tmp_path / "compiled", quiet=True)
+    assert torch.equal(speculate(loaded, ids, mask, 20), eager)
+
+    engine = Engine(loaded, eos_token_ids=[], speculative_config={"method": "eagle3"})
+    rows = [row[real.bool()].tolist() for row, real in zip(ids, mask, strict=True)]
+    order = [engine.add_request(row, SamplingSettings(20, 0)) for row in rows]
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+    plain = speculate(plain_app(target), ids, mask, 20, eos_token_id=None)
+    assert [tokens[r] for r in order] == plain[:, ids.shape[1] :].tolist()
+    with pytest.raises(ConfigError, match="use method 'eagle3'"):
+        Engine(loaded, eos_token_ids=[], speculative_config={"method": "eagle"})
+
+
+# --- configuration and checkpoints ---
+
+
+def test_config_and_checkpoint_errors(target, draft, tmp_path):
+    assert problems_of(eagle_config(target, draft, is_eagle3=True)) == ""
+    shallow = bigram_target(tmp_path / "shallow", num_hidden_layers=3)
+    assert "the target has only 3 layers" in problems_of(
+        eagle_config(shallow, draft, is_eagle3=True)
+    )
+    alone = eagle_config(target, draft, is_eagle3=True, enable_eagle_speculation=False)
+    assert "is_eagle3=True says the fused draft is an EAGLE-3 head" in problems_of(alone)
+    weights = load_file(draft / "model.safetensors")
+    del weights["d2t"]
+    no_map = tmp_path / "no-map"
+    no_map.mkdir()
+    (no_map / "config.json").write_text((draft / "config.json").read_text())
+    save_file(weights, no_map / "model.safetensors")
+    with pytest.raises(CheckpointError, match="has no d2t map"):
+        eagle_app(target, no_map, is_eagle3=True)
