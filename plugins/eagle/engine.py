@@ -76,8 +76,7 @@ class EagleEngineSpeculator:
             built = "an EAGLE-3 draft (is_eagle3=True)" if is_eagle3 else "an EAGLE-1 draft"
             wanted = "eagle3" if is_eagle3 else "eagle"
             problems.append(
-                f"method {config.method!r}: the model was built with {built}; use method "
-                f"{wanted!r}"
+                f"method {config.method!r}: the model was built with {built}; use method {wanted!r}"
             )
         if application.neuron_config.token_tree_config is not None:
             problems.append(
