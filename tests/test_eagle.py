@@ -295,21 +295,6 @@ def test_a_chain_shaped_tree_speculates_as_the_chain(target, draft):
     assert tree.speculation_stats == chain.speculation_stats
 
 
-def test_compiled_tree_matches_eager(target, draft, tmp_path):
-    ids, mask = random_prompts(512, (4, 10), seed=6)
-    options = {"token_tree_config": TREE, "enable_bucketing": False}
-    eager = speculate(eagle_app(target, draft, tree_nodes(TREE), **options), ids, mask, 20)
-    assert torch.equal(eager, reference(target, ids, mask, 20))
-    config = eagle_config(target, draft, tree_nodes(TREE), **options)
-    NeuronLlamaForCausalLM(target, config).compile(tmp_path / "compiled", quiet=True)
-    loaded = NeuronLlamaForCausalLM(
-        target, eagle_config(target, draft, tree_nodes(TREE), **options)
-    )
-    loaded.load(tmp_path / "compiled", quiet=True)
-    assert torch.equal(speculate(loaded, ids, mask, 20), eager)
-    assert loaded.speculation_stats.accepted > 0
-
-
 def test_tree_config_errors(target, draft):
     without_eagle = eagle_config(
         target, draft, enable_eagle_speculation=False, token_tree_config=TREE

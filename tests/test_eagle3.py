@@ -20,6 +20,7 @@ from test_eagle import (
     bigram_target,
     eagle_app,
     eagle_config,
+    make_eagle_draft,
     plain_app,
     problems_of,
     reference,
@@ -247,21 +248,30 @@ def test_output_is_the_targets(target, draft, guessing, lengths, tree):
     assert stats.accepted > 0 and stats.row_calls < len(lengths) * 23, stats
 
 
-def test_compiled_matches_eager_and_serves(target, draft, tmp_path):
-    """The compiled graphs (the target read at three layers, the draft's fc and 2h-wide
-    attention) speculate as the eager ones, and serve vLLM's eagle3 method."""
+def test_compiled_tree_matches_eager(target, guessing, tmp_path):
+    """The compiled tree graph (the target read at three layers, the draft's fc and 2h-wide
+    attention, the tree's levels and mask) speculates as the eager one. The EAGLE-1 chain's
+    graphs are compiled in ``test_eagle.py``; both share the phases' code."""
     ids, mask = random_prompts(512, (4, 10), seed=6)
-    options = {"is_eagle3": True, "is_continuous_batching": True, "enable_bucketing": False}
-    eager = speculate(eagle_app(target, draft, **options), ids, mask, 20)
+    options = {"is_eagle3": True, "token_tree_config": TREE, "enable_bucketing": False}
+    eager_app = eagle_app(target, guessing, 8, **options)
+    eager = speculate(eager_app, ids, mask, 20)
     assert torch.equal(eager, reference(target, ids, mask, 20))
-    NeuronLlamaForCausalLM(target, eagle_config(target, draft, **options)).compile(
+    NeuronLlamaForCausalLM(target, eagle_config(target, guessing, 8, **options)).compile(
         tmp_path / "compiled", quiet=True
     )
-    loaded = NeuronLlamaForCausalLM(target, eagle_config(target, draft, **options))
+    loaded = NeuronLlamaForCausalLM(target, eagle_config(target, guessing, 8, **options))
     loaded.load(tmp_path / "compiled", quiet=True)
     assert torch.equal(speculate(loaded, ids, mask, 20), eager)
+    assert loaded.speculation_stats == eager_app.speculation_stats
+    assert loaded.speculation_stats.accepted > 0
 
-    engine = Engine(loaded, eos_token_ids=[], speculative_config={"method": "eagle3"})
+
+def test_the_engine_serves_eagle3(target, guessing):
+    """vLLM's eagle3 method: HF's greedy tokens; the eagle method is refused for this head."""
+    ids, mask = random_prompts(512, (4, 10), seed=6)
+    app = eagle_app(target, guessing, is_eagle3=True, is_continuous_batching=True)
+    engine = Engine(app, eos_token_ids=[], speculative_config={"method": "eagle3"})
     rows = [row[real.bool()].tolist() for row, real in zip(ids, mask, strict=True)]
     order = [engine.add_request(row, SamplingSettings(20, 0)) for row in rows]
     tokens: dict[str, list[int]] = {}
@@ -270,8 +280,9 @@ def test_compiled_matches_eager_and_serves(target, draft, tmp_path):
             tokens.setdefault(output.request_id, []).extend(output.token_ids)
     plain = speculate(plain_app(target), ids, mask, 20, eos_token_id=None)
     assert [tokens[r] for r in order] == plain[:, ids.shape[1] :].tolist()
+    assert engine.speculation.metrics.accepted_tokens > 0
     with pytest.raises(ConfigError, match="use method 'eagle3'"):
-        Engine(loaded, eos_token_ids=[], speculative_config={"method": "eagle"})
+        Engine(app, eos_token_ids=[], speculative_config={"method": "eagle"})
 
 
 # --- configuration and checkpoints ---
@@ -293,3 +304,49 @@ def test_config_and_checkpoint_errors(target, draft, tmp_path):
     save_file(weights, no_map / "model.safetensors")
     with pytest.raises(CheckpointError, match="has no d2t map"):
         eagle_app(target, no_map, is_eagle3=True)
+    with pytest.raises(CheckpointError, match=r"is an EAGLE-3 head .* set is_eagle3=True"):
+        eagle_app(target, draft)
+    eagle1 = make_eagle_draft(target, tmp_path / "eagle1")
+    with pytest.raises(CheckpointError, match=r"is an EAGLE-1 head .* set is_eagle3=False"):
+        eagle_app(target, eagle1, is_eagle3=True)
+
+
+# --- the trained head for pycoder-tiny ---
+
+MODELS = Path("/work/shared/models")
+EAGLE3_HEAD = Path(__file__).resolve().parents[1] / "examples" / "models" / "pycoder-tiny-eagle3"
+# Measured when the head was shipped: 2.363 tokens per call against EAGLE-1's 2.438 (0.97x;
+# the issue's goal is 1.2x, not met by 24 minutes of CPU training, see the docs). The bound
+# guards against a head that loads or runs wrongly, which would accept next to nothing.
+EAGLE3_OVER_EAGLE1 = 0.95
+
+
+@pytest.mark.skipif(
+    not (MODELS / "pycoder-tiny" / "model.safetensors").is_file(),
+    reason=f"the trained models are not in {MODELS}",
+)
+def test_pycoder_head_is_lossless_and_accepted():
+    """The shipped EAGLE-3 head (``examples/train_eagle3.py``) against the EAGLE-1 draft, k=4
+    chains, greedy, on the held-out prompts: both lossless, and the head accepts about as much
+    (see ``EAGLE3_OVER_EAGLE1``)."""
+    prompts = [json.loads(line) for line in (MODELS / "prompts.jsonl").open()]
+    prompts = [p["input_ids"] for p in prompts if p["kind"] == "file_start"][:20]
+    options = {"batch_size": 4, "seq_len": 136, "max_context_length": 64}
+    target = MODELS / "pycoder-tiny"
+    apps = {
+        "eagle1": eagle_app(target, MODELS / "pycoder-tiny-eagle", k=4, **options),
+        "eagle3": eagle_app(target, EAGLE3_HEAD, k=4, is_eagle3=True, **options),
+    }
+    plain = plain_app(target, **options)
+    per_call = {name: [0, 0] for name in apps}
+    for start in range(0, 20, 4):
+        ids = torch.tensor(prompts[start : start + 4])
+        mask = torch.ones_like(ids)
+        expected = speculate(plain, ids, mask, 64, eos_token_id=None)
+        for name, app in apps.items():
+            assert torch.equal(speculate(app, ids, mask, 64, eos_token_id=None), expected)
+            per_call[name][0] += app.speculation_stats.emitted
+            per_call[name][1] += app.speculation_stats.row_calls
+    eagle1, eagle3 = (emitted / calls for emitted, calls in per_call.values())
+    print(f"pycoder-tiny tokens per target call, k=4: EAGLE-1 {eagle1:.3f}, EAGLE-3 {eagle3:.3f}")
+    assert eagle3 >= EAGLE3_OVER_EAGLE1 * eagle1

@@ -31,6 +31,11 @@ CONFIGS = {
         "model": str(SHIPPED / "pycoder-tiny-eagle"),
         "num_speculative_tokens": 3,
     },
+    "eagle3": {
+        "method": "eagle3",
+        "model": str(SHIPPED / "pycoder-tiny-eagle3"),
+        "num_speculative_tokens": 3,
+    },
 }
 
 

@@ -120,6 +120,12 @@ def merge_draft_state_dict(state_dict: dict[str, Any], config: Any) -> dict[str,
             f"the EAGLE draft {draft_path} has no {LM_HEAD}; copy the target's into it with "
             f"python -m nxdplug.plugins.eagle.checkpoint --target <target> --draft {draft_path}"
         )
+    is_eagle3_head = any(name.startswith("midlayer.") for name in draft)
+    if is_eagle3_head != bool(neuron_config.is_eagle3):
+        kind, setting = ("an EAGLE-3", "True") if is_eagle3_head else ("an EAGLE-1", "False")
+        raise CheckpointError(
+            f"the draft {draft_path} is {kind} head (its tensors); set is_eagle3={setting}"
+        )
     if neuron_config.is_eagle3:
         draft = eagle3_tensors(draft, state_dict, config.fused_spec_config.draft_config)
         return state_dict | {DRAFT_PREFIX + name: tensor for name, tensor in draft.items()}

@@ -37,10 +37,11 @@ class EagleCommandLine:
         return {}  # --speculation-length is a core NeuronConfig option
 
     def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
-        """The draft of --draft-model-path, or of serve's --speculative-config (``eagle``)."""
+        """The draft of --draft-model-path, or of serve's --speculative-config (``eagle`` or
+        ``eagle3``)."""
         path = getattr(args, "draft_model_path", None)
         speculative = getattr(args, "speculative_config", None)
-        if path is None and speculative is not None and speculative.method == "eagle":
+        if path is None and speculative is not None and speculative.method in ("eagle", "eagle3"):
             path = Path(speculative.model)
         if path is not None:
             attach_fused_draft(config, path)
