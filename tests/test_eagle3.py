@@ -123,9 +123,9 @@ def draft(target, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def guessing(target, tmp_path_factory) -> Path:
-    """A head over the whole vocabulary that guesses right often enough to exercise
+    """A head over most of the vocabulary that guesses right often enough to exercise
     acceptance."""
-    return make_eagle3_draft(target, tmp_path_factory.mktemp("eagle3") / "guess", 512, bigram=True)
+    return make_eagle3_draft(target, tmp_path_factory.mktemp("eagle3") / "guess", 448, bigram=True)
 
 
 # --- the draft's math, against a forward written from the format ---
@@ -250,8 +250,9 @@ def test_output_is_the_targets(target, draft, guessing, lengths, tree):
 
 def test_compiled_tree_matches_eager(target, guessing, tmp_path):
     """The compiled tree graph (the target read at three layers, the draft's fc and 2h-wide
-    attention, the tree's levels and mask) speculates as the eager one. The EAGLE-1 chain's
-    graphs are compiled in ``test_eagle.py``; both share the phases' code."""
+    attention, its vocabulary map, the tree's levels and mask) speculates as the eager one.
+    The EAGLE-1 chain's graphs are compiled in ``test_eagle.py``; both share the phases'
+    code."""
     ids, mask = random_prompts(512, (4, 10), seed=6)
     options = {"is_eagle3": True, "token_tree_config": TREE, "enable_bucketing": False}
     eager_app = eagle_app(target, guessing, 8, **options)
@@ -350,3 +351,20 @@ def test_pycoder_head_is_lossless_and_accepted():
     eagle1, eagle3 = (emitted / calls for emitted, calls in per_call.values())
     print(f"pycoder-tiny tokens per target call, k=4: EAGLE-1 {eagle1:.3f}, EAGLE-3 {eagle3:.3f}")
     assert eagle3 >= EAGLE3_OVER_EAGLE1 * eagle1
+
+
+def test_the_benchmarks_baseline_drops_the_draft_settings():
+    """``nxdplug benchmark`` compares with the same target without speculation."""
+    from nxdplug import NeuronConfig
+    from nxdplug.cli.speculation import without_speculation
+
+    speculating = NeuronConfig(
+        enable_eagle_speculation=True,
+        is_eagle3=True,
+        speculation_length=8,
+        token_tree_config=TREE,
+        trace_tokengen_model=False,
+    )
+    plain = without_speculation(speculating)
+    assert not (plain.enable_eagle_speculation or plain.is_eagle3 or plain.enable_token_tree)
+    assert plain.token_tree_config is None and plain.trace_tokengen_model

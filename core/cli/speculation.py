@@ -41,8 +41,9 @@ def without_speculation(neuron_config: Any) -> Any:
     for mode in get_registry().records("speculation_modes"):
         for name in mode.enabled_by:
             setattr(plain, name, getattr(defaults, name, None))
-    # NxD Inference's draft tree is read only while speculating.
+    # NxD Inference's settings of the fused draft are read only while speculating.
     plain.token_tree_config, plain.enable_token_tree = None, False
+    plain.is_eagle3 = False
     plain.trace_tokengen_model = True
     return plain
 

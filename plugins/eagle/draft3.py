@@ -83,7 +83,8 @@ class Eagle3DraftModel(nn.Module):
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = ColumnParallelLinear(hidden, draft_vocab, bias=False)
-        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        # A weight, not a buffer: compiled graphs take weights as inputs but bake buffers in.
+        self.d2t = nn.Parameter(torch.zeros(draft_vocab, dtype=torch.long), requires_grad=False)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
         self.target_vocab = target_config.vocab_size
         self.layers_read = feature_layers(target_config.num_hidden_layers)
