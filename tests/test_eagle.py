@@ -231,14 +231,19 @@ def test_compiled_matches_eager(target, draft, tmp_path):
     plain = HuggingFaceGenerationAdapter(plain_app(target))
     expected = plain.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
     engine = Engine(loaded, eos_token_ids=[], speculative_config={"method": "eagle"})
+    assert engine_outputs(engine, ids, mask, 20) == expected[:, ids.shape[1] :].tolist()
+    assert engine.speculation.metrics.accepted_tokens > 0
+
+
+def engine_outputs(engine: Engine, ids: torch.Tensor, mask: torch.Tensor, new: int) -> list:
+    """Each prompt's greedy tokens from ``engine``, in the prompts' order."""
     rows = [row[real.bool()].tolist() for row, real in zip(ids, mask, strict=True)]
-    order = [engine.add_request(row, SamplingSettings(20, 0)) for row in rows]
+    order = [engine.add_request(row, SamplingSettings(new, 0)) for row in rows]
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for output in engine.step():
             tokens.setdefault(output.request_id, []).extend(output.token_ids)
-    assert [tokens[r] for r in order] == expected[:, ids.shape[1] :].tolist()
-    assert engine.speculation.metrics.accepted_tokens > 0
+    return [tokens[request] for request in order]
 
 
 # --- pycoder-tiny ---

@@ -20,6 +20,7 @@ from test_eagle import (
     bigram_target,
     eagle_app,
     eagle_config,
+    engine_outputs,
     make_eagle_draft,
     plain_app,
     problems_of,
@@ -29,7 +30,7 @@ from test_eagle import (
 from transformers import AutoModelForCausalLM
 
 from nxdplug.contrib_models.llama import NeuronLlamaForCausalLM
-from nxdplug.engine import Engine, SamplingSettings
+from nxdplug.engine import Engine
 from nxdplug.errors import CheckpointError, ConfigError
 from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
 from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG
@@ -273,14 +274,8 @@ def test_the_engine_serves_eagle3(target, guessing):
     ids, mask = random_prompts(512, (4, 10), seed=6)
     app = eagle_app(target, guessing, is_eagle3=True, is_continuous_batching=True)
     engine = Engine(app, eos_token_ids=[], speculative_config={"method": "eagle3"})
-    rows = [row[real.bool()].tolist() for row, real in zip(ids, mask, strict=True)]
-    order = [engine.add_request(row, SamplingSettings(20, 0)) for row in rows]
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for output in engine.step():
-            tokens.setdefault(output.request_id, []).extend(output.token_ids)
     plain = speculate(plain_app(target), ids, mask, 20, eos_token_id=None)
-    assert [tokens[r] for r in order] == plain[:, ids.shape[1] :].tolist()
+    assert engine_outputs(engine, ids, mask, 20) == plain[:, ids.shape[1] :].tolist()
     assert engine.speculation.metrics.accepted_tokens > 0
     with pytest.raises(ConfigError, match="use method 'eagle3'"):
         Engine(app, eos_token_ids=[], speculative_config={"method": "eagle"})

@@ -74,11 +74,9 @@ class EagleDraftModel(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         x = self.fc(torch.cat((x, features.to(x.dtype)), dim=-1))
-        rope = self.rotary_emb(position_ids if rotary_positions is None else rotary_positions)
-        if tree_mask is None:
-            mask = attention_mask_4d(attention_mask, position_ids, None)
-        else:
-            mask = tree_mask[:, None].bool()
+        rope, mask = pair_attention(
+            self.rotary_emb, attention_mask, position_ids, tree_mask, rotary_positions
+        )
         length = attention_mask.shape[-1]
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, mask, CacheSlot(self.kv_mgr, index, position_ids, seq_ids, length))
@@ -99,6 +97,22 @@ class EagleDraftModel(nn.Module):
         EAGLE-1 reads."""
         final = model.hidden_states(step, masks, rotary_positions)
         return final, final
+
+
+def pair_attention(
+    rotary_emb: nn.Module,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    tree_mask: torch.Tensor | None,
+    rotary_positions: torch.Tensor | None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The rotary tables and [batch, 1, pairs, keys] mask of a draft step: each pair sees the
+    valid slots up to its own, at the rotary position of its slot; or a tree's own mask and
+    rotary positions."""
+    rope = rotary_emb(position_ids if rotary_positions is None else rotary_positions)
+    if tree_mask is None:
+        return rope, attention_mask_4d(attention_mask, position_ids, None)
+    return rope, tree_mask[:, None].bool()
 
 
 def feature_size(config: Any) -> int:

@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.modules.attention import NeuronAttentionBase, attention_mask_4d, head_dim_of
+from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
 from nxdplug.modules.kv_cache import CacheSlot
 from nxdplug.modules.mlp import GatedMLP
 from nxdplug.modules.norms import RMSNorm
 from nxdplug.modules.parallel_linear import ColumnParallelLinear, ParallelEmbedding
 from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
-from nxdplug.plugins.eagle.draft import draft_cache
+from nxdplug.plugins.eagle.draft import draft_cache, pair_attention
 from nxdplug.runtime.step import StepInputs
 
 
@@ -106,11 +106,9 @@ class Eagle3DraftModel(nn.Module):
         are :class:`~nxdplug.plugins.eagle.draft.EagleDraftModel`'s."""
         feature = self.fc(features) if features.shape[-1] == self.feature_size else features
         embeds = self.embed_tokens(input_ids).to(feature.dtype)
-        rope = self.rotary_emb(position_ids if rotary_positions is None else rotary_positions)
-        if tree_mask is None:
-            mask = attention_mask_4d(attention_mask, position_ids, None)
-        else:
-            mask = tree_mask[:, None].bool()
+        rope, mask = pair_attention(
+            self.rotary_emb, attention_mask, position_ids, tree_mask, rotary_positions
+        )
         length = attention_mask.shape[-1]
         cache = CacheSlot(self.kv_mgr, 0, position_ids, seq_ids, length)
         return self.midlayer(embeds, feature, rope, mask, cache)

@@ -176,14 +176,20 @@ class EagleSpeculationWrapper(ModelWrapper):
     def forward(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
         """One speculation step (see :meth:`EagleSpeculationPhase.forward`), its attention mask
         all ones over the smallest bucket holding every position this step writes."""
-        rows = step.rows
-        self.check_ready(rows)
-        k_plus_two = self.speculation_length + 2  # the target writes up to base + k + 1
-        positions, count = step.position_ids, step["pending_count"]
-        base = positions.gather(1, (count - 1)[:, None])
-        needed = int(torch.maximum(positions[:, -1:] + 1, base + k_plus_two).max())
-        mask = torch.ones(rows, self.bucket_for(needed), dtype=torch.long, device=positions.device)
-        return self.run_padded(rows, step.replace(attention_mask=mask))
+        # The target writes [x_{L-1}, d_1..d_k] up to k + 1 slots past the newest pair's.
+        return run_over_bucket(self, step, self.speculation_length + 1)
+
+
+def run_over_bucket(wrapper: ModelWrapper, step: StepInputs, last_offset: int) -> Any:
+    """Run a fused step with its attention mask all ones over the smallest bucket that holds
+    every slot it writes: its pending pairs', and ``last_offset`` slots past the newest one."""
+    rows = step.rows
+    wrapper.check_ready(rows)
+    positions, count = step.position_ids, step["pending_count"]
+    base = positions.gather(1, (count - 1)[:, None])
+    needed = int(torch.maximum(positions[:, -1:] + 1, base + last_offset + 1).max())
+    mask = torch.ones(rows, wrapper.bucket_for(needed), dtype=torch.long, device=positions.device)
+    return wrapper.run_padded(rows, step.replace(attention_mask=mask))
 
 
 def add_submodels(context: Any) -> list[ModelWrapper]:

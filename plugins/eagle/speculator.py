@@ -59,36 +59,13 @@ class EagleSpeculator:
 
     def generate(self, request: SpeculativeRequest) -> torch.Tensor:
         app, k = self.application, self.k
-        self._refuse_proposers(request)
-        app.reset()
-        stats = app.speculation_stats = AcceptanceStats()
-        tokens, mask, positions = compact_left(
-            request.input_ids, request.attention_mask, positions_from_mask(request.attention_mask)
-        )
-        lengths = mask.sum(dim=-1)
-        self._check_length(int(lengths.max()), request.max_new_tokens)
-        batch = tokens.shape[0]
-        device = tokens.device
-        seq_ids = torch.arange(batch, device=device)
-        rows = GeneratedRows(
-            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id, device
-        )
-        if request.max_new_tokens <= 0:
+        rows, seq_ids, pending = self._begin(request, k + 1)
+        if pending is None:
             return rows.sequences(request.input_ids)
-
-        logits, feature = self.context(StepInputs(tokens, mask, positions, seq_ids))
-        first = request.target_choice.choose(request.first_scores(logits[:, -1]))
-        rows.commit(first[:, None], torch.ones(batch, dtype=torch.long, device=device))
-
+        stats = app.speculation_stats
+        pending_tokens, pending_features, pending_positions, pending_count = pending
+        batch, device = pending_tokens.shape[0], pending_tokens.device
         offsets = torch.arange(k + 1, device=device)
-        pending_tokens = torch.full(
-            (batch, k + 1), request.pad_token_id, dtype=torch.long, device=device
-        )
-        pending_tokens[:, 0] = first
-        pending_features = feature.new_zeros(batch, k + 1, feature.shape[-1])
-        pending_features[:, :1] = feature
-        pending_positions = (lengths - 1)[:, None] + offsets
-        pending_count = torch.ones(batch, dtype=torch.long, device=device)
         inv_temperature = self._inv_temperature(request.choice, batch, device)
         while not rows.done:
             noise_shape = (batch, k, app.config.vocab_size)
@@ -128,6 +105,42 @@ class EagleSpeculator:
             pending_positions = torch.where(keep, base + 1 + offsets, pending_positions)
             pending_count = torch.where(going_on, counts, pending_count)
         return rows.sequences(request.input_ids)
+
+    def _begin(
+        self, request: SpeculativeRequest, width: int
+    ) -> tuple[GeneratedRows, torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """Encode the prompts (compacted to the left) and choose each row's first token.
+        Returns the rows, their cache lines, and the first pending pairs, ``width`` slots a
+        row: tokens, features, draft positions and counts (one pair: the first token with the
+        prompt's last feature); None for the pairs when no token is asked for."""
+        app = self.application
+        self._refuse_proposers(request)
+        app.reset()
+        app.speculation_stats = AcceptanceStats()
+        tokens, mask, positions = compact_left(
+            request.input_ids, request.attention_mask, positions_from_mask(request.attention_mask)
+        )
+        lengths = mask.sum(dim=-1)
+        self._check_length(int(lengths.max()), request.max_new_tokens)
+        batch, device = tokens.shape[0], tokens.device
+        seq_ids = torch.arange(batch, device=device)
+        rows = GeneratedRows(
+            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id, device
+        )
+        if request.max_new_tokens <= 0:
+            return rows, seq_ids, None
+        logits, feature = self.context(StepInputs(tokens, mask, positions, seq_ids))
+        first = request.target_choice.choose(request.first_scores(logits[:, -1]))
+        rows.commit(first[:, None], torch.ones(batch, dtype=torch.long, device=device))
+        pending_tokens = torch.full(
+            (batch, width), request.pad_token_id, dtype=torch.long, device=device
+        )
+        pending_tokens[:, 0] = first
+        pending_features = feature.new_zeros(batch, width, feature.shape[-1])
+        pending_features[:, :1] = feature
+        pending_positions = (lengths - 1)[:, None] + torch.arange(width, device=device)
+        pending_count = torch.ones(batch, dtype=torch.long, device=device)
+        return rows, seq_ids, (pending_tokens, pending_features, pending_positions, pending_count)
 
     @staticmethod
     def _refuse_proposers(request: SpeculativeRequest) -> None:

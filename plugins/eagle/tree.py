@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from nxdplug.plugins.eagle.draft import feature_size
-from nxdplug.plugins.eagle.fused import gather_rows
+from nxdplug.plugins.eagle.fused import gather_rows, run_over_bucket
 from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG, ModelWrapper
 from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.token_tree import TokenTree, tree_attention
@@ -135,14 +135,8 @@ class EagleTreeWrapper(ModelWrapper):
     def forward(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
         """One tree step (see :meth:`EagleTreePhase.forward`), its attention mask all ones over
         the smallest bucket holding every slot this step writes."""
-        rows = step.rows
-        self.check_ready(rows)
-        positions, count = step.position_ids, step["pending_count"]
-        base = positions.gather(1, (count - 1)[:, None])
-        # The target writes the last node at base + 1 + (n - 1).
-        needed = int(torch.maximum(positions[:, -1:] + 1, base + self.tree.node_nums + 1).max())
-        mask = torch.ones(rows, self.bucket_for(needed), dtype=torch.long, device=positions.device)
-        return self.run_padded(rows, step.replace(attention_mask=mask))
+        # The target writes the last node n slots past the newest pair's.
+        return run_over_bucket(self, step, self.tree.node_nums)
 
 
 def add_tree_submodel(context: Any) -> ModelWrapper:

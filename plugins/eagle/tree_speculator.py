@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from nxdplug.plugins.eagle.speculator import EagleSpeculator
-from nxdplug.runtime.scheduled_step import compact_left, positions_from_mask
-from nxdplug.runtime.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest
+from nxdplug.runtime.speculation import SpeculativeRequest
 from nxdplug.runtime.step import StepInputs
 
 
@@ -37,36 +36,14 @@ class EagleTreeSpeculator(EagleSpeculator):
 
     def generate(self, request: SpeculativeRequest) -> torch.Tensor:
         app, tree = self.application, self.tree
-        self._refuse_proposers(request)
-        app.reset()
-        stats = app.speculation_stats = AcceptanceStats()
-        tokens, mask, positions = compact_left(
-            request.input_ids, request.attention_mask, positions_from_mask(request.attention_mask)
-        )
-        lengths = mask.sum(dim=-1)
-        self._check_length(int(lengths.max()), request.max_new_tokens)
-        batch, device = tokens.shape[0], tokens.device
-        seq_ids = torch.arange(batch, device=device)
-        rows = GeneratedRows(
-            batch, request.max_new_tokens, request.eos_token_ids, request.pad_token_id, device
-        )
-        if request.max_new_tokens <= 0:
+        rows, seq_ids, pending = self._begin(request, tree.depth)
+        if pending is None:
             return rows.sequences(request.input_ids)
-
-        logits, feature = self.context(StepInputs(tokens, mask, positions, seq_ids))
+        stats = app.speculation_stats
+        pending_tokens, pending_features, pending_positions, pending_count = pending
+        batch, device = pending_tokens.shape[0], pending_tokens.device
         choose = request.target_choice.choose
-        first = choose(request.first_scores(logits[:, -1]))
-        rows.commit(first[:, None], torch.ones(batch, dtype=torch.long, device=device))
-
         steps = torch.arange(tree.depth, device=device)
-        pending_tokens = torch.full(
-            (batch, tree.depth), request.pad_token_id, dtype=torch.long, device=device
-        )
-        pending_tokens[:, 0] = first
-        pending_features = feature.new_zeros(batch, tree.depth, feature.shape[-1])
-        pending_features[:, :1] = feature
-        pending_positions = (lengths - 1)[:, None] + steps
-        pending_count = torch.ones(batch, dtype=torch.long, device=device)
         kv_mgr = app.loaded_model.kv_mgr
         picked = torch.arange(batch, device=device)
         while not rows.done:
