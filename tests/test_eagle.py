@@ -5,7 +5,8 @@ Measured when the tests were written (CPU, float32):
 - pycoder-tiny + pycoder-tiny-eagle, the first 20 ``file_start`` prompts, 64 new tokens, k=4,
   greedy, batch 4: 525 target calls per row in all, 1.438 drafts accepted per call (2.438
   tokens per call, acceptance rate 36%), against the README's chain simulation: 525 steps,
-  1.417 accepted (2.42 tokens per step).
+  1.417 accepted (2.42 tokens per step); a 9-node token tree with the same four draft levels:
+  2.84 tokens per call (1.16x).
 - the output always equals the target's own greedy output (eager and compiled), and with
   sampling the distribution of the speculated positions is the target's (chi-square).
 """
@@ -249,27 +250,6 @@ def engine_outputs(engine: Engine, ids: torch.Tensor, mask: torch.Tensor, new: i
 # --- pycoder-tiny ---
 
 
-@needs_models
-def test_pycoder_acceptance_and_losslessness():
-    prompts = [json.loads(line) for line in (MODELS / "prompts.jsonl").open()]
-    prompts = [p["input_ids"] for p in prompts if p["kind"] == "file_start"][:20]
-    options = {"batch_size": 4, "seq_len": 136, "max_context_length": 64}
-    app = eagle_app(PYCODER, PYCODER_EAGLE, k=4, **options)
-    plain = HuggingFaceGenerationAdapter(plain_app(PYCODER, **options))
-    accepted = calls = 0
-    for start in range(0, 20, 4):
-        ids = torch.tensor(prompts[start : start + 4])
-        mask = torch.ones_like(ids)
-        expected = plain.generate(ids, attention_mask=mask, max_new_tokens=64, eos_token_id=None)
-        out = speculate(app, ids, mask, 64, eos_token_id=None)
-        assert torch.equal(out, expected)
-        accepted += app.speculation_stats.accepted
-        calls += app.speculation_stats.row_calls
-    mean_accepted = accepted / calls
-    print(f"pycoder-tiny EAGLE k=4: {mean_accepted:.3f} accepted, {mean_accepted + 1:.3f} tokens")
-    assert abs(mean_accepted - 1.417) < 0.1  # the README's chain simulation (2.42 tokens)
-
-
 # --- token trees (token_tree_config) ---
 
 TREE = {0: [1, 2, 3], 1: [4, 5], 2: [6], 4: [7]}  # 8 nodes, depth 4
@@ -334,8 +314,9 @@ PYCODER_TREE = {0: [1, 2], 1: [3, 4], 2: [5], 3: [6], 4: [7], 6: [8]}
 
 @needs_models
 def test_pycoder_tree_is_lossless_and_beats_the_chain():
-    """On the held-out prompts, the tree keeps more tokens per target call than the chain with
-    the same draft levels (measured: 2.84 against 2.44 tokens per call, 1.16x)."""
+    """On the held-out prompts, the k=4 chain accepts as the models README's simulation says,
+    and the tree keeps more tokens per target call than the chain with the same draft levels
+    (measured: 2.84 against 2.44 tokens per call, 1.16x)."""
     prompts = [json.loads(line) for line in (MODELS / "prompts.jsonl").open()]
     prompts = [p["input_ids"] for p in prompts if p["kind"] == "file_start"][:20]
     options = {"batch_size": 4, "seq_len": 144, "max_context_length": 64}
@@ -355,6 +336,7 @@ def test_pycoder_tree_is_lossless_and_beats_the_chain():
             per_call[name][1] += app.speculation_stats.row_calls
     chain_rate, tree_rate = (emitted / calls for emitted, calls in per_call.values())
     print(f"pycoder-tiny EAGLE tokens per call: chain {chain_rate:.3f}, tree {tree_rate:.3f}")
+    assert abs(chain_rate - 2.417) < 0.1  # the models README's chain simulation (2.42 tokens)
     assert tree_rate >= 1.15 * chain_rate
 
 
