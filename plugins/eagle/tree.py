@@ -6,7 +6,7 @@ drafts a tree level by level and the target verifies every node in the same call
 
 1. the draft encodes the pending pairs, as in the chain; its prediction at the last of them
    is the root's (the root is x_{L-1}, the newest committed token);
-2. level by level, each node's children are its draft's best tokens (``lm_head`` of the
+2. level by level, each node's children are its draft's best tokens (the draft's scores at the
    node's predicted feature, top ``children`` in rank order); a node at depth d >= 1 is then
    encoded as the pair (its token, its parent's predicted feature) at rotary position
    ``base + d``, written at draft cache slot ``base + node``, seeing the slots up to
