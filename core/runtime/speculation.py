@@ -148,10 +148,7 @@ class SpeculativeRequest:
             return logits
         chosen = active.nonzero().squeeze(-1).tolist()
         continuations = [[row[:j] for j in range(len(row) + 1)] for row in drafts[chosen].tolist()]
-        scores = logits.float().clone()
-        processed = self.processors.verified(logits[chosen], chosen, rows.tokens, continuations)
-        scores[chosen] = processed
-        return scores
+        return self._processed(logits, chosen, rows, continuations)
 
     def tree_scores(
         self,
@@ -172,6 +169,18 @@ class SpeculativeRequest:
             [[row[node] for node in chain[1:]] for chain in chains]
             for row in tokens[chosen].tolist()
         ]
+        return self._processed(logits, chosen, rows, continuations)
+
+    def _processed(
+        self,
+        logits: torch.Tensor,
+        chosen: list[int],
+        rows: GeneratedRows,
+        continuations: list[list[list[int]]],
+    ) -> torch.Tensor:
+        """``logits`` with the ``chosen`` rows' positions processed after their
+        continuations; the other rows' left as they are."""
+        assert self.processors is not None
         scores = logits.float().clone()
         processed = self.processors.verified(logits[chosen], chosen, rows.tokens, continuations)
         scores[chosen] = processed

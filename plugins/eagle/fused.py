@@ -134,7 +134,11 @@ class EagleContextWrapper(ModelWrapper):
 
 class EagleSpeculationWrapper(ModelWrapper):
     """The fused speculation sub-model (token-generation buckets, spec batch size), whose
-    graphs take the pending pairs' features and the draft's sampling inputs too."""
+    graphs take the pending pairs' features and the draft's sampling inputs too.
+
+    A call takes ``pending_width`` pending pairs a row and its target writes up to
+    ``writes_past`` slots past the newest pair's; the tree's wrapper changes both.
+    """
 
     takes_step_inputs = False
     extra_input_names = ("pending_features", "pending_count", "draft_noise", "inv_temperature")
@@ -149,24 +153,41 @@ class EagleSpeculationWrapper(ModelWrapper):
         )
         self.speculation_length = self.neuron_config.speculation_length
 
+    @property
+    def pending_width(self) -> int:
+        return self.speculation_length + 1
+
+    @property
+    def writes_past(self) -> int:
+        """[x_{L-1}, d_1..d_k]: up to k + 1 slots past the newest pair's."""
+        return self.speculation_length + 1
+
     def phase_module(self, model: nn.Module) -> nn.Module:
         return EagleSpeculationPhase(model, self.speculation_length)
 
-    def input_generator(self) -> list[StepInputs]:
-        batch, k = self.batch_size, self.speculation_length
-        hidden, vocab = feature_size(self.config), self.config.vocab_size
-        dtype, device = self.neuron_config.torch_dtype, self.device
-        extra = {
-            "pending_features": torch.zeros(batch, k + 1, hidden, dtype=dtype, device=device),
-            "pending_count": torch.ones(batch, dtype=torch.long, device=device),
+    def sampling_inputs(self, batch: int) -> dict[str, torch.Tensor]:
+        """Example inputs of the draft's sampling, for tracing."""
+        k, vocab, device = self.speculation_length, self.config.vocab_size, self.device
+        return {
             "draft_noise": torch.zeros(batch, k, vocab, device=device),
             "inv_temperature": torch.ones(batch, 1, device=device),
         }
+
+    def input_generator(self) -> list[StepInputs]:
+        batch, width, device = self.batch_size, self.pending_width, self.device
+        dtype = self.neuron_config.torch_dtype
+        extra = {
+            "pending_features": torch.zeros(
+                batch, width, feature_size(self.config), dtype=dtype, device=device
+            ),
+            "pending_count": torch.ones(batch, dtype=torch.long, device=device),
+            **self.sampling_inputs(batch),
+        }
         return [
             StepInputs(
-                torch.zeros(batch, k + 1, dtype=torch.long, device=device),
+                torch.zeros(batch, width, dtype=torch.long, device=device),
                 torch.ones(batch, bucket, dtype=torch.long, device=device),
-                torch.arange(k + 1, device=device).expand(batch, k + 1).contiguous(),
+                torch.arange(width, device=device).expand(batch, width).contiguous(),
                 torch.arange(batch, dtype=torch.long, device=device),
                 extra,
             )
@@ -174,22 +195,16 @@ class EagleSpeculationWrapper(ModelWrapper):
         ]
 
     def forward(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
-        """One speculation step (see :meth:`EagleSpeculationPhase.forward`), its attention mask
-        all ones over the smallest bucket holding every position this step writes."""
-        # The target writes [x_{L-1}, d_1..d_k] up to k + 1 slots past the newest pair's.
-        return run_over_bucket(self, step, self.speculation_length + 1)
-
-
-def run_over_bucket(wrapper: ModelWrapper, step: StepInputs, last_offset: int) -> Any:
-    """Run a fused step with its attention mask all ones over the smallest bucket that holds
-    every slot it writes: its pending pairs', and ``last_offset`` slots past the newest one."""
-    rows = step.rows
-    wrapper.check_ready(rows)
-    positions, count = step.position_ids, step["pending_count"]
-    base = positions.gather(1, (count - 1)[:, None])
-    needed = int(torch.maximum(positions[:, -1:] + 1, base + last_offset + 1).max())
-    mask = torch.ones(rows, wrapper.bucket_for(needed), dtype=torch.long, device=positions.device)
-    return wrapper.run_padded(rows, step.replace(attention_mask=mask))
+        """One speculation step, its attention mask all ones over the smallest bucket that
+        holds every slot it writes: its pending pairs', and ``writes_past`` slots past the
+        newest one."""
+        rows = step.rows
+        self.check_ready(rows)
+        positions, count = step.position_ids, step["pending_count"]
+        base = positions.gather(1, (count - 1)[:, None])
+        needed = int(torch.maximum(positions[:, -1:] + 1, base + self.writes_past + 1).max())
+        mask = torch.ones(rows, self.bucket_for(needed), dtype=torch.long, device=positions.device)
+        return self.run_padded(rows, step.replace(attention_mask=mask))
 
 
 def add_submodels(context: Any) -> list[ModelWrapper]:

@@ -28,9 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.plugins.eagle.draft import feature_size
-from nxdplug.plugins.eagle.fused import gather_rows, run_over_bucket
-from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG, ModelWrapper
+from nxdplug.plugins.eagle.fused import EagleSpeculationWrapper, gather_rows
+from nxdplug.runtime.model_wrapper import ModelWrapper
 from nxdplug.runtime.step import StepInputs
 from nxdplug.runtime.token_tree import TokenTree, tree_attention
 
@@ -94,49 +93,30 @@ class EagleTreePhase(nn.Module):
         return candidates, self.model.lm_head(final).float(), features
 
 
-class EagleTreeWrapper(ModelWrapper):
-    """The fused speculation sub-model of a tree (token-generation buckets, spec batch size)."""
+class EagleTreeWrapper(EagleSpeculationWrapper):
+    """The fused speculation sub-model of a tree: a path's pending pairs in, the tree's n
+    nodes written past the newest pair's slot, no sampling inputs (the target draws at the
+    nodes on the host)."""
 
-    takes_step_inputs = False
     extra_input_names = ("pending_features", "pending_count")
 
     def __init__(self, config: Any, model_cls: type[nn.Module], tree: TokenTree) -> None:
-        super().__init__(
-            config,
-            model_cls,
-            tag=FUSED_SPECULATION_MODEL_TAG,
-            tokens_per_step=0,
-            batch_size=config.neuron_config.spec_batch_size,
-        )
+        super().__init__(config, model_cls)
         self.tree = tree
+
+    @property
+    def pending_width(self) -> int:
+        return self.tree.depth
+
+    @property
+    def writes_past(self) -> int:
+        return self.tree.node_nums
 
     def phase_module(self, model: nn.Module) -> nn.Module:
         return EagleTreePhase(model, self.tree.on(self.device))
 
-    def input_generator(self) -> list[StepInputs]:
-        batch, depth, device = self.batch_size, self.tree.depth, self.device
-        extra = {
-            "pending_features": torch.zeros(
-                batch, depth, feature_size(self.config), dtype=self.neuron_config.torch_dtype
-            ).to(device),
-            "pending_count": torch.ones(batch, dtype=torch.long, device=device),
-        }
-        return [
-            StepInputs(
-                torch.zeros(batch, depth, dtype=torch.long, device=device),
-                torch.ones(batch, bucket, dtype=torch.long, device=device),
-                torch.arange(depth, device=device).expand(batch, depth).contiguous(),
-                torch.arange(batch, dtype=torch.long, device=device),
-                extra,
-            )
-            for bucket in self.buckets
-        ]
-
-    def forward(self, step: StepInputs) -> tuple[torch.Tensor, ...]:
-        """One tree step (see :meth:`EagleTreePhase.forward`), its attention mask all ones over
-        the smallest bucket holding every slot this step writes."""
-        # The target writes the last node n slots past the newest pair's.
-        return run_over_bucket(self, step, self.tree.node_nums)
+    def sampling_inputs(self, batch: int) -> dict[str, torch.Tensor]:
+        return {}
 
 
 def add_tree_submodel(context: Any) -> ModelWrapper:
