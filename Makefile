@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test lint format
+.PHONY: install demo test lint format core-share
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -42,3 +42,7 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+# How much of the shipped Python is the core (its packages' lines, then the share).
+core-share:
+	python3 .ci/core_share.py

@@ -26,14 +26,13 @@ from nxdplug.types import (
     ParallelGroup,
     QuantizationMethod,
     QuantizedCheckpointFormat,
-    ReasoningParser,
+    RecordKind,
     Sampler,
-    ServingRoute,
     SpeculationMode,
     StateDictConverter,
     StepInput,
     StructuredOutputBackend,
-    ToolParser,
+    Subcommand,
 )
 
 if TYPE_CHECKING:
@@ -42,6 +41,7 @@ if TYPE_CHECKING:
 
     from nxdplug.config import InferenceConfig
     from nxdplug.engine.token_choice import GraphSampling
+    from nxdplug.manager import NxdPlugPluginManager
     from nxdplug.pipeline import PipelineContext
     from nxdplug.runtime.generation import TokenSource
 
@@ -259,6 +259,22 @@ class CommandLineSpecs:
     """What plugins add to the ``nxdplug`` command."""
 
     @hookspec
+    def nxdplug_commands(self) -> Iterable[Subcommand]:
+        """Register a command of its own (``nxdplug serve``, ``nxdplug benchmark`` are such).
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_commands():
+                yield Subcommand(
+                    name="my-report",
+                    description="print what my plugin measured",
+                    add_arguments="my_pkg.cli:add_report_arguments",
+                    run="my_pkg.cli:run_report",
+                )
+        """
+
+    @hookspec
     def nxdplug_cli_extensions(self) -> Iterable[CliExtension]:
         """Register command-line behaviour of a feature (options, config preparation, the
         keywords it gives ``generate()``).
@@ -271,56 +287,6 @@ class CommandLineSpecs:
                     name="my-draft",
                     implementation="my_pkg.cli:MyDraftCommandLine",
                     enabled_by=("my_speculation",),
-                )
-        """
-
-
-class ServingSpecs:
-    """What plugins add to ``nxdplug serve``."""
-
-    @hookspec
-    def nxdplug_serving_routes(self) -> Iterable[ServingRoute]:
-        """Register HTTP routes of a feature, run between the engine's steps.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_serving_routes():
-                yield ServingRoute(
-                    name="load-my-adapter",
-                    path="/v1/load_my_adapter",
-                    handler="my_pkg.routes:load_my_adapter",
-                    enabled_by=("my_adapters",),
-                )
-        """
-
-    @hookspec
-    def nxdplug_reasoning_parsers(self) -> Iterable[ReasoningParser]:
-        """Register a reader of the reasoning a model family writes before its answer, for
-        chat replies' ``reasoning_content`` (``nxdplug serve --reasoning-parser NAME``).
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_reasoning_parsers():
-                yield ReasoningParser(
-                    name="my-thoughts",
-                    implementation="my_pkg.reasoning:MyThoughtsSplitter",
-                )
-        """
-
-    @hookspec
-    def nxdplug_tool_parsers(self) -> Iterable[ToolParser]:
-        """Register a parser of the tool calls a model family writes, for chat completions'
-        ``tool_choice: "auto"`` (``nxdplug serve --tool-call-parser NAME``).
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_tool_parsers():
-                yield ToolParser(
-                    name="my-format",
-                    implementation="my_pkg.tool_calls:MyFormatParser",
                 )
         """
 
@@ -432,13 +398,77 @@ class PipelineSpecs:
         """
 
 
+class ExtensionSpecs:
+    """Hooks that plugins add for their own plugins (pytest's ``pytest_addhooks``)."""
+
+    @hookspec(historic=True)
+    def nxdplug_add_hookspecs(self, pluginmanager: NxdPlugPluginManager) -> None:
+        """Add a plugin's own hook specifications, and the record kinds its registration hooks
+        return, through ``pluginmanager.add_plugin_hookspecs``. Called once as the plugin
+        registers; a plugin implementing another plugin's hook marks it
+        ``@hookimpl(optionalhook=True)``, so that it still loads without that plugin.
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_add_hookspecs(pluginmanager):
+                pluginmanager.add_plugin_hookspecs(
+                    MyServerSpecs,
+                    RecordKind("my_routes", "nxdplug_my_routes", MyRoute, "my route"),
+                )
+        """
+
+
 SPEC_CLASSES = (
     ModelSpecs,
     NumericsSpecs,
     ExecutionSpecs,
     ParallelSpecs,
     CommandLineSpecs,
-    ServingSpecs,
     DecodingSpecs,
     PipelineSpecs,
+    ExtensionSpecs,
+)
+
+# The record each of the core's registration hooks returns (see :mod:`nxdplug.registry`).
+RECORD_KINDS = (
+    RecordKind("model_architectures", "nxdplug_model_architectures", ModelArchitecture, "model"),
+    RecordKind("config_loaders", "nxdplug_config_loaders", ConfigLoader, "config loader"),
+    RecordKind(
+        "state_dict_converters",
+        "nxdplug_state_dict_converters",
+        StateDictConverter,
+        "state-dict converter",
+    ),
+    RecordKind(
+        "quantization_methods",
+        "nxdplug_quantization_methods",
+        QuantizationMethod,
+        "quantization method",
+    ),
+    RecordKind(
+        "quantized_checkpoint_formats",
+        "nxdplug_quantized_checkpoint_formats",
+        QuantizedCheckpointFormat,
+        "quantized checkpoint format",
+    ),
+    RecordKind("samplers", "nxdplug_samplers", Sampler, "sampler"),
+    RecordKind(
+        "kv_cache_strategies", "nxdplug_kv_cache_strategies", KVCacheStrategy, "KV-cache strategy"
+    ),
+    RecordKind(
+        "speculation_modes", "nxdplug_speculation_modes", SpeculationMode, "speculation mode"
+    ),
+    RecordKind("step_inputs", "nxdplug_step_inputs", StepInput, "step input"),
+    RecordKind("parallel_groups", "nxdplug_parallel_groups", ParallelGroup, "process group"),
+    RecordKind("features", "nxdplug_features", Feature, "feature"),
+    RecordKind("compile_backends", "nxdplug_compile_backends", CompileBackend, "compile backend"),
+    RecordKind("cli_extensions", "nxdplug_cli_extensions", CliExtension, "command-line extension"),
+    RecordKind("commands", "nxdplug_commands", Subcommand, "command"),
+    RecordKind(
+        "structured_output_backends",
+        "nxdplug_structured_output_backends",
+        StructuredOutputBackend,
+        "structured-output backend",
+    ),
 )

@@ -14,7 +14,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,7 +22,14 @@ import attrs
 import pluggy
 
 from nxdplug.errors import PluginError
-from nxdplug.hookspecs import API_VERSION, API_VERSION_ATTRIBUTE, PROJECT_NAME, SPEC_CLASSES
+from nxdplug.hookspecs import (
+    API_VERSION,
+    API_VERSION_ATTRIBUTE,
+    PROJECT_NAME,
+    RECORD_KINDS,
+    SPEC_CLASSES,
+)
+from nxdplug.types import RecordKind
 
 ENTRY_POINT_GROUP = "nxdplug"
 STRICT_ENV = "NXDPLUG_STRICT_PLUGINS"
@@ -92,13 +99,30 @@ class NxdPlugPluginManager(pluggy.PluginManager):
         deny: frozenset[str] | None = None,
     ) -> None:
         super().__init__(PROJECT_NAME)
+        self.spec_classes: list[type] = []
+        self.record_kinds: dict[str, RecordKind] = {}
         for spec_class in SPEC_CLASSES:
-            self.add_hookspecs(spec_class)
+            self.add_plugin_hookspecs(spec_class)
+        self._add_record_kinds(RECORD_KINDS)
+        self.hook.nxdplug_add_hookspecs.call_historic(kwargs={"pluginmanager": self})
         self.strict = _strict_from_env() if strict is None else strict
         self.allow = _names_from_env(ALLOW_ENV) if allow is None else allow
         self.deny = (_names_from_env(DENY_ENV) or frozenset()) if deny is None else deny
         self.generation = 0
         self._infos: dict[str, PluginInfo] = {}
+
+    def add_plugin_hookspecs(self, spec_class: type, *kinds: RecordKind) -> None:
+        """Add the hooks declared on ``spec_class`` and the record kinds their registration
+        hooks return (``nxdplug_add_hookspecs``); a kind's name may be taken once."""
+        self.add_hookspecs(spec_class)
+        self.spec_classes.append(spec_class)
+        self._add_record_kinds(kinds)
+
+    def _add_record_kinds(self, kinds: Iterable[RecordKind]) -> None:
+        for kind in kinds:
+            if kind.name in self.record_kinds:
+                raise PluginError(f"the record kind {kind.name!r} is declared twice")
+            self.record_kinds[kind.name] = kind
 
     def register(self, plugin: Any, name: str | None = None) -> str | None:
         registered = super().register(plugin, name)
@@ -117,12 +141,15 @@ class NxdPlugPluginManager(pluggy.PluginManager):
         *,
         distribution: str | None = None,
         version: str | None = None,
+        check_hooks: bool = True,
     ) -> None:
         """Register ``plugin`` under ``name`` and record where it came from.
 
         A plugin written for another plugin API version, a hook implementation whose name
         matches no hook, or whose arguments are not the hook's, is refused: nothing of it stays
-        registered, and the error says which package it is and what to do.
+        registered, and the error says which package it is and what to do. Without
+        ``check_hooks``, names that match no hook yet are left for :meth:`refuse_unknown_hooks`
+        (a plugin may implement hooks that a plugin loaded after it adds).
         """
         origin = f"{distribution} {version}" if distribution else "registered in-process"
         if self.has_plugin(name):
@@ -135,7 +162,8 @@ class NxdPlugPluginManager(pluggy.PluginManager):
         declared = _declared_api_version(plugin, name, origin)
         try:
             self.register(plugin, name=name)
-            self.check_pending()
+            if check_hooks:
+                self.check_pending()
         except pluggy.PluginValidationError as exc:
             if self.has_plugin(name):
                 self.unregister(name=name)
@@ -185,6 +213,25 @@ class NxdPlugPluginManager(pluggy.PluginManager):
                 continue  # the same distribution found twice on sys.path
             seen.add(entry_point.name)
             self._load_entrypoint(entry_point)
+        self.refuse_unknown_hooks()
+
+    def refuse_unknown_hooks(self) -> None:
+        """Unregister, as failed, every plugin implementing a hook that no loaded plugin
+        declares (a misspelled name, or a hook of a plugin that is not installed and not marked
+        ``optionalhook``)."""
+        while True:
+            try:
+                self.check_pending()
+                return
+            except pluggy.PluginValidationError as exc:
+                name = self.get_name(exc.plugin)
+                info = self._infos[name]
+                message = f"plugin {name!r} ({info.origin}): {self._explain(exc)}"
+                if self.strict:
+                    raise PluginError(f"{message} ({STRICT_ENV} is set)") from exc
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                self.unregister(name=name)
+                self._infos[name] = attrs.evolve(info, status="failed", error=message)
 
     def _load_entrypoint(self, entry_point: metadata.EntryPoint) -> None:
         dist = entry_point.dist
@@ -199,7 +246,11 @@ class NxdPlugPluginManager(pluggy.PluginManager):
         try:
             plugin = entry_point.load()
             self.register_plugin(
-                plugin, entry_point.name, distribution=distribution, version=version
+                plugin,
+                entry_point.name,
+                distribution=distribution,
+                version=version,
+                check_hooks=False,
             )
         except Exception as exc:
             message = (

@@ -18,85 +18,7 @@ import attrs
 
 from nxdplug.errors import PluginError, UnknownNameError
 from nxdplug.manager import NxdPlugPluginManager, get_plugin_manager
-from nxdplug.types import (
-    CliExtension,
-    CompileBackend,
-    ConfigLoader,
-    Feature,
-    KVCacheStrategy,
-    ModelArchitecture,
-    ParallelGroup,
-    PluginRecord,
-    QuantizationMethod,
-    QuantizedCheckpointFormat,
-    ReasoningParser,
-    Sampler,
-    ServingRoute,
-    SpeculationMode,
-    StateDictConverter,
-    StepInput,
-    StructuredOutputBackend,
-    ToolParser,
-)
-
-
-@attrs.frozen
-class Kind:
-    """A kind of registered thing: the hook that provides it and its record class."""
-
-    name: str
-    hook: str
-    record_type: type[PluginRecord]
-    label: str
-
-
-KINDS: dict[str, Kind] = {
-    kind.name: kind
-    for kind in (
-        Kind("model_architectures", "nxdplug_model_architectures", ModelArchitecture, "model"),
-        Kind("config_loaders", "nxdplug_config_loaders", ConfigLoader, "config loader"),
-        Kind(
-            "state_dict_converters",
-            "nxdplug_state_dict_converters",
-            StateDictConverter,
-            "state-dict converter",
-        ),
-        Kind(
-            "quantization_methods",
-            "nxdplug_quantization_methods",
-            QuantizationMethod,
-            "quantization method",
-        ),
-        Kind(
-            "quantized_checkpoint_formats",
-            "nxdplug_quantized_checkpoint_formats",
-            QuantizedCheckpointFormat,
-            "quantized checkpoint format",
-        ),
-        Kind("samplers", "nxdplug_samplers", Sampler, "sampler"),
-        Kind(
-            "kv_cache_strategies",
-            "nxdplug_kv_cache_strategies",
-            KVCacheStrategy,
-            "KV-cache strategy",
-        ),
-        Kind("speculation_modes", "nxdplug_speculation_modes", SpeculationMode, "speculation mode"),
-        Kind("step_inputs", "nxdplug_step_inputs", StepInput, "step input"),
-        Kind("parallel_groups", "nxdplug_parallel_groups", ParallelGroup, "process group"),
-        Kind("features", "nxdplug_features", Feature, "feature"),
-        Kind("compile_backends", "nxdplug_compile_backends", CompileBackend, "compile backend"),
-        Kind("cli_extensions", "nxdplug_cli_extensions", CliExtension, "command-line extension"),
-        Kind("serving_routes", "nxdplug_serving_routes", ServingRoute, "serving route"),
-        Kind("tool_parsers", "nxdplug_tool_parsers", ToolParser, "tool-call parser"),
-        Kind("reasoning_parsers", "nxdplug_reasoning_parsers", ReasoningParser, "reasoning parser"),
-        Kind(
-            "structured_output_backends",
-            "nxdplug_structured_output_backends",
-            StructuredOutputBackend,
-            "structured-output backend",
-        ),
-    )
-}
+from nxdplug.types import PluginRecord, RecordKind
 
 
 @attrs.frozen
@@ -105,15 +27,6 @@ class Provided:
 
     record: PluginRecord
     plugin: str
-
-
-def _kind(kind: str) -> Kind:
-    try:
-        return KINDS[kind]
-    except KeyError:
-        raise UnknownNameError(
-            f"unknown registry kind {kind!r}; the kinds are: {', '.join(KINDS)}"
-        ) from None
 
 
 class Registry:
@@ -129,10 +42,20 @@ class Registry:
             self._cache.clear()
             self._generation = self.manager.generation
         if kind not in self._cache:
-            self._cache[kind] = list(self._collect(_kind(kind)))
+            self._cache[kind] = list(self._collect(self.kind(kind)))
         return self._cache[kind]
 
-    def _collect(self, kind: Kind) -> Iterable[Provided]:
+    def kind(self, name: str) -> RecordKind:
+        """The record kind called ``name`` (the core's, or one a plugin added)."""
+        try:
+            return self.manager.record_kinds[name]
+        except KeyError:
+            raise UnknownNameError(
+                f"unknown registry kind {name!r}; the kinds are: "
+                f"{', '.join(self.manager.record_kinds)}"
+            ) from None
+
+    def _collect(self, kind: RecordKind) -> Iterable[Provided]:
         hook_caller = getattr(self.manager.hook, kind.hook)
         # get_hookimpls() is in registration order (pluggy *calls* them last-registered first).
         for impl in hook_caller.get_hookimpls():
@@ -154,7 +77,7 @@ class Registry:
     def records(self, kind: str) -> list[Any]:
         """Every record of ``kind``; raises if two plugins provide the same name."""
         provided = self._provided(kind)
-        self._raise_on_conflicts(_kind(kind), provided)
+        self._raise_on_conflicts(self.kind(kind), provided)
         return [item.record for item in provided]
 
     def _origin(self, plugin: str) -> str:
@@ -163,7 +86,7 @@ class Registry:
         except KeyError:
             return repr(plugin)
 
-    def _raise_on_conflicts(self, kind: Kind, provided: list[Provided]) -> None:
+    def _raise_on_conflicts(self, kind: RecordKind, provided: list[Provided]) -> None:
         providers: dict[str, list[str]] = defaultdict(list)
         for item in provided:
             providers[item.record.name].append(item.plugin)
@@ -186,7 +109,7 @@ class Registry:
         for record in self.records(kind):
             if record.name == name:
                 return record
-        label = _kind(kind).label
+        label = self.kind(kind).label
         choices = self.names(kind)
         close = difflib.get_close_matches(name, choices, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -201,7 +124,7 @@ class Registry:
     def provided_by(self, plugin: str) -> dict[str, list[str]]:
         """What ``plugin`` provides, per kind (no conflict check: this is for listings)."""
         result: dict[str, list[str]] = {}
-        for kind in KINDS:
+        for kind in self.manager.record_kinds:
             names = [item.record.name for item in self._provided(kind) if item.plugin == plugin]
             if names:
                 result[kind] = names

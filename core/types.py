@@ -40,7 +40,9 @@ def _str_tuple(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _ref_field(**kwargs: Any) -> Any:
+def ref_field(**kwargs: Any) -> Any:
+    """An attrs field holding a ``"package.module:attribute"`` reference (records of plugins
+    that add their own hooks use it too)."""
     return attrs.field(validator=_check_ref, **kwargs)
 
 
@@ -81,9 +83,9 @@ class SelectableRecord(PluginRecord):
     enabled_by: tuple[str, ...] = _names_field()
     enabled_when_set: bool = False
     disabled_by: tuple[str, ...] = _names_field()
-    validate: str | None = _ref_field(default=None)
-    transform_model: str | None = _ref_field(default=None)
-    add_submodels: str | None = _ref_field(default=None)
+    validate: str | None = ref_field(default=None)
+    transform_model: str | None = ref_field(default=None)
+    add_submodels: str | None = ref_field(default=None)
 
     def is_enabled_by(self, neuron_config: object) -> bool:
         if any(getattr(neuron_config, attr, None) for attr in self.disabled_by):
@@ -108,10 +110,10 @@ class ModelArchitecture(PluginRecord):
 
     model_type: str = attrs.field(validator=_check_name)
     hf_architectures: tuple[str, ...] = _names_field()
-    application: str = _ref_field()
-    config_class: str = _ref_field()
-    hf_config_class: str | None = _ref_field(default=None)
-    hf_model_class: str | None = _ref_field(default=None)
+    application: str = ref_field()
+    config_class: str = ref_field()
+    hf_config_class: str | None = ref_field(default=None)
+    hf_model_class: str | None = ref_field(default=None)
     capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     tiny_config: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, hash=False)
 
@@ -125,7 +127,7 @@ class ConfigLoader(PluginRecord):
     """
 
     filenames: tuple[str, ...] = _names_field()
-    loader: str = _ref_field()
+    loader: str = ref_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -138,7 +140,7 @@ class StateDictConverter(SelectableRecord):
     quantization 200-299.
     """
 
-    converter: str = _ref_field()
+    converter: str = ref_field()
     model_types: tuple[str, ...] = _names_field()
     order: int = 100
 
@@ -163,7 +165,7 @@ class QuantizationMethod(PluginRecord):
     granularity: str = attrs.field(
         validator=attrs.validators.in_(("per_tensor", "per_channel", "blockwise"))
     )
-    implementation: str = _ref_field()
+    implementation: str = ref_field()
 
     @staticmethod
     def name_for(neuron_config: Any) -> str:
@@ -189,14 +191,14 @@ class QuantizedCheckpointFormat(PluginRecord):
     """
 
     quant_methods: tuple[str, ...] = _names_field()
-    reader: str = _ref_field()
+    reader: str = ref_field()
 
 
 @attrs.frozen(kw_only=True)
 class Sampler(PluginRecord):
     """Turns next-token logits into tokens; ``implementation`` is a class taking no arguments."""
 
-    implementation: str = _ref_field()
+    implementation: str = ref_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -206,8 +208,8 @@ class KVCacheStrategy(SelectableRecord):
     through which the serving engine reserves room in it; by default a whole line (batch row)
     per request."""
 
-    implementation: str = _ref_field()
-    cache_space: str = _ref_field(default="nxdplug.engine.cache_space:CacheLines")
+    implementation: str = ref_field()
+    cache_space: str = ref_field(default="nxdplug.engine.cache_space:CacheLines")
 
 
 @attrs.frozen(kw_only=True)
@@ -227,11 +229,11 @@ class SpeculationMode(SelectableRecord):
     --speculative-config`` applies them).
     """
 
-    implementation: str = _ref_field()
+    implementation: str = ref_field()
     engine_methods: tuple[str, ...] = _names_field()
-    engine_proposer: str | None = _ref_field(default=None)
-    engine_fused: str | None = _ref_field(default=None)
-    engine_settings: str | None = _ref_field(default=None)
+    engine_proposer: str | None = ref_field(default=None)
+    engine_fused: str | None = ref_field(default=None)
+    engine_settings: str | None = ref_field(default=None)
 
 
 @attrs.frozen(kw_only=True)
@@ -246,7 +248,7 @@ class StepInput(SelectableRecord):
     every sub-model that takes the core's step, ``ModelWrapper.takes_step_inputs``).
     """
 
-    builder: str = _ref_field()
+    builder: str = ref_field()
     inputs: tuple[str, ...] = _names_field()
     keywords: tuple[str, ...] = _names_field()
     phases: tuple[str, ...] = _names_field()
@@ -262,7 +264,7 @@ class ParallelGroup(SelectableRecord):
     the group they are sharded over; see :mod:`nxdplug.modules.process_groups`.
     """
 
-    partition: str = _ref_field()
+    partition: str = ref_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -279,17 +281,9 @@ class CliExtension(SelectableRecord):
     saying why, when they would make the config invalid.
     """
 
-    implementation: str = _ref_field()
+    implementation: str = ref_field()
     commands: tuple[str, ...] = attrs.field(default=("run", "benchmark"), converter=_str_tuple)
-    default_settings: str | None = _ref_field(default=None)
-
-
-def _check_path(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    if not isinstance(value, str) or not re.match(r"^(/[A-Za-z0-9_.\-]+)+$", value):
-        raise ValueError(
-            f"{type(instance).__name__}.{attribute.name} must be a URL path such as "
-            f"'/v1/load_lora_adapter'; got {value!r}"
-        )
+    default_settings: str | None = ref_field(default=None)
 
 
 @attrs.frozen(kw_only=True)
@@ -303,53 +297,9 @@ class StructuredOutputBackend(PluginRecord):
     orders the choice when several are installed (the highest wins).
     """
 
-    implementation: str = _ref_field()
+    implementation: str = ref_field()
     kinds: tuple[str, ...] = _names_field()
     priority: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class ToolParser(PluginRecord):
-    """Finds the tool calls a model writes in its reply, in the format its chat template taught
-    it (Hermes' ``<tool_call>`` tags, Llama 3's bare JSON, ...), for ``nxdplug serve
-    --enable-auto-tool-choice --tool-call-parser NAME`` (vLLM's flags).
-
-    ``implementation`` is a class built with ``(tools)``, the request's tool definitions in
-    OpenAI's form, once per reply; it follows
-    :class:`nxdplug.serving.tool_calls.ToolCallParser`.
-    """
-
-    implementation: str = _ref_field()
-
-
-@attrs.frozen(kw_only=True)
-class ReasoningParser(PluginRecord):
-    """Tells a model's reasoning from its answer in a chat reply (Qwen3's and DeepSeek-R1's
-    ``<think>...</think>``), for ``nxdplug serve --reasoning-parser NAME`` (vLLM's flag): the
-    reasoning is answered as ``reasoning_content``.
-
-    ``implementation`` is a class built with ``(prompt)``, the prompt's text (a chat template
-    may open the thinking there), once per reply; it follows
-    :class:`nxdplug.serving.reasoning.ReasoningSplitter`.
-    """
-
-    implementation: str = _ref_field()
-
-
-@attrs.frozen(kw_only=True)
-class ServingRoute(SelectableRecord):
-    """A ``POST`` route a feature adds to ``nxdplug serve`` while the config enables it.
-
-    ``handler`` is a function ``(engine, body) -> Mapping`` (``body``: the request's JSON
-    object, ``engine``: the serving :class:`~nxdplug.engine.Engine`). It runs on the thread
-    that steps the engine, between two steps, so it may change what the model holds (write an
-    adapter into its weights) without racing a step: through ``engine.apply_to_model``, so that
-    every tensor-parallel rank makes the change to its shard. Its result is answered as JSON,
-    and an ``NxdPlugError`` it raises as a 400 with its message.
-    """
-
-    path: str = attrs.field(validator=_check_path)
-    handler: str = _ref_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -383,7 +333,7 @@ class CompileBackend(PluginRecord):
     to other than their defaults are reported once as having no effect.
     """
 
-    implementation: str = _ref_field()
+    implementation: str = ref_field()
     priority: int = 0
     device: str = "cpu"
     tp_degrees: tuple[int, ...] | None = attrs.field(
@@ -391,3 +341,29 @@ class CompileBackend(PluginRecord):
     )
     capabilities: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     owned_settings: tuple[str, ...] = _names_field()
+
+
+@attrs.frozen(kw_only=True)
+class Subcommand(PluginRecord):
+    """A command of ``nxdplug`` (``nxdplug NAME ...``); ``description`` is its help line.
+
+    ``add_arguments`` is a function ``(argparse.ArgumentParser) -> None`` run when the command
+    line is parsed (its module should import nothing heavy: every command's arguments are built
+    for ``--help``); ``run`` is a function ``(argparse.Namespace) -> int`` giving the exit code.
+    A :class:`~nxdplug.errors.NxdPlugError` it raises is printed as one error line.
+    """
+
+    add_arguments: str = ref_field()
+    run: str = ref_field()
+
+
+@attrs.frozen
+class RecordKind:
+    """A kind of registered record: the registration hook that provides it, its record class
+    and how messages name it. The core's kinds are in :data:`nxdplug.hookspecs.RECORD_KINDS`; a
+    plugin that adds hooks adds its kinds with them (``nxdplug_add_hookspecs``)."""
+
+    name: str
+    hook: str
+    record_type: type[PluginRecord]
+    label: str

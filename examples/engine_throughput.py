@@ -23,8 +23,8 @@ import torch
 
 from nxdplug import NeuronConfig, from_pretrained
 from nxdplug.cli.options import parse_key_value
-from nxdplug.cli.serve import SERVE_DEFAULTS
 from nxdplug.engine import Engine, SamplingSettings
+from nxdplug.plugins.serve.cli import SERVE_DEFAULTS
 
 
 def build(args: argparse.Namespace) -> Engine:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nxdplug.benchmark.activation_memory import (
+from nxdplug.plugins.benchmark.activation_memory import (
     ActivationMemoryTracker,
     Measurement,
     check,

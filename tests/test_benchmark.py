@@ -26,8 +26,8 @@ from nxdplug.benchmark.measurements import (
     weight_bytes,
 )
 from nxdplug.benchmark.roofline import PrefillCeiling, PrefillFlops
-from nxdplug.cli.benchmark import _hf_modes, benchmark_options
 from nxdplug.cli.main import build_parser, main
+from nxdplug.plugins.benchmark.cli import _hf_modes, benchmark_options
 
 SMALL_RUN = ["--runs", "1", "--prompt-length", "8", "--max-new-tokens", "4", "--quiet"]
 

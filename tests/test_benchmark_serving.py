@@ -15,24 +15,24 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
-from nxdplug.benchmark.server_metrics import parse_prometheus_text, server_figures
-from nxdplug.benchmark.server_process import free_port, running_server
-from nxdplug.benchmark.serving_load import (
+from nxdplug.cli.main import build_parser, main
+from nxdplug.errors import NxdPlugError
+from nxdplug.plugins.serve.benchmark.cli import (
+    NXDPLUG_COMMAND,
+    build_report,
+    format_report,
+    nxdplug_server,
+)
+from nxdplug.plugins.serve.benchmark.load import (
     ServingLoadResult,
     read_prompt_file,
     run_serving_load,
     sse_events,
     synthetic_prompts,
 )
-from nxdplug.benchmark.workloads import run_multi_turn_load
-from nxdplug.cli.benchmark_serving import (
-    NXDPLUG_COMMAND,
-    build_report,
-    format_report,
-    nxdplug_server,
-)
-from nxdplug.cli.main import build_parser, main
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugins.serve.benchmark.server_metrics import parse_prometheus_text, server_figures
+from nxdplug.plugins.serve.benchmark.server_process import free_port, running_server
+from nxdplug.plugins.serve.benchmark.workloads import run_multi_turn_load
 from nxdplug.testing.tiny_models import make_tiny_checkpoint
 
 SERVE_OPTIONS = ["--seq-len", "64", "--max-context-length", "32", "--torch-dtype", "float32"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nxdplug import hookspecs
+from nxdplug.manager import create_plugin_manager
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = {
@@ -92,7 +92,7 @@ def test_nothing_imports_the_source_folders_as_packages(path: Path) -> None:
 def hook_specs() -> list[tuple[str, object]]:
     return [
         (name, function)
-        for spec_class in hookspecs.SPEC_CLASSES
+        for spec_class in create_plugin_manager().spec_classes
         for name, function in inspect.getmembers(spec_class, inspect.isfunction)
         if name.startswith("nxdplug_")
     ]

@@ -14,10 +14,10 @@ from transformers import PreTrainedTokenizerFast
 from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
 
 from nxdplug.plugins.reasoning.think_tags import ThinksFirst, ThinkTags
+from nxdplug.plugins.serve.protocol import ChatCompletionRequest, OpenAIError
+from nxdplug.plugins.serve.replies import ReplyReader
+from nxdplug.plugins.serve.tool_calls import ToolUse
 from nxdplug.plugins.tool_calling.hermes import HermesParser
-from nxdplug.serving.protocol import ChatCompletionRequest, OpenAIError
-from nxdplug.serving.replies import ReplyReader
-from nxdplug.serving.tool_calls import ToolUse
 from nxdplug.testing.tokenizer_builder import END_OF_TEXT, train_tokenizer
 
 QWEN3_RESPONSES = next(t for types, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen3" in types)

@@ -36,10 +36,10 @@ pytest.importorskip("prometheus_client")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from nxdplug.benchmark.server_process import free_port  # noqa: E402
 from nxdplug.cli.main import main  # noqa: E402
 from nxdplug.hookspecs import hookimpl  # noqa: E402
-from nxdplug.serving.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
+from nxdplug.plugins.serve.benchmark.server_process import free_port  # noqa: E402
+from nxdplug.plugins.serve.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
 from nxdplug.testing import temporary_plugin  # noqa: E402
 from nxdplug.testing.tiny_models import make_tiny_checkpoint  # noqa: E402
 from nxdplug.types import StructuredOutputBackend  # noqa: E402
@@ -874,7 +874,7 @@ def _running(engine_loop) -> threading.Thread:
 @pytest.mark.filterwarnings("ignore:the model runs on thread:RuntimeWarning")  # the loop's thread
 def test_engine_loop_streams_and_a_closed_stream_aborts(application) -> None:
     from nxdplug.engine import Engine, SamplingSettings
-    from nxdplug.serving.engine_loop import EngineLoop, EngineStoppedError
+    from nxdplug.plugins.serve.engine_loop import EngineLoop, EngineStoppedError
 
     engine = Engine(application)
     engine_loop = EngineLoop(engine)
@@ -911,7 +911,7 @@ def test_engine_loop_wakes_the_event_loop_once_a_step(application) -> None:
     """Both rows' outputs of a step reach the event loop in one wake-up (one each took ~0.9 ms
     between two 16-row steps of a busy server)."""
     from nxdplug.engine import Engine, SamplingSettings
-    from nxdplug.serving.engine_loop import EngineLoop
+    from nxdplug.plugins.serve.engine_loop import EngineLoop
 
     engine = Engine(application)
     steps = []
@@ -943,7 +943,7 @@ def test_engine_loop_wakes_the_event_loop_once_a_step(application) -> None:
 @pytest.mark.filterwarnings("ignore:the model runs on thread:RuntimeWarning")  # the loop's thread
 def test_work_between_steps_runs_on_the_stepping_thread(application) -> None:
     from nxdplug.engine import Engine, SamplingSettings
-    from nxdplug.serving.engine_loop import EngineLoop
+    from nxdplug.plugins.serve.engine_loop import EngineLoop
 
     engine = Engine(application)
     engine_loop = EngineLoop(engine)
@@ -1001,7 +1001,7 @@ def test_a_constraint_compiles_while_the_engine_steps(application, tokenizer) ->
     vocabulary)."""
     pytest.importorskip("llguidance")
     from nxdplug.engine import Engine, SamplingSettings
-    from nxdplug.serving.engine_loop import EngineLoop
+    from nxdplug.plugins.serve.engine_loop import EngineLoop
 
     engine = Engine(application, tokenizer)
     step = engine.step
@@ -1038,7 +1038,7 @@ def test_a_constraint_compiles_while_the_engine_steps(application, tokenizer) ->
 
 def test_an_engine_failure_reaches_the_waiting_request(application) -> None:
     from nxdplug.engine import Engine, SamplingSettings
-    from nxdplug.serving.engine_loop import EngineLoop
+    from nxdplug.plugins.serve.engine_loop import EngineLoop
 
     class Broken:
         def run(self, step) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from nxdplug.cli.main import build_parser
 from nxdplug.cli.options import neuron_config_kwargs
-from nxdplug.cli.serve import SERVE_DEFAULTS, _serving_config
+from nxdplug.plugins.serve.cli import SERVE_DEFAULTS, _serving_config
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")

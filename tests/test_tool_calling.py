@@ -28,12 +28,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS  # noqa: E402
 
 from nxdplug.cli.main import main  # noqa: E402
+from nxdplug.plugins.serve.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
+from nxdplug.plugins.serve.replies import ReplyReader  # noqa: E402
+from nxdplug.plugins.serve.tool_calls import CallArray, ToolUse  # noqa: E402
 from nxdplug.plugins.tool_calling.hermes import HermesParser  # noqa: E402
 from nxdplug.plugins.tool_calling.llama3_json import Llama3JsonParser  # noqa: E402
 from nxdplug.plugins.tool_calling.mistral import MistralParser  # noqa: E402
-from nxdplug.serving.protocol import ChatCompletionRequest, OpenAIError  # noqa: E402
-from nxdplug.serving.replies import ReplyReader  # noqa: E402
-from nxdplug.serving.tool_calls import CallArray, ToolUse  # noqa: E402
 from nxdplug.testing.tiny_models import make_tiny_checkpoint  # noqa: E402
 from nxdplug.testing.tokenizer_builder import build_tokenizer  # noqa: E402
 

@@ -1,7 +1,8 @@
 """The ``nxdplug`` command.
 
-Each subcommand is one row of :data:`COMMANDS`: a name, a help line, a function that adds its
-arguments and a function that runs it and returns the exit code. A user error (any
+Each of the core's subcommands is one row of :data:`COMMANDS`: a name, a help line, a function
+that adds its arguments and a function that runs it and returns the exit code; plugins add
+theirs (``serve``, ``benchmark``, ...) as ``nxdplug_commands`` records. A user error (any
 :class:`~nxdplug.errors.NxdPlugError`, an ``OSError`` about a path, a usage error) is printed as
 one ``nxdplug: error: ...`` paragraph without a traceback; ``--verbose`` adds the traceback.
 Anything else is a bug and keeps its traceback. Heavy modules (torch, transformers, model code)
@@ -24,11 +25,6 @@ from typing import Any, NoReturn
 import attrs
 
 from nxdplug import __version__
-from nxdplug.cli.benchmark import add_benchmark_arguments, run_benchmark
-from nxdplug.cli.benchmark_serving import (
-    add_benchmark_serving_arguments,
-    run_benchmark_serving,
-)
 from nxdplug.cli.inference import (
     add_check_config_arguments,
     add_compile_arguments,
@@ -46,8 +42,8 @@ from nxdplug.cli.plugins import (
     run_plugins_hooks,
     run_plugins_list,
 )
-from nxdplug.cli.serve import add_serve_arguments, run_serve
-from nxdplug.errors import NxdPlugError
+from nxdplug.errors import NxdPlugError, PluginError
+from nxdplug.registry import get_registry
 
 PROG = "nxdplug"
 
@@ -164,25 +160,6 @@ COMMANDS: tuple[Command, ...] = (
         add_arguments=add_inference_demo_arguments,
     ),
     Command(
-        "benchmark",
-        "time context encoding and token generation (optionally against HF transformers)",
-        run=run_benchmark,
-        add_arguments=add_benchmark_arguments,
-    ),
-    Command(
-        "benchmark-serving",
-        "load an OpenAI-compatible server with concurrent streamed requests (as vLLM's "
-        "benchmark_serving.py); optionally against transformers serve",
-        run=run_benchmark_serving,
-        add_arguments=add_benchmark_serving_arguments,
-    ),
-    Command(
-        "serve",
-        "serve a model over HTTP with OpenAI's completions and chat completions API",
-        run=run_serve,
-        add_arguments=add_serve_arguments,
-    ),
-    Command(
         "make-tiny-model",
         "write a tiny random HF checkpoint of a registered architecture (offline)",
         run=run_make_tiny_model,
@@ -191,7 +168,39 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
-def build_parser(commands: Sequence[Command] = COMMANDS) -> argparse.ArgumentParser:
+def plugin_commands() -> tuple[Command, ...]:
+    """The commands plugins register (``nxdplug_commands``): ``serve``, ``benchmark``, ..."""
+    core = {command.name for command in COMMANDS}
+    commands = []
+    for record in get_registry().records("commands"):
+        if record.name in core:
+            provider = get_registry().provider("commands", record.name)
+            raise PluginError(
+                f"plugin {provider!r} registers the command {record.name!r}, which is one of "
+                "nxdplug's own; rename it, or deny the plugin (NXDPLUG_DENY_PLUGINS)"
+            )
+        commands.append(
+            Command(
+                record.name,
+                record.description,
+                run=_loaded_on_call(record),
+                add_arguments=record.load("add_arguments"),
+            )
+        )
+    return tuple(commands)
+
+
+def _loaded_on_call(record: Any) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        return record.load("run")(args)
+
+    return run
+
+
+def build_parser(commands: Sequence[Command] | None = None) -> argparse.ArgumentParser:
+    """The parser of the core's commands and the plugins' (or of ``commands``)."""
+    if commands is None:
+        commands = COMMANDS + plugin_commands()
     parser = _ArgumentParser(prog=PROG, description="The NxD Inference API on CPU and CUDA.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument(
@@ -246,7 +255,10 @@ def exit_with(exit_code: int) -> NoReturn:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except NxdPlugError as exc:
+        return _report(str(exc), exit_code=1)
     try:
         args = parser.parse_args(argv)
     except UsageError as exc:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CliExtension, Feature, ServingRoute, StateDictConverter, StepInput
+from nxdplug.plugins.serve.records import ServingRoute
+from nxdplug.types import CliExtension, Feature, StateDictConverter, StepInput
 
 NXDPLUG_API_VERSION = 1
 
@@ -81,7 +82,7 @@ def nxdplug_cli_extensions() -> Iterable[CliExtension]:
     )
 
 
-@hookimpl
+@hookimpl(optionalhook=True)  # a hook of the serve plugin
 def nxdplug_serving_routes() -> Iterable[ServingRoute]:
     yield ServingRoute(
         name="load-lora-adapter",

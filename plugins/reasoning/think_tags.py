@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 
-from nxdplug.serving.reasoning import Split
-from nxdplug.serving.tool_calls import held_back
+from nxdplug.plugins.serve.reasoning import Split
+from nxdplug.plugins.serve.tool_calls import held_back
 
 OPEN = "<think>"
 CLOSE = "</think>"

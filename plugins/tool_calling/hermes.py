@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nxdplug.serving.tool_calls import Parsed, ToolCall, held_back
+from nxdplug.plugins.serve.tool_calls import Parsed, ToolCall, held_back
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

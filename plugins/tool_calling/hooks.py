@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from nxdplug.hookspecs import hookimpl
-from nxdplug.types import ToolParser
+from nxdplug.plugins.serve.records import ToolParser
 
 NXDPLUG_API_VERSION = 1
 
 
-@hookimpl
+@hookimpl(optionalhook=True)  # a hook of the serve plugin
 def nxdplug_tool_parsers() -> Iterable[ToolParser]:
     yield ToolParser(
         name="hermes",

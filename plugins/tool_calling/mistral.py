@@ -13,7 +13,7 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nxdplug.serving.tool_calls import Parsed, ToolCall, held_back
+from nxdplug.plugins.serve.tool_calls import Parsed, ToolCall, held_back
 
 MARKER = "[TOOL_CALLS]"
 ARGUMENTS = "[ARGS]"

@@ -1,5 +1,5 @@
-"""The serving benchmark's workloads beside :mod:`nxdplug.benchmark.serving_load`'s random one,
-each the case a serving feature is for.
+"""The serving benchmark's workloads beside :mod:`nxdplug.plugins.serve.benchmark.load`'s random
+one, each the case a serving feature is for.
 
 - multi-turn (prefix caching): conversations run together, each a client sending its turns one
   after another; every conversation starts with the same system text, and turn k's prompt is
@@ -11,7 +11,7 @@ each the case a serving feature is for.
   streams' inter-token latency from then on shows how long the long prompt's encoding stalls
   them: the p99 / p50 ratio is near 1 when it is encoded in chunks beside them.
 
-The requests are :func:`~nxdplug.benchmark.serving_load.timed_request`'s, timed the same way.
+The requests are :func:`~nxdplug.plugins.serve.benchmark.load.timed_request`'s, timed the same way.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import attrs
 
 from nxdplug.benchmark.measurements import LatencyStats
-from nxdplug.benchmark.serving_load import RequestTimes, async_client, timed_request
 from nxdplug.errors import NxdPlugError
+from nxdplug.plugins.serve.benchmark.load import RequestTimes, async_client, timed_request
 
 # New tokens of the long-prompt workload's long request: its TTFT is what counts.
 LONG_PROMPT_NEW_TOKENS = 4

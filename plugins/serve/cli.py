@@ -30,13 +30,13 @@ from nxdplug.cli.inference import (
     load_tokenizer,
 )
 from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
-from nxdplug.cli.serve_access import add_access_arguments, api_keys, cors_policy, tls_settings
 from nxdplug.cli.speculation import (
     add_speculative_config_option,
     engine_draft,
     speculation_settings,
 )
 from nxdplug.errors import NxdPlugError
+from nxdplug.plugins.serve.access import add_access_arguments, api_keys, cors_policy, tls_settings
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GRACE_SECONDS = 5
@@ -189,10 +189,10 @@ def _serve(
     import uvicorn
 
     from nxdplug.engine import Engine
-    from nxdplug.serving.app import build_app
-    from nxdplug.serving.engine_loop import EngineLoop
-    from nxdplug.serving.guards import guarded
-    from nxdplug.serving.metrics import ServingMetrics
+    from nxdplug.plugins.serve.app import build_app
+    from nxdplug.plugins.serve.engine_loop import EngineLoop
+    from nxdplug.plugins.serve.guards import guarded
+    from nxdplug.plugins.serve.metrics import ServingMetrics
 
     model, draft = models
     engine = Engine(

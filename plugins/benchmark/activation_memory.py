@@ -1,8 +1,8 @@
 """Activation memory of one context encoding: tensor parallelism alone against sequence
 parallelism added, per rank, and one process as a reference.
 
-``python -m nxdplug.benchmark.activation_memory --model-path P --prompt-length N`` runs one eager
-context-encoding step of an ``N``-token prompt (batch 1) in this process, then starts
+``python -m nxdplug.plugins.benchmark.activation_memory --model-path P --prompt-length N`` runs
+one eager context-encoding step of an ``N``-token prompt (batch 1) in this process, then starts
 ``--tp-degree`` gloo ranks that each run the same step with tensor parallelism alone and then
 with ``sequence_parallel_enabled``, and prints the peak bytes of the tensors each step created.
 
@@ -217,7 +217,7 @@ def check(measurement: Measurement) -> list[str]:
 
 def parse(argv: list[str] | None) -> Measurement:
     parser = argparse.ArgumentParser(
-        prog="python -m nxdplug.benchmark.activation_memory",
+        prog="python -m nxdplug.plugins.benchmark.activation_memory",
         description="Peak activation memory of one context encoding per rank: tensor "
         "parallelism alone against sequence parallelism added, and one process.",
     )

@@ -19,10 +19,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from nxdplug.engine import RequestOutput
-from nxdplug.serving.engine_loop import OutputStream
-from nxdplug.serving.protocol import ChatCompletionRequest, FunctionDefinition, bad_request
-from nxdplug.serving.replies import ReplyReader, Told
-from nxdplug.serving.responses import AssistantMessage, now
+from nxdplug.plugins.serve.engine_loop import OutputStream
+from nxdplug.plugins.serve.protocol import ChatCompletionRequest, FunctionDefinition, bad_request
+from nxdplug.plugins.serve.replies import ReplyReader, Told
+from nxdplug.plugins.serve.responses import AssistantMessage, now
 
 # The content parts that are text, of input messages.
 TEXT_PARTS = ("input_text", "output_text")

@@ -96,7 +96,7 @@ def api_keys(args: argparse.Namespace) -> list[str]:
 
 
 def cors_policy(args: argparse.Namespace) -> Any:
-    from nxdplug.serving.guards import CorsPolicy
+    from nxdplug.plugins.serve.guards import CorsPolicy
 
     if not args.allowed_origins:
         for flag in ("allowed_methods", "allowed_headers", "allow_credentials"):

@@ -1,4 +1,4 @@
-"""The HTTP layer: OpenAI's routes over an :class:`~nxdplug.serving.engine_loop.EngineLoop`.
+"""The HTTP layer: OpenAI's routes over an :class:`~nxdplug.plugins.serve.engine_loop.EngineLoop`.
 
 A route checks the request, turns it into prompt ids and sampling settings, hands it to the
 engine loop and returns (or streams, as server-sent events) what comes back. Scheduling,
@@ -24,10 +24,9 @@ from starlette.exceptions import HTTPException
 
 from nxdplug.engine import EngineFullError, RequestError, RequestOutput
 from nxdplug.errors import NxdPlugError
-from nxdplug.registry import get_registry
-from nxdplug.serving.engine_loop import EngineLoop, EngineStoppedError, OutputStream
-from nxdplug.serving.metrics import ServingMetrics
-from nxdplug.serving.protocol import (
+from nxdplug.plugins.serve.engine_loop import EngineLoop, EngineStoppedError, OutputStream
+from nxdplug.plugins.serve.metrics import ServingMetrics
+from nxdplug.plugins.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -36,8 +35,8 @@ from nxdplug.serving.protocol import (
     bad_request,
     error_body,
 )
-from nxdplug.serving.replies import ReplyReader
-from nxdplug.serving.responses import (
+from nxdplug.plugins.serve.replies import ReplyReader
+from nxdplug.plugins.serve.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -53,7 +52,8 @@ from nxdplug.serving.responses import (
     now,
     vllm_prompt_logprobs,
 )
-from nxdplug.serving.responses_api import ResponseBuilder, ResponseRequest
+from nxdplug.plugins.serve.responses_api import ResponseBuilder, ResponseRequest
+from nxdplug.registry import get_registry
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)

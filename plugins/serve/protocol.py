@@ -7,7 +7,7 @@ Besides OpenAI's fields, vLLM's extras ``top_k``, ``min_p``, ``min_tokens``,
 ``response_format``. A field that would change the result but is not implemented
 (``best_of``, ``suffix``, and any field not declared here) is refused with a 400 naming it,
 never silently ignored. Chat completions take ``tools``, ``tool_choice`` and
-``parallel_tool_calls`` (see :mod:`~nxdplug.serving.tool_calls`). ``n`` choices are ``n``
+``parallel_tool_calls`` (see :mod:`~nxdplug.plugins.serve.tool_calls`). ``n`` choices are ``n``
 requests of the engine for the same prompt. ``echo`` with ``logprobs`` and
 ``prompt_logprobs`` need a model that scores prompts (``--enable-prompt-logprobs``); the
 engine refuses them otherwise.
@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nxdplug.engine import SamplingSettings
 from nxdplug.engine.requests import MAX_TOP_LOGPROBS
-from nxdplug.serving.responses import ChatToolCall
-from nxdplug.serving.tool_calls import ToolUse
+from nxdplug.plugins.serve.responses import ChatToolCall
+from nxdplug.plugins.serve.tool_calls import ToolUse
 
 # OpenAI's bound on ``n``, and this server's on the prompts of one completion request.
 MAX_CHOICES = 128

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 from starlette.exceptions import HTTPException
 
-from nxdplug.serving.protocol import error_body
+from nxdplug.plugins.serve.protocol import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -11,7 +11,7 @@ What makes a reply's text into calls depends on ``tool_choice``:
   arguments.
 - ``"none"``: the tools are in the prompt and the reply is text.
 
-A :class:`~nxdplug.serving.replies.ReplyReader` reads each choice with these as it streams,
+A :class:`~nxdplug.plugins.serve.replies.ReplyReader` reads each choice with these as it streams,
 so that the whole answer and the stream tell the same content and calls.
 """
 

@@ -29,9 +29,9 @@ from nxdplug.errors import NxdPlugError
 if TYPE_CHECKING:
     from nxdplug.engine import Engine
     from nxdplug.engine.requests import Request
-    from nxdplug.serving.metrics import ServingMetrics
+    from nxdplug.plugins.serve.metrics import ServingMetrics
 
-logger = logging.getLogger("nxdplug.serving")
+logger = logging.getLogger("nxdplug.plugins.serve")
 # How long the idle loop sleeps at most between looks at its work. The loop runs on the main
 # thread, where Python runs signal handlers, but only between bytecodes: Ctrl-C or SIGTERM that
 # the kernel hands to another thread (an HTTP or OpenMP thread) leaves an untimed wait asleep,

@@ -1,8 +1,9 @@
 """One chat reply, read as it streams: its reasoning, its content and its tool calls.
 
 The whole answer and the stream are read by the same :class:`ReplyReader`, so both tell the
-same. Reasoning comes first (:mod:`~nxdplug.serving.reasoning`); what follows it, the answer,
-is content or calls as the request's ``tool_choice`` says (:mod:`~nxdplug.serving.tool_calls`).
+same. Reasoning comes first (:mod:`~nxdplug.plugins.serve.reasoning`); what follows it, the
+answer, is content or calls as the request's ``tool_choice`` says
+(:mod:`~nxdplug.plugins.serve.tool_calls`).
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import uuid
 import attrs
 
 from nxdplug.engine import RequestOutput
-from nxdplug.serving.reasoning import ReasoningSplitter, Split
-from nxdplug.serving.responses import (
+from nxdplug.plugins.serve.reasoning import ReasoningSplitter, Split
+from nxdplug.plugins.serve.responses import (
     AssistantMessage,
     ChatToolCall,
     ChatToolCallDelta,
     FunctionCall,
     FunctionCallDelta,
 )
-from nxdplug.serving.tool_calls import CallArray, Parsed, PlainText, ToolCallParser, ToolUse
+from nxdplug.plugins.serve.tool_calls import CallArray, Parsed, PlainText, ToolCallParser, ToolUse
 
 
 @attrs.frozen

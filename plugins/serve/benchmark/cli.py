@@ -9,11 +9,11 @@ time); the report gives the first nxdplug server's ratio to each of the others. 
 does all of that N times, the servers in turn, and reports each metric's median (the ratios:
 the median of each run's ratio): on a shared machine one run of each can catch different loads.
 
-``--workload`` picks the load: ``random`` (:mod:`nxdplug.benchmark.serving_load`), or
-``multi-turn`` and ``long-prompt`` (:mod:`nxdplug.benchmark.workloads`), the cases of prefix
-caching and chunked prefill. The texts are made once, the same for every server and run. An
-nxdplug server's own ``/metrics`` add its peak of running requests and its prefix-cache hit
-rate (:mod:`nxdplug.benchmark.server_metrics`).
+``--workload`` picks the load: ``random`` (:mod:`nxdplug.plugins.serve.benchmark.load`), or
+``multi-turn`` and ``long-prompt`` (:mod:`nxdplug.plugins.serve.benchmark.workloads`), the
+cases of prefix caching and chunked prefill. The texts are made once, the same for every
+server and run. An nxdplug server's own ``/metrics`` add its peak of running requests and its
+prefix-cache hit rate (:mod:`nxdplug.plugins.serve.benchmark.server_metrics`).
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def run_benchmark_serving(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"benchmark-serving: {message}", file=sys.stderr, flush=True)
 
-    from nxdplug.benchmark.serving_load import require_client_packages
+    from nxdplug.plugins.serve.benchmark.load import require_client_packages
 
     check_arguments(args)
     require_client_packages()
@@ -373,7 +373,7 @@ class _RefusingParser(argparse.ArgumentParser):
 def _check_serve_command(server: ServerUnderTest) -> None:
     """Parse a server's command line as `nxdplug serve` will, so that an option it refuses
     fails now rather than after the servers before it have run."""
-    from nxdplug.cli.serve import add_serve_arguments
+    from nxdplug.plugins.serve.cli import add_serve_arguments
 
     parser = _RefusingParser(prog="nxdplug serve", add_help=False)
     add_serve_arguments(parser)
@@ -407,7 +407,7 @@ def _measure(
 ) -> dict[str, float]:
     """Untimed warm-up requests, then the timed load, with what the server's /metrics say of
     it."""
-    from nxdplug.benchmark.server_metrics import (
+    from nxdplug.plugins.serve.benchmark.server_metrics import (
         metrics_url,
         polled_running_requests,
         scrape,
@@ -456,7 +456,7 @@ def _workload(args: argparse.Namespace) -> Workload:
 def _texts(
     args: argparse.Namespace, tokenizer: Any, count: int, length: int, seed: int
 ) -> list[str]:
-    from nxdplug.benchmark.serving_load import synthetic_prompts
+    from nxdplug.plugins.serve.benchmark.load import synthetic_prompts
 
     return synthetic_prompts(tokenizer, count, length, args.seed + seed)
 
@@ -466,7 +466,7 @@ def _warm_up(
 ) -> tuple[str, Callable[[str, str, dict[str, Any]], None]]:
     """The warm-up's description and function: ``--warmup-requests`` prompts of ``length``
     tokens (the workload's clients by default), that many at a time."""
-    from nxdplug.benchmark.serving_load import send_requests
+    from nxdplug.plugins.serve.benchmark.load import send_requests
 
     at_once = clients(args)
     count = args.warmup_requests or at_once
@@ -479,7 +479,7 @@ def _warm_up(
 
 
 def _random_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
-    from nxdplug.benchmark.serving_load import read_prompt_file, run_serving_load
+    from nxdplug.plugins.serve.benchmark.load import read_prompt_file, run_serving_load
 
     if args.prompt_file is not None:
         prompts = read_prompt_file(args.prompt_file)
@@ -504,7 +504,7 @@ def _random_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
 
 
 def _multi_turn_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
-    from nxdplug.benchmark.workloads import run_multi_turn_load
+    from nxdplug.plugins.serve.benchmark.workloads import run_multi_turn_load
 
     system = _texts(args, tokenizer, 1, args.system_prompt_length, MAIN_SEED)[0]
     parts = _texts(
@@ -529,8 +529,11 @@ def _multi_turn_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
 
 
 def _long_prompt_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
-    from nxdplug.benchmark.serving_load import send_requests
-    from nxdplug.benchmark.workloads import LONG_PROMPT_NEW_TOKENS, run_long_prompt_load
+    from nxdplug.plugins.serve.benchmark.load import send_requests
+    from nxdplug.plugins.serve.benchmark.workloads import (
+        LONG_PROMPT_NEW_TOKENS,
+        run_long_prompt_load,
+    )
 
     prompts = _texts(args, tokenizer, args.streams, args.prompt_length, MAIN_SEED)
     long_prompt = _texts(args, tokenizer, 1, args.long_prompt_length, SECOND_SEED)[0]
@@ -568,7 +571,7 @@ def _servers(
 ) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
     """``(label, base_url, model name, extra body)`` of each server in turn, each running
     while the caller loads it (and stopped when the caller asks for the next)."""
-    from nxdplug.benchmark.server_process import free_port, running_server
+    from nxdplug.plugins.serve.benchmark.server_process import free_port, running_server
 
     if args.base_url is not None:
         base_url = args.base_url.rstrip("/")
@@ -706,7 +709,7 @@ def _config(args: argparse.Namespace, runs: int) -> dict[str, Any]:
     if args.workload == "random":
         config["prompt_file"] = str(args.prompt_file or "")
     if args.workload == "long-prompt":
-        from nxdplug.benchmark.workloads import LONG_PROMPT_NEW_TOKENS
+        from nxdplug.plugins.serve.benchmark.workloads import LONG_PROMPT_NEW_TOKENS
 
         config["long_prompt_max_tokens"] = LONG_PROMPT_NEW_TOKENS
     started = args.base_url is None

@@ -1,0 +1,1 @@
+"""``nxdplug benchmark``: timings of nxdplug and HF transformers in one run."""

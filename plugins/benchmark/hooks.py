@@ -1,0 +1,21 @@
+"""``nxdplug benchmark`` as a plugin: timings of nxdplug and HF transformers in one run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nxdplug.hookspecs import hookimpl
+from nxdplug.types import Subcommand
+
+NXDPLUG_API_VERSION = 1
+
+
+@hookimpl
+def nxdplug_commands() -> Iterable[Subcommand]:
+    yield Subcommand(
+        name="benchmark",
+        description="time context encoding and token generation (optionally against HF "
+        "transformers)",
+        add_arguments="nxdplug.plugins.benchmark.cli:add_benchmark_arguments",
+        run="nxdplug.plugins.benchmark.cli:run_benchmark",
+    )

@@ -1,0 +1,1 @@
+"""``nxdplug benchmark-serving``: a load of streamed requests against OpenAI-compatible servers."""
