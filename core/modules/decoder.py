@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from nxdplug.modules.kv_cache import CacheSlot
-from nxdplug.modules.sequence_parallel import current_shards
+from nxdplug.modules.sequence_parallel import gather_sequence, scatter_sequence
 
 
 class PreNormDecoderLayer(nn.Module):
@@ -32,13 +32,7 @@ class PreNormDecoderLayer(nn.Module):
         mask: torch.Tensor,
         cache: CacheSlot,
     ) -> torch.Tensor:
-        shards = current_shards()
-        gather = shards.gather if shards else _whole
-        scatter = shards.scatter if shards else _whole
-        h = x + scatter(self.self_attn(gather(self.input_layernorm(x)), rope, mask, cache))
-        out = self.mlp(gather(self.post_attention_layernorm(h)))
-        return h + scatter(out[0] if isinstance(out, tuple) else out)
-
-
-def _whole(x: torch.Tensor) -> torch.Tensor:
-    return x
+        attended = self.self_attn(gather_sequence(self.input_layernorm(x)), rope, mask, cache)
+        h = x + scatter_sequence(attended)
+        out = self.mlp(gather_sequence(self.post_attention_layernorm(h)))
+        return h + scatter_sequence(out[0] if isinstance(out, tuple) else out)
