@@ -14,7 +14,6 @@ from torch import nn
 
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import attention_head_counts, attention_mask_4d, head_dim_of
-from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.kv_cache import (
     CacheLayout,
     CacheSlot,
@@ -156,14 +155,16 @@ class NeuronBaseModel(nn.Module):
         ]
 
     def check_sequence_parallel(self) -> None:
-        """Refuse ``sequence_parallel_enabled`` for a model whose layers do not take a slice of
-        the sequence (those built on :class:`PreNormDecoderLayer` do)."""
+        """Refuse ``sequence_parallel_enabled`` for a model whose layers do not take this
+        rank's slice of the sequence: a layer class that does says so with a class attribute
+        ``takes_sequence_slice = True`` (its blocks gather the sequence and scatter their
+        output, :mod:`nxdplug.modules.sequence_parallel`)."""
         if not self.neuron_config.sequence_parallel_enabled:
             return
         others = {
             type(layer).__name__
             for layer in self.layers
-            if not isinstance(layer, PreNormDecoderLayer)
+            if not getattr(layer, "takes_sequence_slice", False)
         }
         if others:
             raise ConfigError(
