@@ -15,7 +15,7 @@ from nxdplug.config.checkpoint_settings import agree_with_checkpoint
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
 from nxdplug.modules.kv_cache import CacheSlot
-from nxdplug.modules.moe import initialize_moe_module
+from nxdplug.modules.moe import initialize_moe_module, without_router_outputs
 from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
 from nxdplug.modules.parallel_linear import (
     ColumnParallelLinear,
@@ -203,7 +203,7 @@ class NeuronDbrxBlock(nn.Module):
     ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
         out = self.ffn(self.post_attention_layernorm(h))
-        return h + (out[0] if isinstance(out, tuple) else out)
+        return h + without_router_outputs(out)
 
 
 class NeuronDbrxModel(NeuronBaseModel):

@@ -15,10 +15,10 @@ from torch import nn
 from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
 from nxdplug.config.checkpoint_settings import agree_with_checkpoint
 from nxdplug.contrib_models.gpt_oss.rope_yarn import ROPE_TYPES, rotary_embedding
+from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaDecoderLayer
 from nxdplug.contrib_models.qwen2.modeling_qwen2 import layer_window
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
-from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.moe import initialize_moe_module
 from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
 from nxdplug.modules.norms import RMSNorm
@@ -167,20 +167,18 @@ def experts_config(config: Any) -> Any:
     return view
 
 
-class NeuronGptOssDecoderLayer(PreNormDecoderLayer):
-    """x + attention(norm(x)), then h + moe(norm(h))."""
+class NeuronGptOssDecoderLayer(NeuronLlamaDecoderLayer):
+    """Llama's layer with sink attention and a mixture-of-experts block for its MLP."""
 
     def __init__(self, config: Any, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = NeuronGptOssAttention(config, layer_idx)
-        self.mlp = initialize_moe_module(
+        attention = NeuronGptOssAttention(config, layer_idx)
+        experts = initialize_moe_module(
             experts_config(config),
             apply_act_fn_over_topk=True,
             router_bias=True,
             experts_bias=True,
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        super().__init__(config, layer_idx, attention=attention, mlp=experts)
 
 
 class NeuronGptOssModel(NeuronBaseModel):

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from nxdplug.config import InferenceConfig, NeuronConfig
 from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
-from nxdplug.modules.decoder import PreNormDecoderLayer
+from nxdplug.modules.kv_cache import CacheSlot
 from nxdplug.modules.mlp import GatedMLP
+from nxdplug.modules.moe import without_router_outputs
 from nxdplug.modules.norms import RMSNorm
 from nxdplug.modules.parallel_linear import (
     ColumnParallelLinear,
@@ -19,6 +21,7 @@ from nxdplug.modules.parallel_linear import (
     tp_world_size,
 )
 from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
+from nxdplug.modules.sequence_parallel import gather_sequence, scatter_sequence
 from nxdplug.runtime.application import NeuronBaseForCausalLM
 from nxdplug.runtime.model_base import NeuronBaseModel
 
@@ -64,12 +67,20 @@ class LlamaInferenceConfig(InferenceConfig):
         return LlamaNeuronConfig
 
 
-class NeuronLlamaDecoderLayer(PreNormDecoderLayer):
+class NeuronLlamaDecoderLayer(nn.Module):
     """x + attention(norm(x)), then h + mlp(norm(h)).
 
     The attention's variants are arguments (biases, a sliding window, per-head Q/K norms);
-    ``mlp`` replaces the gated MLP (a mixture-of-experts block).
+    ``attention`` replaces the attention block (one that weighs keys otherwise; the other
+    attention arguments then do not apply) and ``mlp`` the gated MLP (a mixture-of-experts
+    block).
+
+    With the sequence split over the tensor-parallel ranks (``sequence_parallel_enabled``),
+    ``x`` is this rank's slice: the norms and residual adds work on it, and each block reads
+    the gathered sequence and gives back this rank's slice of its output.
     """
+
+    takes_sequence_slice: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -80,17 +91,20 @@ class NeuronLlamaDecoderLayer(PreNormDecoderLayer):
         o_bias: bool = False,
         sliding_window: int | None = None,
         qk_layernorm: bool = False,
+        attention: nn.Module | None = None,
         mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = NeuronAttentionBase(
-            config,
-            layer_idx,
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            sliding_window=sliding_window,
-            qk_layernorm=qk_layernorm,
-        )
+        if attention is None:
+            attention = NeuronAttentionBase(
+                config,
+                layer_idx,
+                qkv_bias=qkv_bias,
+                o_bias=o_bias,
+                sliding_window=sliding_window,
+                qk_layernorm=qk_layernorm,
+            )
+        self.self_attn = attention
         if mlp is None:
             mlp = GatedMLP(
                 config.hidden_size,
@@ -103,8 +117,25 @@ class NeuronLlamaDecoderLayer(PreNormDecoderLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: CacheSlot,
+    ) -> torch.Tensor:
+        attended = self.self_attn(gather_sequence(self.input_layernorm(x)), rope, mask, cache)
+        h = x + scatter_sequence(attended)
+        out = self.mlp(gather_sequence(self.post_attention_layernorm(h)))
+        return h + scatter_sequence(without_router_outputs(out))
+
 
 class NeuronLlamaModel(NeuronBaseModel):
+    """Embedding, decoder layers, final norm, LM head. The forward is the runtime's
+    (:meth:`NeuronBaseModel.hidden_states`): ``x = embed_tokens(ids)``, then ``x = layer(x,
+    rope, mask, cache)`` for each layer, then ``norm(x)``, whose last token (a prompt) or
+    every token (decoding) ``lm_head`` scores."""
+
     def init_model(self, config: Any) -> None:
         tp = {"tp_degree": tp_world_size(), "rank": tp_rank()}
         self.embed_tokens = ParallelEmbedding(config.vocab_size, config.hidden_size, **tp)

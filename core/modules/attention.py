@@ -55,6 +55,12 @@ def repeat_kv(x: torch.Tensor, times: int) -> torch.Tensor:
 MAX_QUERIES_WRITTEN_OUT = 64
 
 
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]."""
+    batch, _, seq, _ = x.shape
+    return x.transpose(1, 2).reshape(batch, seq, -1)
+
+
 def grouped_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
@@ -207,6 +213,18 @@ class NeuronAttentionBase(nn.Module):
         kv_size = self.num_kv_heads * self.head_dim
         return self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
 
+    def split_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim] for each of q, k
+        and v, each query and key head normalized (``q_norm``, ``k_norm``: identities unless QK
+        layer normalization is on)."""
+        batch, seq, _ = q.shape
+        q = self.q_norm(q.view(batch, seq, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(batch, seq, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
     def forward(
         self,
         x: torch.Tensor,
@@ -214,15 +232,10 @@ class NeuronAttentionBase(nn.Module):
         mask: torch.Tensor,
         cache: CacheSlot,
     ) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = self.project_qkv(x)
-        q = self.q_norm(q.view(batch, seq, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k.view(batch, seq, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.split_heads(*self.project_qkv(x))
         q, k = apply_rotary(q, k, *rope)
-
-        out = self.cache_attention(self, q, k, v, mask, cache).to(x.dtype)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = self.cache_attention(self, q, k, v, mask, cache)  # writes k, v; reads the cache
+        return self.o_proj(merge_heads(out.to(x.dtype)))
 
     @property
     def attends_by_plain_softmax(self) -> bool:

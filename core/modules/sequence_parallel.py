@@ -9,7 +9,8 @@ a reduce-scatter: all-reduce is the collective AOTInductor's CPU runtime provide
 the same; the full block output exists for a moment before it is cut.)
 
 The model decides per step whether the sequence is split, and says so through
-:func:`split_sequence`; decoder layers ask :func:`current_shards`.
+:func:`split_sequence`; decoder layers call :func:`gather_sequence` before a block and
+:func:`scatter_sequence` after it, which pass tensors through unchanged when it is whole.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ _SHARDS: ContextVar[SequenceShards | None] = ContextVar("nxdplug_sequence_shards
 
 @contextmanager
 def split_sequence(shards: SequenceShards | None) -> Iterator[None]:
-    """While the block runs, :func:`current_shards` returns ``shards`` (None: not split)."""
+    """While the block runs, :func:`gather_sequence` and :func:`scatter_sequence` split the
+    sequence as ``shards`` says (None: not split)."""
     token = _SHARDS.set(shards)
     try:
         yield
@@ -65,6 +67,18 @@ def split_sequence(shards: SequenceShards | None) -> Iterator[None]:
         _SHARDS.reset(token)
 
 
-def current_shards() -> SequenceShards | None:
-    """How the running step's sequence is split over the ranks; None when it is whole."""
-    return _SHARDS.get()
+def gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """The whole sequence from this rank's slice ``x`` [batch, seq / tp, ...]; ``x`` itself
+    when the running step's sequence is not split."""
+    shards = _SHARDS.get()
+    return x if shards is None else shards.gather(x)
+
+
+def scatter_sequence(x: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """This rank's slice of the whole sequence ``x`` [batch, seq, ...]; ``x`` itself when the
+    running step's sequence is not split. ``copy`` makes the slice a tensor of its own, so
+    that it does not keep the whole ``x`` alive."""
+    shards = _SHARDS.get()
+    if shards is None:
+        return x
+    return shards.scatter(x).clone() if copy else shards.scatter(x)

@@ -14,7 +14,6 @@ from torch import nn
 
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import attention_head_counts, attention_mask_4d, head_dim_of
-from nxdplug.modules.decoder import PreNormDecoderLayer
 from nxdplug.modules.kv_cache import (
     CacheLayout,
     CacheSlot,
@@ -23,7 +22,12 @@ from nxdplug.modules.kv_cache import (
     kv_cache_managers,
 )
 from nxdplug.modules.parallel_linear import tp_rank, tp_world_size, use_collectives
-from nxdplug.modules.sequence_parallel import SequenceShards, split_sequence
+from nxdplug.modules.sequence_parallel import (
+    SequenceShards,
+    gather_sequence,
+    scatter_sequence,
+    split_sequence,
+)
 from nxdplug.pipeline import current_context
 from nxdplug.runtime.step import StepInputs, current_phase, running
 
@@ -130,34 +134,37 @@ class NeuronBaseModel(nn.Module):
             rotary_positions = step.position_ids
         x = self.embed_tokens(step.input_ids)
         rope = self.rotary_emb(rotary_positions)
+        with running(step), split_sequence(self.sequence_shards()):
+            x = scatter_sequence(x, copy=True)
+            for layer, cache in zip(self.layers, self.cache_slots(step), strict=True):
+                if layer_inputs is not None:
+                    layer_inputs.append(gather_sequence(x))
+                x = layer(x, rope, masks[layer.self_attn.sliding_window], cache)
+            x = gather_sequence(x)
+        return self.norm(x)
+
+    def cache_slots(self, step: StepInputs) -> list[CacheSlot]:
+        """Where each layer writes this step's keys and values and reads the cached ones."""
         length = step.attention_mask.shape[-1]
         writer_rows = None
         if self.neuron_config.is_continuous_batching:  # padding rows repeat a running line
             writer_rows = first_row_of_each_line(step.seq_ids)
-        shards = self.sequence_shards()
-        with running(step), split_sequence(shards):
-            if shards:  # a copy: a view of the slice would keep the whole embedding alive
-                x = shards.scatter(x).clone()
-            for index, layer in enumerate(self.layers):
-                if layer_inputs is not None:
-                    layer_inputs.append(shards.gather(x) if shards else x)
-                cache = CacheSlot(
-                    self.kv_mgr, index, step.position_ids, step.seq_ids, length, writer_rows
-                )
-                x = layer(x, rope, masks[layer.self_attn.sliding_window], cache)
-            if shards:
-                x = shards.gather(x)
-        return self.norm(x)
+        return [
+            CacheSlot(self.kv_mgr, index, step.position_ids, step.seq_ids, length, writer_rows)
+            for index in range(len(self.layers))
+        ]
 
     def check_sequence_parallel(self) -> None:
-        """Refuse ``sequence_parallel_enabled`` for a model whose layers do not take a slice of
-        the sequence (those built on :class:`PreNormDecoderLayer` do)."""
+        """Refuse ``sequence_parallel_enabled`` for a model whose layers do not take this
+        rank's slice of the sequence: a layer class that does says so with a class attribute
+        ``takes_sequence_slice = True`` (its blocks gather the sequence and scatter their
+        output, :mod:`nxdplug.modules.sequence_parallel`)."""
         if not self.neuron_config.sequence_parallel_enabled:
             return
         others = {
             type(layer).__name__
             for layer in self.layers
-            if not isinstance(layer, PreNormDecoderLayer)
+            if not getattr(layer, "takes_sequence_slice", False)
         }
         if others:
             raise ConfigError(

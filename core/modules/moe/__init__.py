@@ -2,8 +2,15 @@
 ``SharedExperts`` and NxD Inference's ``initialize_moe_module``) for model plugins."""
 
 from nxdplug.modules.moe.expert_mlps import ExpertMLPs
-from nxdplug.modules.moe.moe import MoE, initialize_moe_module
+from nxdplug.modules.moe.moe import MoE, initialize_moe_module, without_router_outputs
 from nxdplug.modules.moe.routing import RouterTopK
 from nxdplug.modules.moe.shared_experts import SharedExperts
 
-__all__ = ["ExpertMLPs", "MoE", "RouterTopK", "SharedExperts", "initialize_moe_module"]
+__all__ = [
+    "ExpertMLPs",
+    "MoE",
+    "RouterTopK",
+    "SharedExperts",
+    "initialize_moe_module",
+    "without_router_outputs",
+]

@@ -79,6 +79,12 @@ class MoE(nn.Module):
         return (out, *extras) if extras else out
 
 
+def without_router_outputs(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """An MLP block's output states: the first item of the tuple an :class:`MoE` returns when
+    asked for its router logits or expert index; any other output as it is."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def routed_experts_config(config: Any, *, bias: bool = False) -> RoutedExpertsMLPOpsConfig:
     """The routed experts' settings: shapes from the model config (HF names), numerics from
     its MoENeuronConfig."""
