@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from nxdplug import NeuronConfig, from_pretrained
-from nxdplug.benchmark.measurements import (
+from nxdplug.plugins.benchmark.measurements import (
     GenerationStats,
     RunTimes,
     decode_bytes_per_step,

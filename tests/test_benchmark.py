@@ -13,7 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nxdplug.benchmark.measurements import (
+from nxdplug.cli.main import build_parser, main
+from nxdplug.plugins.benchmark.cli import _hf_modes, benchmark_options
+from nxdplug.plugins.benchmark.measurements import (
     BenchmarkReport,
     DecodeBytes,
     GenerationStats,
@@ -25,9 +27,7 @@ from nxdplug.benchmark.measurements import (
     percentile,
     weight_bytes,
 )
-from nxdplug.benchmark.roofline import PrefillCeiling, PrefillFlops
-from nxdplug.cli.main import build_parser, main
-from nxdplug.plugins.benchmark.cli import _hf_modes, benchmark_options
+from nxdplug.plugins.benchmark.roofline import PrefillCeiling, PrefillFlops
 
 SMALL_RUN = ["--runs", "1", "--prompt-length", "8", "--max-new-tokens", "4", "--quiet"]
 

@@ -13,8 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
 from nxdplug import from_pretrained
-from nxdplug.benchmark.measurements import weights_skeleton
-from nxdplug.benchmark.roofline import (
+from nxdplug.plugins.benchmark.measurements import weights_skeleton
+from nxdplug.plugins.benchmark.roofline import (
     PrefillCeiling,
     PrefillFlops,
     causal_attention_flops,

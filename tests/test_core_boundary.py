@@ -181,9 +181,9 @@ def test_a_building_block_may_name_its_own_subject_only(monkeypatch, tmp_path: P
 
 
 def test_the_core_share_does_not_grow_back() -> None:
-    """The core's share of the shipped Python (``make core-share``), held where it stands; the
-    goal is 45% (application layers move out as plugins: serve and benchmark have)."""
+    """The core's share of the shipped Python (``make core-share``): at most 45%, the
+    application layers (serve, benchmark, nxdplug.nxdi) being plugins, not core."""
     spec = importlib.util.spec_from_file_location("core_share", ROOT / ".ci" / "core_share.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.core_share() <= 0.52
+    assert module.core_share() <= 0.45

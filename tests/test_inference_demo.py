@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nxdplug.cli.inference_demo import main as inference_demo_main
-from nxdplug.cli.inference_demo import neuron_config_options
-from nxdplug.cli.inference_demo_flags import add_run_flags, attribute_flags
 from nxdplug.cli.main import UsageError, build_parser, main
 from nxdplug.config import MoENeuronConfig, OnDeviceSamplingConfig
+from nxdplug.nxdi.demo.command import main as inference_demo_main
+from nxdplug.nxdi.demo.command import neuron_config_options
+from nxdplug.nxdi.demo.flags import add_run_flags, attribute_flags
 from nxdplug.runtime.accuracy import shift_right
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,7 +294,7 @@ def test_the_entry_points_are_the_command() -> None:
     import nxdplug.nxdi.inference_demo as nxdi_module
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["inference_demo"] == "nxdplug.cli.inference_demo:console_main"
+    assert scripts["inference_demo"] == "nxdplug.nxdi.demo.command:console_main"
     assert nxdi_module.main is inference_demo_main
 
 

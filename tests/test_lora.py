@@ -244,7 +244,7 @@ def test_the_command_line_serves_adapters_per_prompt(adapters, capsys) -> None:
 
 
 def test_benchmark_times_adapters_against_peft_mixed_batch(adapters, capsys, monkeypatch) -> None:
-    from nxdplug.benchmark import measurements
+    from nxdplug.plugins.benchmark import measurements
 
     checkpoint, paths = adapters
     seen = {"nxdplug": []}

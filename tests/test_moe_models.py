@@ -115,7 +115,7 @@ def test_mixtral_default_neuron_config_has_gated_experts(tiny_checkpoint) -> Non
 
 
 def test_decode_bytes_count_only_the_experts_a_step_can_route_to(tiny_checkpoint) -> None:
-    from nxdplug.benchmark.measurements import decode_bytes_per_step, weight_bytes
+    from nxdplug.plugins.benchmark.measurements import decode_bytes_per_step, weight_bytes
 
     path = tiny_checkpoint("mixtral", **CHECKPOINTS["mixtral"])
     app = from_pretrained(path, neuron_config_for(path, torch_dtype=torch.bfloat16))

@@ -18,7 +18,10 @@ from nxdplug.lazy import resolve_ref
 from nxdplug.nxdi.reexport import NotProvidedAttributeError, NotProvidedError
 
 ROOT = Path(__file__).resolve().parents[1]
-NAMESPACE = ROOT / "core" / "nxdi"
+NAMESPACE = ROOT / "plugins" / "nxdi"
+# nxdplug's own code in the namespace, beside NxD Inference's names: the plugin's hooks and the
+# inference_demo it runs.
+OWN_CODE = {"nxdplug.nxdi.hooks", "nxdplug.nxdi.demo"}
 
 # The nxdi module, and the nxdplug object each of its names must be.
 STATIC_EXPORTS = {
@@ -55,9 +58,9 @@ STATIC_EXPORTS = {
         ),
     },
     "nxdplug.nxdi.utils.benchmark": {
-        "BENCHMARK_REPORT_PATH": "nxdplug.benchmark.sampling_benchmark:BENCHMARK_REPORT_PATH",
-        "benchmark_sampling": "nxdplug.benchmark.sampling_benchmark:benchmark_sampling",
-        "generate_report": "nxdplug.benchmark.sampling_benchmark:generate_report",
+        "BENCHMARK_REPORT_PATH": "nxdplug.nxdi.demo.sampling_benchmark:BENCHMARK_REPORT_PATH",
+        "benchmark_sampling": "nxdplug.nxdi.demo.sampling_benchmark:benchmark_sampling",
+        "generate_report": "nxdplug.nxdi.demo.sampling_benchmark:generate_report",
         "prepare_sampling_params": "nxdplug.runtime.sampling_params:prepare_sampling_params",
     },
     "nxdplug.nxdi.utils.exceptions": {
@@ -112,13 +115,13 @@ STATIC_EXPORTS = {
         "get_shardable_head_counts": "nxdplug.modules.gqa:shardable_head_counts",
     },
     "nxdplug.nxdi.utils.argparse_utils": {
-        "AUTO": "nxdplug.cli.inference_demo_flags:AUTO",
-        "StringOrIntegers": "nxdplug.cli.inference_demo_flags:StringOrIntegers",
+        "AUTO": "nxdplug.nxdi.demo.flags:AUTO",
+        "StringOrIntegers": "nxdplug.nxdi.demo.flags:StringOrIntegers",
     },
     "nxdplug.nxdi.utils.constants": {
         "TEST_PROMPT": "nxdplug.runtime.accuracy:TEST_PROMPT",
-        "BENCHMARK_REPORT_PATH": "nxdplug.benchmark.sampling_benchmark:BENCHMARK_REPORT_PATH",
-        "END_TO_END_MODEL": "nxdplug.benchmark.sampling_benchmark:END_TO_END_MODEL",
+        "BENCHMARK_REPORT_PATH": "nxdplug.nxdi.demo.sampling_benchmark:BENCHMARK_REPORT_PATH",
+        "END_TO_END_MODEL": "nxdplug.nxdi.demo.sampling_benchmark:END_TO_END_MODEL",
         **{
             phase: f"nxdplug.runtime.model_wrapper:{phase}_TAG"
             for phase in (
@@ -130,16 +133,16 @@ STATIC_EXPORTS = {
         },
     },
     "nxdplug.nxdi.inference_demo": {
-        "main": "nxdplug.cli.inference_demo:main",
-        "setup_run_parser": "nxdplug.cli.inference_demo_flags:add_run_flags",
-        "parse_args": "nxdplug.cli.inference_demo:parse_args",
-        "create_neuron_config": "nxdplug.cli.inference_demo:create_neuron_config",
+        "main": "nxdplug.nxdi.demo.command:main",
+        "setup_run_parser": "nxdplug.nxdi.demo.flags:add_run_flags",
+        "parse_args": "nxdplug.nxdi.demo.command:parse_args",
+        "create_neuron_config": "nxdplug.nxdi.demo.command:create_neuron_config",
         "LogitMatchingValidationError": (
             "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
         ),
-        "BENCHMARK_REPORT_PATH": "nxdplug.benchmark.sampling_benchmark:BENCHMARK_REPORT_PATH",
+        "BENCHMARK_REPORT_PATH": "nxdplug.nxdi.demo.sampling_benchmark:BENCHMARK_REPORT_PATH",
         "load_pretrained_config": "nxdplug:load_pretrained_config",
-        "benchmark_sampling": "nxdplug.benchmark.sampling_benchmark:benchmark_sampling",
+        "benchmark_sampling": "nxdplug.nxdi.demo.sampling_benchmark:benchmark_sampling",
     },
 }
 FAMILIES = ["llama", "mistral", "mixtral", "dbrx", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
@@ -157,11 +160,12 @@ ENTRY_CLASSES = {
 
 
 def namespace_modules() -> list[str]:
-    return [
+    modules = [
         "nxdplug." + ".".join(path.relative_to(NAMESPACE.parent).with_suffix("").parts)
         for path in sorted(NAMESPACE.rglob("*.py"))
         if path.name != "__init__.py"
     ]
+    return [m for m in modules if not any(m == o or m.startswith(o + ".") for o in OWN_CODE)]
 
 
 def run_python(*args: str, cwd: Path | None = None, **env: str) -> str:

@@ -384,8 +384,8 @@ def test_compiled_graphs_sample_and_give_the_eager_tokens(checkpoint, tmp_path, 
 
 def test_benchmark_and_logit_check_work_with_on_device_sampling(tmp_path) -> None:
     from nxdplug import NeuronConfig, OnDeviceSamplingConfig, from_pretrained
-    from nxdplug.benchmark.measurements import measure_nxdplug
     from nxdplug.errors import NxdPlugError
+    from nxdplug.plugins.benchmark.measurements import measure_nxdplug
     from nxdplug.testing import make_tiny_checkpoint, random_prompts, teacher_forced_logits
 
     path = make_tiny_checkpoint("llama", tmp_path / "ckpt", seed=2)

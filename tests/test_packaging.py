@@ -16,6 +16,7 @@ PACKAGE_DIRS = {
     "nxdplug": "core",
     "nxdplug.plugins": "plugins",
     "nxdplug.contrib_models": "contrib_models",
+    "nxdplug.nxdi": "plugins/nxdi",
 }
 FORBIDDEN_TOP_LEVEL = {"core", "plugins", "contrib_models"}
 
@@ -24,13 +25,21 @@ def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
+def package_of(path: Path) -> str:
+    """The package a folder is installed as: the mapping of its nearest mapped ancestor."""
+    package, folder = max(
+        (item for item in PACKAGE_DIRS.items() if path.is_relative_to(ROOT / item[1])),
+        key=lambda item: len(item[1]),
+    )
+    return ".".join([package, *path.relative_to(ROOT / folder).parts])
+
+
 def packages_on_disk() -> set[str]:
-    found = set()
-    for package, folder in PACKAGE_DIRS.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            relative = init.parent.relative_to(ROOT / folder)
-            found.add(".".join([package, *relative.parts]))
-    return found
+    return {
+        package_of(init.parent)
+        for folder in PACKAGE_DIRS.values()
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
 
 
 def test_package_dir_mapping() -> None:
@@ -49,7 +58,7 @@ def test_every_plugin_folder_is_an_entry_point() -> None:
         for p in packages_on_disk()
         if p.startswith(("nxdplug.plugins.", "nxdplug.contrib_models.")) and p.count(".") == 2
     }
-    assert plugin_packages == modules
+    assert plugin_packages | {"nxdplug.nxdi"} == modules
 
 
 def test_every_non_python_source_file_ships_as_package_data() -> None:
@@ -58,15 +67,14 @@ def test_every_non_python_source_file_ships_as_package_data() -> None:
     listed = pyproject()["tool"]["setuptools"]["package-data"]
     shipped = {(package, name) for package, names in listed.items() for name in names}
     found = set()
-    for package, folder in PACKAGE_DIRS.items():
+    for folder in PACKAGE_DIRS.values():
         for path in (ROOT / folder).rglob("*"):
             if (
                 path.is_file()
                 and path.suffix not in (".py", ".pyc")
                 and "__pycache__" not in path.parts
             ):
-                relative = path.parent.relative_to(ROOT / folder)
-                found.add((".".join([package, *relative.parts]), path.name))
+                found.add((package_of(path.parent), path.name))
     assert found == shipped
 
 

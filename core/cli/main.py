@@ -2,9 +2,10 @@
 
 Each of the core's subcommands is one row of :data:`COMMANDS`: a name, a help line, a function
 that adds its arguments and a function that runs it and returns the exit code; plugins add
-theirs (``serve``, ``benchmark``, ...) as ``nxdplug_commands`` records. A user error (any
-:class:`~nxdplug.errors.NxdPlugError`, an ``OSError`` about a path, a usage error) is printed as
-one ``nxdplug: error: ...`` paragraph without a traceback; ``--verbose`` adds the traceback.
+theirs (``serve``, ``benchmark``, ``inference_demo``, ...) as ``nxdplug_commands`` records. A
+user error (any :class:`~nxdplug.errors.NxdPlugError`, an ``OSError`` about a path, a usage
+error) is printed as one ``nxdplug: error: ...`` paragraph without a traceback; ``--verbose``
+adds the traceback.
 Anything else is a bug and keeps its traceback. Heavy modules (torch, transformers, model code)
 are imported inside the commands that need them, so ``nxdplug plugins list`` stays fast.
 """
@@ -33,7 +34,6 @@ from nxdplug.cli.inference import (
     run_compile,
     run_run,
 )
-from nxdplug.cli.inference_demo import add_inference_demo_arguments, run_inference_demo
 from nxdplug.cli.options import parse_key_value
 from nxdplug.cli.plugins import (
     add_plugins_doctor_arguments,
@@ -151,13 +151,6 @@ COMMANDS: tuple[Command, ...] = (
         "generate from prompts on the CPU and optionally check accuracy against HF",
         run=run_run,
         add_arguments=add_run_arguments,
-    ),
-    Command(
-        "inference_demo",
-        "NxD Inference's inference_demo command line: --model-type M --task-type causal-lm run "
-        "--model-path P --compiled-model-path C --prompt TEXT [its flags]",
-        run=run_inference_demo,
-        add_arguments=add_inference_demo_arguments,
     ),
     Command(
         "make-tiny-model",

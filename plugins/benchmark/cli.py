@@ -6,8 +6,8 @@ process, eager and/or with a static KV cache and torch.compile; the base model (
 config without the settings that the command line's feature options made) when those options
 enable a feature plugin; and always the
 memory-bandwidth ceiling of decoding and the compute ceiling of prefill on this machine. The
-measuring itself is in :mod:`nxdplug.benchmark.measurements` and
-:mod:`nxdplug.benchmark.roofline`.
+measuring itself is in :mod:`nxdplug.plugins.benchmark.measurements` and
+:mod:`nxdplug.plugins.benchmark.roofline`.
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def _load_hf_model(model_path: Path, dtype: Any, quiet: bool) -> Any:
 def run_benchmark(args: argparse.Namespace) -> int:
     import torch
 
-    from nxdplug.benchmark import measurements as benchmark
-    from nxdplug.benchmark import roofline
+    from nxdplug.plugins.benchmark import measurements as benchmark
+    from nxdplug.plugins.benchmark import roofline
 
     def progress(message: str) -> None:
         if not args.quiet:
@@ -265,7 +265,7 @@ def _hf_systems(
     """HF transformers' model and ``generate()`` keywords for each --compare-hf mode, by report
     name: an enabled plugin's HF equivalent (LoRA's adapters, ...) or the plain checkpoint. Each
     mode has its model of its own, since compiling one changes its forward for good."""
-    from nxdplug.benchmark import measurements as benchmark
+    from nxdplug.plugins.benchmark import measurements as benchmark
 
     def load(path: Path) -> Any:
         return _load_hf_model(path, dtype, quiet=args.quiet)
@@ -287,7 +287,7 @@ def _prompts(args: argparse.Namespace, vocab_size: int, batch_size: int) -> Any:
     """[batch, prompt_length] ids: from --prompt-file, or seeded random ones."""
     import torch
 
-    from nxdplug.benchmark import measurements as benchmark
+    from nxdplug.plugins.benchmark import measurements as benchmark
 
     if args.prompt_file is None:
         return benchmark.random_prompt_ids(vocab_size, batch_size, args.prompt_length)
@@ -315,7 +315,7 @@ def _benchmark_speculation(
     """Whole generations with the config's speculation mode and without it, in turn."""
     import torch
 
-    from nxdplug.benchmark import measurements as benchmark
+    from nxdplug.plugins.benchmark import measurements as benchmark
 
     kwargs = extensions.generate_keywords(args, model)
     if args.prompt_lookup_num_tokens:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nxdplug.cli.inference_demo_flags import FeatureDemoFlags, load_json_file
+from nxdplug.nxdi.demo.flags import FeatureDemoFlags, load_json_file
 
 
 class EagleDemoFlags(FeatureDemoFlags):

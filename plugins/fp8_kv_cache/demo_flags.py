@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nxdplug.cli.inference_demo_flags import FeatureDemoFlags, only
 from nxdplug.errors import NxdPlugError
+from nxdplug.nxdi.demo.flags import FeatureDemoFlags, only
 
 _PER_TENSOR = "per_tensor_symmetric"
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nxdplug.cli.inference_demo_flags import FeatureDemoFlags
 from nxdplug.cli.options import positive_int
 from nxdplug.errors import NxdPlugError
+from nxdplug.nxdi.demo.flags import FeatureDemoFlags
 
 
 def _adapter_paths(entries: list[str] | None) -> dict[str, str] | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from nxdplug.cli.inference_demo_flags import FeatureDemoFlags, RefusedFlag, only
+from nxdplug.nxdi.demo.flags import FeatureDemoFlags, RefusedFlag, only
 
 
 class QuantizationDemoFlags(FeatureDemoFlags):

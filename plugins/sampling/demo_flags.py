@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nxdplug.cli.inference_demo_flags import FeatureDemoFlags
 from nxdplug.cli.options import positive_int
 from nxdplug.errors import NxdPlugError
+from nxdplug.nxdi.demo.flags import FeatureDemoFlags
 
 # The on-device sampling settings, from the demo's sampling flags of the same names.
 _SAMPLING_SETTINGS = (

@@ -27,8 +27,8 @@ from typing import Any
 
 import attrs
 
-from nxdplug.benchmark.measurements import LatencyStats
 from nxdplug.errors import NxdPlugError
+from nxdplug.plugins.benchmark.measurements import LatencyStats
 
 PROMPT_SEED = 0
 REQUEST_TIMEOUT_S = 600.0

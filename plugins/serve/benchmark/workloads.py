@@ -24,8 +24,8 @@ from typing import Any
 
 import attrs
 
-from nxdplug.benchmark.measurements import LatencyStats
 from nxdplug.errors import NxdPlugError
+from nxdplug.plugins.benchmark.measurements import LatencyStats
 from nxdplug.plugins.serve.benchmark.load import RequestTimes, async_client, timed_request
 
 # New tokens of the long-prompt workload's long request: its TTFT is what counts.

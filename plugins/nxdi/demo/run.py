@@ -16,8 +16,8 @@ import torch
 
 from nxdplug.cli import extensions
 from nxdplug.cli.inference import load_tokenizer
-from nxdplug.cli.inference_demo_flags import COMMAND
 from nxdplug.errors import NxdPlugError
+from nxdplug.nxdi.demo.flags import COMMAND
 
 GENERATION_CONFIG_FLAGS = ("do_sample", "top_k", "pad_token_id", "dynamic", "top_p", "temperature")
 
@@ -68,7 +68,7 @@ def run_loaded(args: argparse.Namespace, model: Any, draft: Any) -> int:
         print(f"\nlogit matching failed: {logit_error.message}")
         return 1
     if args.benchmark:
-        from nxdplug.benchmark.sampling_benchmark import benchmark_sampling
+        from nxdplug.nxdi.demo.sampling_benchmark import benchmark_sampling
 
         benchmark_sampling(
             model, draft, generation_config, benchmark_report_path=args.benchmark_report_path

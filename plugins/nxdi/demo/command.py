@@ -5,7 +5,7 @@
 or ``--on-cpu``), stops there with ``--compile-only``, loads it, checks its accuracy as
 ``--check-accuracy-mode`` asks, generates from the prompts and prints each output, then times it
 with ``--benchmark``. What nxdplug makes of each flag is in
-:mod:`nxdplug.cli.inference_demo_flags`; a flag for a feature nxdplug lacks is a usage error.
+:mod:`nxdplug.nxdi.demo.flags`; a flag for a feature nxdplug lacks is a usage error.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, NoReturn
 
 from nxdplug.cli import extensions
 from nxdplug.cli.inference import inference_config, selection_summary
-from nxdplug.cli.inference_demo_flags import COMMAND, add_run_flags, config_values, hints_given
 from nxdplug.cli.speculation import refuse_unused_draft, without_speculation
 from nxdplug.errors import NxdPlugError
+from nxdplug.nxdi.demo.flags import COMMAND, add_run_flags, config_values, hints_given
 
 TASK_TYPES = ("causal-lm",)
 
@@ -147,7 +147,7 @@ def _run(args: argparse.Namespace) -> int:
             application.load(folder, quiet=args.quiet)
     print(f"Total model loading time: {time.monotonic() - start:.2f} seconds")
 
-    from nxdplug.cli.inference_demo_run import run_loaded
+    from nxdplug.nxdi.demo.run import run_loaded
 
     return run_loaded(args, model, draft)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from nxdplug.nxdi.reexport import reexport
 
-_BENCHMARK = "nxdplug.benchmark.sampling_benchmark"
+_BENCHMARK = "nxdplug.nxdi.demo.sampling_benchmark"
 _WRAPPER = "nxdplug.runtime.model_wrapper"
 
 reexport(

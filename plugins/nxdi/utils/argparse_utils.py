@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from nxdplug.nxdi.reexport import reexport
 
-_FLAGS = "nxdplug.cli.inference_demo_flags"
+_FLAGS = "nxdplug.nxdi.demo.flags"
 
 reexport(__name__, {"AUTO": f"{_FLAGS}:AUTO", "StringOrIntegers": f"{_FLAGS}:StringOrIntegers"})

@@ -7,7 +7,7 @@ The report maps ``e2e_model``, ``context_encoding_model`` and ``token_generation
 summed latency, with ``max_length`` tokens for a generation, ``max_context_length`` for context
 encoding and ``max_new_tokens`` for token generation).
 
-The timing is nxdplug's own (:func:`~nxdplug.benchmark.measurements.measure_nxdplug`): the
+The timing is nxdplug's own (:func:`~nxdplug.plugins.benchmark.measurements.measure_nxdplug`): the
 application is driven forward by forward from random prompts of ``max_context_length`` tokens
 (half of it when that is ``max_length``), ``max_new_tokens`` new tokens per run, one warm-up run
 first. A generation's latency runs from its first forward to its last token; context encoding's
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from nxdplug.benchmark.measurements import measure_nxdplug, percentile, random_prompt_ids
 from nxdplug.errors import NotSupportedError, NxdPlugError
+from nxdplug.plugins.benchmark.measurements import measure_nxdplug, percentile, random_prompt_ids
 from nxdplug.runtime.generation import HF_DEFAULTS, model_generation_config
 from nxdplug.runtime.sampling_params import prepare_sampling_params
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nxdplug.nxdi.reexport import reexport
 
-_BENCHMARK = "nxdplug.benchmark.sampling_benchmark"
+_BENCHMARK = "nxdplug.nxdi.demo.sampling_benchmark"
 
 reexport(
     __name__,

@@ -9,7 +9,7 @@ is derived from those stamps the same way for both.
 The ceiling is the memory-bandwidth bound of decoding: each token-generation step reads every
 weight once plus the KV cache held so far, so it cannot produce more than
 ``batch * bandwidth / bytes_per_step`` tokens per second. Context encoding has a compute
-ceiling instead, in :mod:`nxdplug.benchmark.roofline`.
+ceiling instead, in :mod:`nxdplug.plugins.benchmark.roofline`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import attrs
 import torch
 from torch import nn
 
-from nxdplug.benchmark.roofline import GEMM_SIZE, PrefillCeiling
 from nxdplug.errors import NxdPlugError
 from nxdplug.modules.attention import head_dim_of
+from nxdplug.plugins.benchmark.roofline import GEMM_SIZE, PrefillCeiling
 
 PROMPT_SEED = 0
 BANDWIDTH_BYTES = 2**28

@@ -9,21 +9,21 @@ from nxdplug.nxdi.reexport import reexport
 reexport(
     __name__,
     {
-        "main": "nxdplug.cli.inference_demo:main",
-        "parse_args": "nxdplug.cli.inference_demo:parse_args",
-        "create_neuron_config": "nxdplug.cli.inference_demo:create_neuron_config",
+        "main": "nxdplug.nxdi.demo.command:main",
+        "parse_args": "nxdplug.nxdi.demo.command:parse_args",
+        "create_neuron_config": "nxdplug.nxdi.demo.command:create_neuron_config",
         # What NxD Inference's inference_demo imports from its other modules.
         "LogitMatchingValidationError": (
             "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
         ),
-        "BENCHMARK_REPORT_PATH": "nxdplug.benchmark.sampling_benchmark:BENCHMARK_REPORT_PATH",
+        "BENCHMARK_REPORT_PATH": "nxdplug.nxdi.demo.sampling_benchmark:BENCHMARK_REPORT_PATH",
         "load_pretrained_config": "nxdplug.config:load_pretrained_config",
-        "benchmark_sampling": "nxdplug.benchmark.sampling_benchmark:benchmark_sampling",
-        "setup_run_parser": "nxdplug.cli.inference_demo_flags:add_run_flags",
+        "benchmark_sampling": "nxdplug.nxdi.demo.sampling_benchmark:benchmark_sampling",
+        "setup_run_parser": "nxdplug.nxdi.demo.flags:add_run_flags",
     },
 )
 
 if __name__ == "__main__":
-    from nxdplug.cli.inference_demo import console_main
+    from nxdplug.nxdi.demo.command import console_main
 
     console_main()
