@@ -43,6 +43,7 @@ from nxdplug.cli.plugins import (
     run_plugins_list,
 )
 from nxdplug.errors import NxdPlugError, PluginError
+from nxdplug.manager import get_plugin_manager
 from nxdplug.registry import get_registry
 
 PROG = "nxdplug"
@@ -255,7 +256,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         args = parser.parse_args(argv)
     except UsageError as exc:
-        return _report(str(exc), exit_code=2)
+        return _report(str(exc) + _disabled_plugins_hint(str(exc)), exit_code=2)
     except SystemExit as exc:  # --help and --version exit through argparse
         return exc.code if isinstance(exc.code, int) else 0
     try:
@@ -268,6 +269,19 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+def _disabled_plugins_hint(message: str) -> str:
+    """An unknown command may be one of a plugin that the allow- or deny-list disabled."""
+    if "invalid choice" not in message:
+        return ""
+    disabled = [i.name for i in get_plugin_manager().plugin_infos() if i.status == "disabled"]
+    if not disabled:
+        return ""
+    return (
+        f"; plugins may add commands, and these are disabled by NXDPLUG_ALLOW_PLUGINS / "
+        f"NXDPLUG_DENY_PLUGINS: {', '.join(disabled)}"
+    )
 
 
 def _results_from_first_rank_only() -> contextlib.AbstractContextManager:
