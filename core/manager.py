@@ -114,15 +114,19 @@ class NxdPlugPluginManager(pluggy.PluginManager):
     def add_plugin_hookspecs(self, spec_class: type, *kinds: RecordKind) -> None:
         """Add the hooks declared on ``spec_class`` and the record kinds their registration
         hooks return (``nxdplug_add_hookspecs``); a kind's name may be taken once."""
+        self._check_new_kinds(kinds)
         self.add_hookspecs(spec_class)
         self.spec_classes.append(spec_class)
         self._add_record_kinds(kinds)
 
-    def _add_record_kinds(self, kinds: Iterable[RecordKind]) -> None:
+    def _check_new_kinds(self, kinds: Iterable[RecordKind]) -> None:
         for kind in kinds:
             if kind.name in self.record_kinds:
                 raise PluginError(f"the record kind {kind.name!r} is declared twice")
-            self.record_kinds[kind.name] = kind
+
+    def _add_record_kinds(self, kinds: Iterable[RecordKind]) -> None:
+        self._check_new_kinds(kinds)
+        self.record_kinds.update((kind.name, kind) for kind in kinds)
 
     def register(self, plugin: Any, name: str | None = None) -> str | None:
         registered = super().register(plugin, name)
@@ -168,6 +172,10 @@ class NxdPlugPluginManager(pluggy.PluginManager):
             if self.has_plugin(name):
                 self.unregister(name=name)
             raise PluginError(f"plugin {name!r} ({origin}): {self._explain(exc)}") from exc
+        except Exception:  # its nxdplug_add_hookspecs failed: nothing of it stays either
+            if self.has_plugin(name):
+                self.unregister(name=name)
+            raise
         self._infos[name] = PluginInfo(
             name=name,
             distribution=distribution,

@@ -74,6 +74,23 @@ MISSPELLED_PLUGIN = """
         return []
 """
 
+SECOND_HOST_PLUGIN = """
+    from nxdplug import hookimpl
+    from nxdplug.hookspecs import hookspec
+    from nxdplug.types import PluginRecord, RecordKind
+
+    class Specs:
+        @hookspec
+        def nxdplug_salutations(self):
+            '''Register salutations.'''
+
+    @hookimpl
+    def nxdplug_add_hookspecs(pluginmanager):
+        pluginmanager.add_plugin_hookspecs(
+            Specs, RecordKind("greetings", "nxdplug_greetings", PluginRecord, "greeting")
+        )
+"""
+
 CLASHING_COMMAND_PLUGIN = """
     from nxdplug import hookimpl
     from nxdplug.types import Subcommand
@@ -94,6 +111,17 @@ def test_a_plugin_implements_a_hook_that_a_plugin_loaded_after_it_adds(fake_dist
     assert registry.names("greetings") == ["hello"]
     assert registry.provider("greetings", "hello") == "aaa_guest"
     assert any(cls.__name__ == "GreetingSpecs" for cls in manager.spec_classes)
+
+
+def test_a_record_kind_declared_twice_fails_the_second_declarer(fake_distribution):
+    fake_distribution("zzz_host", "1.0", HOST_PLUGIN)
+    fake_distribution("zzzz_second", "1.0", SECOND_HOST_PLUGIN)
+    with pytest.warns(RuntimeWarning, match="'greetings' is declared twice"):
+        manager = create_plugin_manager(strict=False)
+    assert manager.plugin_info("zzzz_second").status == "failed"
+    assert not manager.has_plugin("zzzz_second")
+    assert manager.plugin_info("zzz_host").status == "active"
+    assert not hasattr(manager.hook, "nxdplug_salutations")
 
 
 def test_a_hook_nobody_declares_fails_its_plugin_alone(fake_distribution):
