@@ -66,6 +66,50 @@ def test_core_imports_no_plugin_and_no_model() -> None:
     assert offenders == []
 
 
+def plugin_files() -> list[Path]:
+    """The built-in plugins and model families, and the example third-party packages."""
+    folders = [
+        "plugins",
+        "contrib_models",
+        "examples/nxdplug-softcap/src",
+        "examples/nxdplug-gptneox/src",
+    ]
+    return sorted(path for folder in folders for path in (ROOT / folder).rglob("*.py"))
+
+
+def test_plugins_import_the_core_only_through_the_plugin_api() -> None:
+    """A plugin takes nxdplug's objects from ``nxdplug.plugin_api`` (besides other plugins),
+    so that the core's modules may move without breaking any plugin."""
+    allowed = ("nxdplug.plugin_api", *OUTSIDE_CORE, "nxdplug.nxdi")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.module}"
+        for path in plugin_files()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+        and node.module
+        and node.module.split(".")[0] == "nxdplug"
+        and not node.module.startswith(allowed)
+    ]
+    assert offenders == []
+
+
+def test_the_plugin_api_names_resolve_lazily() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import nxdplug.plugin_api as api\n"
+        "from nxdplug.plugin_api import Feature, hookimpl\n"
+        "assert 'torch' not in sys.modules, 'records imported torch'\n"
+        "missing = [n for n in api.__all__ if getattr(api, n, None) is None]\n"
+        "print(len(api.__all__), missing)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    count, missing = out.stdout.split(maxsplit=1)
+    assert int(count) > 100 and missing.strip() == "[]"
+
+
 def documented_names() -> set[str]:
     """Code names of the reference: ``literals`` and identifiers (snake_case, CamelCase), not
     prose words; and the fields of the config classes, which declare NxD Inference's
