@@ -36,10 +36,8 @@ from nxdplug.types import (
 )
 
 if TYPE_CHECKING:
-    import torch
     from transformers import GenerationConfig
 
-    from nxdplug.config import InferenceConfig
     from nxdplug.engine.token_choice import GraphSampling
     from nxdplug.manager import NxdPlugPluginManager
     from nxdplug.pipeline import PipelineContext
@@ -314,51 +312,8 @@ class PipelineSpecs:
     """Hooks run by the pipeline, only for the plugins a config enables.
 
     Each gets the application's :class:`nxdplug.pipeline.PipelineContext` (the config, the
-    plugin selection, the model class, the device, the sub-models). A plugin with several
-    records may instead declare callbacks on each record (``validate``, ``transform_model``,
-    ``add_submodels``), which run only while that record is enabled.
+    plugin selection, the model class, the device, the sub-models).
     """
-
-    @hookspec
-    def nxdplug_validate_config(
-        self, config: InferenceConfig, context: PipelineContext
-    ) -> Iterable[str]:
-        """Report every problem this plugin sees in ``config``, as plain sentences.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_validate_config(config):
-                if config.neuron_config.my_feature and config.neuron_config.batch_size > 1:
-                    yield "my_feature supports batch_size 1 only; set batch_size=1"
-        """
-
-    @hookspec
-    def nxdplug_transform_model(
-        self, model: torch.nn.Module, config: InferenceConfig, context: PipelineContext
-    ) -> None:
-        """Change a freshly built model in place, before its weights are loaded.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_transform_model(model, config):
-                for layer in model.layers:
-                    layer.mlp = MyFastMLP.from_module(layer.mlp)
-        """
-
-    @hookspec
-    def nxdplug_add_submodels(
-        self, context: PipelineContext, config: InferenceConfig
-    ) -> Iterable[Any]:
-        """Return extra ModelWrappers (e.g. a speculation sub-model) for an application.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_add_submodels(context, config):
-                yield ModelWrapper(config, context.model_cls, tag="draft_model")
-        """
 
     @hookspec(firstresult=True)
     def nxdplug_token_source(

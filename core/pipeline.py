@@ -2,8 +2,8 @@
 
 Selection follows the NxD Inference attributes: a feature, KV-cache strategy or speculation mode
 is enabled when one of its ``enabled_by`` attributes is truthy; the model plugin comes from the
-config's HF ``architectures`` / ``model_type``. Pipeline hooks (validate, transform the model,
-add sub-models) are then called only for the plugins in that set.
+config's HF ``architectures`` / ``model_type``. The callbacks of the selected records (validate,
+transform the model, add sub-models) then run, and no others.
 """
 
 from __future__ import annotations
@@ -306,26 +306,17 @@ class PipelineContext:
                 yield record.load(field)
 
     def problems(self) -> list[str]:
-        """What the selected records' ``validate`` callbacks and the plugins' hooks report."""
-        problems = [p for check in self._callbacks("validate") for p in check(self)]
-        for plugin_problems in self.hook("nxdplug_validate_config")(
-            config=self.config, context=self
-        ):
-            problems += list(plugin_problems or ())
-        return problems
+        """What the selected records' ``validate`` callbacks report."""
+        return [p for check in self._callbacks("validate") for p in check(self)]
 
     def transform_model(self, model: nn.Module) -> None:
-        """Let the selected records and plugins change a freshly built model."""
+        """Let the selected records change a freshly built model."""
         for transform in self._callbacks("transform_model"):
             transform(model, self)
-        self.hook("nxdplug_transform_model")(model=model, config=self.config, context=self)
 
     def extra_submodels(self) -> list[Any]:
-        """The ModelWrappers the selected records and plugins add."""
-        wrappers = [w for add in self._callbacks("add_submodels") for w in add(self)]
-        for added in self.hook("nxdplug_add_submodels")(context=self, config=self.config):
-            wrappers += list(added)
-        return wrappers
+        """The ModelWrappers the selected records add."""
+        return [w for add in self._callbacks("add_submodels") for w in add(self)]
 
     def build_model(self) -> nn.Module:
         """The model class built for this config, transformed by the enabled plugins."""
