@@ -2,8 +2,9 @@
 
 Registration hooks (``nxdplug_<plural noun>``) return an iterable of records from
 :mod:`nxdplug.types`; every plugin's records are collected and looked up by name through
-:mod:`nxdplug.registry`. Pipeline hooks act on one config and are called only for the plugins that
-config enables (see :mod:`nxdplug.pipeline`).
+:mod:`nxdplug.registry`. What acts on one config (checks it, changes the model, adds sub-models)
+is a callback a record names, run only while the config enables that record (see
+:mod:`nxdplug.pipeline`).
 
 A plugin is a module (or object) with functions decorated by :data:`nxdplug.hookimpl`, registered
 under the ``nxdplug`` entry-point group of its distribution.
@@ -12,7 +13,7 @@ under the ``nxdplug`` entry-point group of its distribution.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -36,12 +37,7 @@ from nxdplug.types import (
 )
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig
-
-    from nxdplug.engine.token_choice import GraphSampling
     from nxdplug.manager import NxdPlugPluginManager
-    from nxdplug.pipeline import PipelineContext
-    from nxdplug.runtime.generation import TokenSource
 
 PROJECT_NAME = "nxdplug"
 
@@ -308,51 +304,6 @@ class DecodingSpecs:
         """
 
 
-class PipelineSpecs:
-    """Hooks run by the pipeline, only for the plugins a config enables.
-
-    Each gets the application's :class:`nxdplug.pipeline.PipelineContext` (the config, the
-    plugin selection, the model class, the device, the sub-models).
-    """
-
-    @hookspec(firstresult=True)
-    def nxdplug_token_source(
-        self,
-        context: PipelineContext,
-        generation_config: GenerationConfig,
-        batch_size: int,
-        step_keywords: dict[str, Any],
-        generate_kwargs: dict[str, Any],
-    ) -> TokenSource | None:
-        """Say where ``generate()`` takes each step's tokens from, when not a host sampler (a
-        model that samples in its graph); the first plugin that answers wins.
-
-        ``step_keywords`` are the step-input keywords the caller gave ``generate()``;
-        ``generate_kwargs`` its GenerationConfig keywords, as given.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_token_source(
-                context, generation_config, batch_size, step_keywords, generate_kwargs
-            ):
-                return TokensFromTheModel(generation_config, batch_size, step_keywords)
-        """
-
-    @hookspec(firstresult=True)
-    def nxdplug_request_sampling(self, context: PipelineContext) -> GraphSampling | None:
-        """Say how the serving engine hands each request's sampling settings to a model that
-        samples in its graph (which settings it can honour, the per-row inputs it takes); the
-        first plugin that answers wins. None, or no answer: the engine samples on the host.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_request_sampling(context):
-                return RowsOfSettings(context.config)
-        """
-
-
 class ExtensionSpecs:
     """Hooks that plugins add for their own plugins (pytest's ``pytest_addhooks``)."""
 
@@ -381,7 +332,6 @@ SPEC_CLASSES = (
     ParallelSpecs,
     CommandLineSpecs,
     DecodingSpecs,
-    PipelineSpecs,
     ExtensionSpecs,
 )
 

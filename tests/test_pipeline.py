@@ -14,7 +14,7 @@ import torch
 from nxdplug import NeuronConfig, from_pretrained, hookimpl
 from nxdplug.config import InferenceConfig, load_pretrained_config
 from nxdplug.errors import ConfigError, UnknownNameError
-from nxdplug.pipeline import config_problems, select_plugins, validate
+from nxdplug.pipeline import PipelineContext, config_problems, select_plugins, validate
 from nxdplug.runtime.model_wrapper import ModelWrapper
 from nxdplug.testing import fresh_plugin_manager, temporary_plugin
 from nxdplug.types import (
@@ -344,3 +344,45 @@ def test_feature_enabled_when_set_sees_a_zero(plugin_manager, llama_config) -> N
         _, zero = llama_config(threshold=0)
         assert [f.name for f in select_plugins(zero).features] == ["threshold"]
         assert config_problems(zero) == ["threshold must be positive"]
+
+
+def tokens_from_the_graph(context, generation_config, batch_size, step_keywords, generate_kwargs):
+    return f"{batch_size} rows sampled in the graph"
+
+
+class GraphSamplers:
+    """Two features whose models would sample in their graphs."""
+
+    @hookimpl
+    def nxdplug_features(self):
+        for letter in "ab":
+            yield Feature(
+                name=f"graph-sampler-{letter}",
+                enabled_by=(f"graph_sampler_{letter}",),
+                settings={f"graph_sampler_{letter}": False},
+                token_source=f"{__name__}:tokens_from_the_graph",
+            )
+
+
+def test_the_enabled_feature_gives_the_token_source(plugin_manager, llama_config) -> None:
+    with temporary_plugin(GraphSamplers(), "graph-samplers"):
+        _, config = llama_config()
+        context = PipelineContext(config, validate(config))
+        assert context.token_source(None, 2, {}, {}) is None
+        _, config = llama_config(graph_sampler_b=True)
+        context = PipelineContext(config, validate(config))
+        assert context.token_source(None, 2, {}, {}) == "2 rows sampled in the graph"
+        assert context.request_sampling() is None
+
+
+def test_two_features_giving_a_token_source_are_refused_by_name(
+    plugin_manager, llama_config
+) -> None:
+    with temporary_plugin(GraphSamplers(), "graph-samplers"):
+        _, config = llama_config(graph_sampler_a=True, graph_sampler_b=True)
+        with pytest.raises(ConfigError) as error:
+            validate(config)
+    assert error.value.problems == [
+        "the config enables more than one feature that gives token_source: 'graph-sampler-a' "
+        "(enabled by graph_sampler_a), 'graph-sampler-b' (enabled by graph_sampler_b); enable one"
+    ]

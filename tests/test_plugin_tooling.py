@@ -144,10 +144,8 @@ def test_plugins_list_by_hook(capsys) -> None:
     assert rows[0]["hooks"] == [
         "nxdplug_cli_extensions",
         "nxdplug_features",
-        "nxdplug_request_sampling",
         "nxdplug_samplers",
         "nxdplug_step_inputs",
-        "nxdplug_token_source",
     ]
     assert main(["plugins", "list", "--hook", "nxdplug_samplrs"]) == 1
     assert "'nxdplug_samplrs' is not a hook" in capsys.readouterr().err
