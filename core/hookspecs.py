@@ -2,8 +2,9 @@
 
 Registration hooks (``nxdplug_<plural noun>``) return an iterable of records from
 :mod:`nxdplug.types`; every plugin's records are collected and looked up by name through
-:mod:`nxdplug.registry`. Pipeline hooks act on one config and are called only for the plugins that
-config enables (see :mod:`nxdplug.pipeline`).
+:mod:`nxdplug.registry`. What acts on one config (checks it, changes the model, adds sub-models)
+is a callback a record names, run only while the config enables that record (see
+:mod:`nxdplug.pipeline`).
 
 A plugin is a module (or object) with functions decorated by :data:`nxdplug.hookimpl`, registered
 under the ``nxdplug`` entry-point group of its distribution.
@@ -12,7 +13,7 @@ under the ``nxdplug`` entry-point group of its distribution.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pluggy
 
@@ -36,14 +37,7 @@ from nxdplug.types import (
 )
 
 if TYPE_CHECKING:
-    import torch
-    from transformers import GenerationConfig
-
-    from nxdplug.config import InferenceConfig
-    from nxdplug.engine.token_choice import GraphSampling
     from nxdplug.manager import NxdPlugPluginManager
-    from nxdplug.pipeline import PipelineContext
-    from nxdplug.runtime.generation import TokenSource
 
 PROJECT_NAME = "nxdplug"
 
@@ -310,94 +304,6 @@ class DecodingSpecs:
         """
 
 
-class PipelineSpecs:
-    """Hooks run by the pipeline, only for the plugins a config enables.
-
-    Each gets the application's :class:`nxdplug.pipeline.PipelineContext` (the config, the
-    plugin selection, the model class, the device, the sub-models). A plugin with several
-    records may instead declare callbacks on each record (``validate``, ``transform_model``,
-    ``add_submodels``), which run only while that record is enabled.
-    """
-
-    @hookspec
-    def nxdplug_validate_config(
-        self, config: InferenceConfig, context: PipelineContext
-    ) -> Iterable[str]:
-        """Report every problem this plugin sees in ``config``, as plain sentences.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_validate_config(config):
-                if config.neuron_config.my_feature and config.neuron_config.batch_size > 1:
-                    yield "my_feature supports batch_size 1 only; set batch_size=1"
-        """
-
-    @hookspec
-    def nxdplug_transform_model(
-        self, model: torch.nn.Module, config: InferenceConfig, context: PipelineContext
-    ) -> None:
-        """Change a freshly built model in place, before its weights are loaded.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_transform_model(model, config):
-                for layer in model.layers:
-                    layer.mlp = MyFastMLP.from_module(layer.mlp)
-        """
-
-    @hookspec
-    def nxdplug_add_submodels(
-        self, context: PipelineContext, config: InferenceConfig
-    ) -> Iterable[Any]:
-        """Return extra ModelWrappers (e.g. a speculation sub-model) for an application.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_add_submodels(context, config):
-                yield ModelWrapper(config, context.model_cls, tag="draft_model")
-        """
-
-    @hookspec(firstresult=True)
-    def nxdplug_token_source(
-        self,
-        context: PipelineContext,
-        generation_config: GenerationConfig,
-        batch_size: int,
-        step_keywords: dict[str, Any],
-        generate_kwargs: dict[str, Any],
-    ) -> TokenSource | None:
-        """Say where ``generate()`` takes each step's tokens from, when not a host sampler (a
-        model that samples in its graph); the first plugin that answers wins.
-
-        ``step_keywords`` are the step-input keywords the caller gave ``generate()``;
-        ``generate_kwargs`` its GenerationConfig keywords, as given.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_token_source(
-                context, generation_config, batch_size, step_keywords, generate_kwargs
-            ):
-                return TokensFromTheModel(generation_config, batch_size, step_keywords)
-        """
-
-    @hookspec(firstresult=True)
-    def nxdplug_request_sampling(self, context: PipelineContext) -> GraphSampling | None:
-        """Say how the serving engine hands each request's sampling settings to a model that
-        samples in its graph (which settings it can honour, the per-row inputs it takes); the
-        first plugin that answers wins. None, or no answer: the engine samples on the host.
-
-        .. code-block:: python
-
-            @nxdplug.hookimpl
-            def nxdplug_request_sampling(context):
-                return RowsOfSettings(context.config)
-        """
-
-
 class ExtensionSpecs:
     """Hooks that plugins add for their own plugins (pytest's ``pytest_addhooks``)."""
 
@@ -426,7 +332,6 @@ SPEC_CLASSES = (
     ParallelSpecs,
     CommandLineSpecs,
     DecodingSpecs,
-    PipelineSpecs,
     ExtensionSpecs,
 )
 

@@ -2,8 +2,8 @@
 
 Selection follows the NxD Inference attributes: a feature, KV-cache strategy or speculation mode
 is enabled when one of its ``enabled_by`` attributes is truthy; the model plugin comes from the
-config's HF ``architectures`` / ``model_type``. Pipeline hooks (validate, transform the model,
-add sub-models) are then called only for the plugins in that set.
+config's HF ``architectures`` / ``model_type``. The callbacks of the selected records (validate,
+transform the model, add sub-models) then run, and no others.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -34,6 +34,12 @@ from nxdplug.types import (
     StateDictConverter,
     StepInput,
 )
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
+    from nxdplug.engine.token_choice import GraphSampling
+    from nxdplug.runtime.generation import TokenSource
 
 # NxD Inference attributes whose behaviour lives in a plugin: switching one on without an
 # installed plugin that declares it in ``enabled_by`` is a problem, never a silent no-op.
@@ -78,6 +84,10 @@ class PluginSelection:
             chosen += (self.speculation_mode,)
         return chosen + self.step_inputs + self.parallel_groups + self.converters
 
+    def features_giving(self, field: str) -> tuple[Feature, ...]:
+        """The selected features that give the callback ``field``."""
+        return tuple(f for f in self.features if getattr(f, field) is not None)
+
     def with_backend(self, backend: CompileBackend, registry: Registry | None = None) -> Any:
         """This selection compiled with ``backend`` instead of the one the config asked for."""
         registry = registry or get_registry()
@@ -100,6 +110,24 @@ def _single_choice(records: Iterable[Any], neuron_config: Any, label: str) -> An
         names = ", ".join(f"{r.name!r} (enabled by {', '.join(r.enabled_by)})" for r in chosen)
         raise ConfigError([f"the config enables more than one {label}: {names}; enable one"])
     return chosen[0] if chosen else None
+
+
+# Feature callbacks whose one answer the application takes (where a graph's tokens are taken
+# from): two enabled features giving the same one are refused, not one of them picked.
+SINGLE_ANSWER_CALLBACKS = ("token_source", "request_sampling")
+
+
+def _refuse_two_answers(selection: PluginSelection) -> None:
+    problems = []
+    for field in SINGLE_ANSWER_CALLBACKS:
+        givers = selection.features_giving(field)
+        if len(givers) > 1:
+            names = ", ".join(f"{f.name!r} (enabled by {', '.join(f.enabled_by)})" for f in givers)
+            problems.append(
+                f"the config enables more than one feature that gives {field}: {names}; enable one"
+            )
+    if problems:
+        raise ConfigError(problems)
 
 
 def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelection:
@@ -141,7 +169,7 @@ def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelec
     if speculation is not None:
         chosen.append(("speculation_modes", speculation))
     plugins = frozenset(registry.provider(kind, record.name) for kind, record in chosen)
-    return PluginSelection(
+    selection = PluginSelection(
         architecture=architecture,
         features=features,
         kv_cache_strategy=kv_cache,
@@ -152,6 +180,8 @@ def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelec
         parallel_groups=groups,
         plugins=plugins,
     )
+    _refuse_two_answers(selection)
+    return selection
 
 
 def _feature_problems(selection: PluginSelection, registry: Registry) -> list[str]:
@@ -249,23 +279,12 @@ def _settings_without_effect_problems(
     return []
 
 
-def hook_caller(name: str, selection: PluginSelection) -> Any:
-    """The pipeline hook ``name``, restricted to the plugins of ``selection``."""
-    manager = get_registry().manager
-    others = [
-        plugin
-        for plugin_name, plugin in manager.list_name_plugin()
-        if plugin_name not in selection.plugins
-    ]
-    return manager.subset_hook_caller(name, remove_plugins=others)
-
-
 _ACTIVE_CONTEXT: ContextVar[PipelineContext | None] = ContextVar("nxdplug_pipeline", default=None)
 
 
 @attrs.define(eq=False)
 class PipelineContext:
-    """What the pipeline hooks and record callbacks of one application get.
+    """What the record callbacks of one application get.
 
     Made once per application (or per config being checked, with ``model_cls`` None): the
     config, the plugin selection, the model class, the device, and the step-input builders of
@@ -296,36 +315,49 @@ class PipelineContext:
         whatever the config selects; a compiled folder names its own)."""
         self._running_on = torch.device(backend.device)
 
-    def hook(self, name: str) -> Any:
-        """The pipeline hook ``name``, restricted to the selected plugins."""
-        return hook_caller(name, self.selection)
-
     def _callbacks(self, field: str) -> Iterator[Any]:
         for record in self.selection.enabled_records:
             if getattr(record, field) is not None:
                 yield record.load(field)
 
     def problems(self) -> list[str]:
-        """What the selected records' ``validate`` callbacks and the plugins' hooks report."""
-        problems = [p for check in self._callbacks("validate") for p in check(self)]
-        for plugin_problems in self.hook("nxdplug_validate_config")(
-            config=self.config, context=self
-        ):
-            problems += list(plugin_problems or ())
-        return problems
+        """What the selected records' ``validate`` callbacks report."""
+        return [p for check in self._callbacks("validate") for p in check(self)]
 
     def transform_model(self, model: nn.Module) -> None:
-        """Let the selected records and plugins change a freshly built model."""
+        """Let the selected records change a freshly built model."""
         for transform in self._callbacks("transform_model"):
             transform(model, self)
-        self.hook("nxdplug_transform_model")(model=model, config=self.config, context=self)
 
     def extra_submodels(self) -> list[Any]:
-        """The ModelWrappers the selected records and plugins add."""
-        wrappers = [w for add in self._callbacks("add_submodels") for w in add(self)]
-        for added in self.hook("nxdplug_add_submodels")(context=self, config=self.config):
-            wrappers += list(added)
-        return wrappers
+        """The ModelWrappers the selected records add."""
+        return [w for add in self._callbacks("add_submodels") for w in add(self)]
+
+    def _single_answer(self, field: str) -> Any | None:
+        """The ``field`` callback of the enabled feature that gives it (one at most: see
+        :func:`select_plugins`), or None."""
+        givers = self.selection.features_giving(field)
+        return givers[0].load(field) if givers else None
+
+    def token_source(
+        self,
+        generation_config: GenerationConfig,
+        batch_size: int,
+        step_keywords: dict[str, Any],
+        generate_kwargs: dict[str, Any],
+    ) -> TokenSource | None:
+        """Where ``generate()`` takes each step's tokens from, when an enabled feature gives
+        them (a model that samples in its graph); None: the host samples."""
+        source = self._single_answer("token_source")
+        if source is None:
+            return None
+        return source(self, generation_config, batch_size, step_keywords, generate_kwargs)
+
+    def request_sampling(self) -> GraphSampling | None:
+        """How the serving engine hands each request's sampling settings to a model that
+        samples in its graph, when an enabled feature says; None: the engine samples."""
+        sampling = self._single_answer("request_sampling")
+        return None if sampling is None else sampling(self)
 
     def build_model(self) -> nn.Module:
         """The model class built for this config, transformed by the enabled plugins."""

@@ -311,12 +311,24 @@ class Feature(SelectableRecord):
     ``runtime_settings`` name (dotted, within NeuronConfig) the settings whose values reach the
     graphs as step inputs rather than shaping them: a compiled folder is reused whatever they
     are (``on_device_sampling_config.top_k``).
+
+    A feature whose model chooses its tokens in its graph says where the host takes them from,
+    through two more callbacks: ``token_source(context, generation_config, batch_size,
+    step_keywords, generate_kwargs)`` gives the :class:`nxdplug.runtime.generation.TokenSource`
+    of a ``generate()`` call (``step_keywords``: the step-input keywords the caller gave;
+    ``generate_kwargs``: its GenerationConfig keywords, as given); ``request_sampling(context)``
+    the :class:`nxdplug.engine.token_choice.GraphSampling` through which the serving engine
+    hands each request's sampling settings to the graph. None from either, or no enabled feature
+    giving it: the host samples. A config enabling two features that give the same one is
+    refused.
     """
 
     requires: tuple[str, ...] = _names_field()
     conflicts_with: tuple[str, ...] = _names_field()
     settings: Mapping[str, Any] = attrs.field(factory=dict, converter=dict, hash=False)
     runtime_settings: tuple[str, ...] = _names_field()
+    token_source: str | None = ref_field(default=None)
+    request_sampling: str | None = ref_field(default=None)
 
 
 @attrs.frozen(kw_only=True)

@@ -1,8 +1,12 @@
-"""The pipeline: a config selects plugins; pipeline hooks run for those plugins only."""
+"""The pipeline: a config selects records; their callbacks run for those records only."""
 
 from __future__ import annotations
 
+import sys
 import warnings
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +14,7 @@ import torch
 from nxdplug import NeuronConfig, from_pretrained, hookimpl
 from nxdplug.config import InferenceConfig, load_pretrained_config
 from nxdplug.errors import ConfigError, UnknownNameError
-from nxdplug.pipeline import config_problems, select_plugins, validate
+from nxdplug.pipeline import PipelineContext, config_problems, select_plugins, validate
 from nxdplug.runtime.model_wrapper import ModelWrapper
 from nxdplug.testing import fresh_plugin_manager, temporary_plugin
 from nxdplug.types import (
@@ -22,12 +26,22 @@ from nxdplug.types import (
 )
 
 
+def check_logit_scale(context):
+    if context.neuron_config.logit_scale <= 0:
+        yield "logit_scale must be positive"
+
+
+def zero_the_norm(model, context):
+    with torch.no_grad():
+        model.norm.weight.mul_(0)  # lets the test see that the transform ran before loading
+
+
+def add_logit_scale_model(context):
+    yield ModelWrapper(context.config, context.model_cls, tag="logit_scale_model")
+
+
 class LogitScaleFeature:
     """A third-party feature with its own setting, a check, a model transform and a sub-model."""
-
-    def __init__(self) -> None:
-        self.validated = 0
-        self.transformed = 0
 
     @hookimpl
     def nxdplug_features(self):
@@ -36,23 +50,28 @@ class LogitScaleFeature:
             enabled_by=("logit_scale",),
             settings={"logit_scale": None},
             conflicts_with=("fused-qkv",),
+            validate=f"{__name__}:check_logit_scale",
+            transform_model=f"{__name__}:zero_the_norm",
+            add_submodels=f"{__name__}:add_logit_scale_model",
         )
 
-    @hookimpl
-    def nxdplug_validate_config(self, config):
-        self.validated += 1
-        if config.neuron_config.logit_scale <= 0:
-            yield "logit_scale must be positive"
 
-    @hookimpl
-    def nxdplug_transform_model(self, model, config):
-        self.transformed += 1
-        with torch.no_grad():
-            model.norm.weight.mul_(0)  # lets the test see that the transform ran before loading
+def counted(name: str, function: Callable[..., Any], calls: Counter[str]) -> Callable[..., Any]:
+    def count(*args: Any) -> Any:
+        calls[name] += 1
+        return function(*args)
 
-    @hookimpl
-    def nxdplug_add_submodels(self, context, config):
-        yield ModelWrapper(config, context.model_cls, tag="logit_scale_model")
+    return count
+
+
+@pytest.fixture
+def callback_calls(monkeypatch) -> Counter[str]:
+    """How often each of logit-scale's callbacks ran during the test."""
+    calls: Counter[str] = Counter()
+    module = sys.modules[__name__]
+    for name in ("check_logit_scale", "zero_the_norm"):
+        monkeypatch.setattr(module, name, counted(name, getattr(module, name), calls))
+    return calls
 
 
 @pytest.fixture
@@ -87,22 +106,23 @@ def test_attributes_switch_features_and_converters_on(plugin_manager, llama_conf
     assert "fused_qkv" in selection.plugins
 
 
-def test_pipeline_hooks_run_only_for_enabled_plugins(plugin_manager, llama_config) -> None:
-    feature = LogitScaleFeature()
-    with temporary_plugin(feature, "logit-scale-plugin"):
+def test_callbacks_run_only_for_enabled_records(
+    plugin_manager, llama_config, callback_calls
+) -> None:
+    with temporary_plugin(LogitScaleFeature(), "logit-scale-plugin"):
         path, config = llama_config()
         assert config_problems(config) == []
         app = from_pretrained(path, config=config)
         app.to_cpu()
-        assert (feature.validated, feature.transformed) == (0, 0)
+        assert callback_calls == {}
         assert [w.tag for w in app.models] == ["context_encoding_model", "token_generation_model"]
 
         path, config = llama_config(logit_scale=2.0)
         app = from_pretrained(path, config=config)
-        assert feature.validated == 1
+        assert callback_calls == {"check_logit_scale": 1}
         assert app.models[-1].tag == "logit_scale_model"
         app.to_cpu()
-        assert feature.transformed == 1
+        assert callback_calls == {"check_logit_scale": 1, "zero_the_norm": 1}
         # the checkpoint's norm weights were loaded after the transform zeroed them
         assert app.context_encoding_model.model.norm.weight.abs().sum() > 0
 
@@ -301,6 +321,11 @@ def check_quantization_method_path(llama_config, tmp_path, application) -> None:
         application.save_quantized_state_dict(path, config)
 
 
+def check_threshold(context):
+    if context.neuron_config.threshold <= 0:
+        yield "threshold must be positive"
+
+
 def test_feature_enabled_when_set_sees_a_zero(plugin_manager, llama_config) -> None:
     class Threshold:
         @hookimpl
@@ -310,12 +335,8 @@ def test_feature_enabled_when_set_sees_a_zero(plugin_manager, llama_config) -> N
                 enabled_by=("threshold",),
                 enabled_when_set=True,
                 settings={"threshold": None},
+                validate=f"{__name__}:check_threshold",
             )
-
-        @hookimpl
-        def nxdplug_validate_config(self, config):
-            if config.neuron_config.threshold <= 0:
-                yield "threshold must be positive"
 
     with temporary_plugin(Threshold(), "threshold-plugin"):
         _, unset = llama_config()
@@ -323,3 +344,45 @@ def test_feature_enabled_when_set_sees_a_zero(plugin_manager, llama_config) -> N
         _, zero = llama_config(threshold=0)
         assert [f.name for f in select_plugins(zero).features] == ["threshold"]
         assert config_problems(zero) == ["threshold must be positive"]
+
+
+def tokens_from_the_graph(context, generation_config, batch_size, step_keywords, generate_kwargs):
+    return f"{batch_size} rows sampled in the graph"
+
+
+class GraphSamplers:
+    """Two features whose models would sample in their graphs."""
+
+    @hookimpl
+    def nxdplug_features(self):
+        for letter in "ab":
+            yield Feature(
+                name=f"graph-sampler-{letter}",
+                enabled_by=(f"graph_sampler_{letter}",),
+                settings={f"graph_sampler_{letter}": False},
+                token_source=f"{__name__}:tokens_from_the_graph",
+            )
+
+
+def test_the_enabled_feature_gives_the_token_source(plugin_manager, llama_config) -> None:
+    with temporary_plugin(GraphSamplers(), "graph-samplers"):
+        _, config = llama_config()
+        context = PipelineContext(config, validate(config))
+        assert context.token_source(None, 2, {}, {}) is None
+        _, config = llama_config(graph_sampler_b=True)
+        context = PipelineContext(config, validate(config))
+        assert context.token_source(None, 2, {}, {}) == "2 rows sampled in the graph"
+        assert context.request_sampling() is None
+
+
+def test_two_features_giving_a_token_source_are_refused_by_name(
+    plugin_manager, llama_config
+) -> None:
+    with temporary_plugin(GraphSamplers(), "graph-samplers"):
+        _, config = llama_config(graph_sampler_a=True, graph_sampler_b=True)
+        with pytest.raises(ConfigError) as error:
+            validate(config)
+    assert error.value.problems == [
+        "the config enables more than one feature that gives token_source: 'graph-sampler-a' "
+        "(enabled by graph_sampler_a), 'graph-sampler-b' (enabled by graph_sampler_b); enable one"
+    ]

@@ -34,8 +34,8 @@ WRONG_SIGNATURE = """
     NXDPLUG_API_VERSION = 1
 
     @hookimpl
-    def nxdplug_validate_config(cfg):
-        return []
+    def nxdplug_add_hookspecs(manager):
+        pass
 """
 
 FUTURE_API = """
@@ -70,7 +70,7 @@ CASES = {
     ),
     "wrong-signature": (
         WRONG_SIGNATURE,
-        "asks for 'cfg', which the hook does not pass; the hook passes (config, context)",
+        "asks for 'manager', which the hook does not pass; the hook passes (pluginmanager)",
     ),
     "future-api": (FUTURE_API, "written for nxdplug plugin API 2, but this nxdplug provides API 1"),
 }
@@ -144,10 +144,8 @@ def test_plugins_list_by_hook(capsys) -> None:
     assert rows[0]["hooks"] == [
         "nxdplug_cli_extensions",
         "nxdplug_features",
-        "nxdplug_request_sampling",
         "nxdplug_samplers",
         "nxdplug_step_inputs",
-        "nxdplug_token_source",
     ]
     assert main(["plugins", "list", "--hook", "nxdplug_samplrs"]) == 1
     assert "'nxdplug_samplrs' is not a hook" in capsys.readouterr().err

@@ -2,9 +2,9 @@
 
 On the host, from the logits, each request with its own settings and random generator, after its
 own adjustments (bias, penalties, ``min_tokens``: :mod:`~nxdplug.engine.logits_adjustment`). When
-the model samples in its graph, a plugin answering ``nxdplug_request_sampling`` says which settings
-the graph can honour and turns each step's requests into its per-row inputs; the engine then
-takes the model's tokens.
+the model samples in its graph, the enabled feature giving ``request_sampling`` says which
+settings the graph can honour and turns each step's requests into its per-row inputs; the engine
+then takes the model's tokens.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class TokenChoice:
 
     def __init__(self, context: Any, eos_token_ids: Collection[int] = ()) -> None:
         self.eos_token_ids = eos_token_ids
-        self.graph: GraphSampling | None = context.hook("nxdplug_request_sampling")(context=context)
+        self.graph: GraphSampling | None = context.request_sampling()
         self.returns_logits = self.graph is None or self.graph.returns_logits
         self.greedy = get_registry().get("samplers", "greedy").load("implementation")()
         self.multinomial = get_registry().get("samplers", "multinomial").load("implementation")()

@@ -5,8 +5,8 @@ processors and stopping criteria built from the GenerationConfig (``repetition_p
 ``min_new_tokens``, ``stop_strings``, the caller's ``logits_processor`` / ``stopping_criteria``,
 ...; see ``generate_processors``), streamers and ``num_return_sequences``. On the host each step
 is HF's: float32 logits -> processors (warpers included when sampling) -> a sampler plugin's
-draw. An enabled plugin answering ``nxdplug_token_source`` (a model that samples in its graph)
-gives its own tokens instead. Keywords that step-input plugins declare (``sampling_params``,
+draw. An enabled feature giving a ``token_source`` (a model that samples in its graph) gives
+its own tokens instead. Keywords that step-input plugins declare (``sampling_params``,
 ...) are handed to the model at every step. Beam search and the modes that need more model calls
 per step are refused.
 """
@@ -495,18 +495,12 @@ class HuggingFaceGenerationAdapter:
         step_keywords: dict[str, Any],
         kwargs: dict[str, Any],
     ) -> HostSampling | PluginTokens:
-        """Where the tokens come from: an enabled plugin's source, else the host. Processors
+        """Where the tokens come from: an enabled feature's source, else the host. Processors
         a sampling graph does not apply need the logits on the host: with a model that returns
         them the host chooses the tokens; without, they are refused."""
         context = self.neuron_model.context
         config = parts.config
-        source = context.hook("nxdplug_token_source")(
-            context=context,
-            generation_config=config,
-            batch_size=batch,
-            step_keywords=step_keywords,
-            generate_kwargs=kwargs,
-        )
+        source = context.token_source(config, batch, step_keywords, kwargs)
         if source is None:
             return HostSampling(parts, step_keywords)
         needs_host = [type(p).__name__ for p in parts.host_processors]

@@ -39,7 +39,7 @@ def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 class Fp8KVCache(KVCacheManager):
     """Keys and values stored as ``saturate(x / scale)`` in fp8, read back as ``fp8 * scale``
     in the keys' dtype; the scales are 1 until :meth:`set_scales` (the plugin's
-    ``nxdplug_transform_model`` sets those of the config)."""
+    ``transform_model`` callback sets those of the config)."""
 
     def __init__(self, layout: CacheLayout) -> None:
         super().__init__(layout)

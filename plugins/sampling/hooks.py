@@ -5,7 +5,6 @@ inputs are a step-input record, its tokens the model's output stage)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from nxdplug.hookspecs import hookimpl
 from nxdplug.types import CliExtension, Feature, Sampler, StepInput
@@ -37,6 +36,8 @@ def nxdplug_features() -> Iterable[Feature]:
         enabled_by=ENABLED_BY,
         validate=f"{ON_DEVICE}:validate_on_device_sampling",
         transform_model=f"{ON_DEVICE}:install_sampler",
+        token_source="nxdplug.plugins.sampling.generation:device_token_source",
+        request_sampling="nxdplug.plugins.sampling.request_sampling:RequestSampling",
         # The host turns these into graph inputs (sampling_params, the noise's seed).
         runtime_settings=tuple(
             f"on_device_sampling_config.{name}"
@@ -56,31 +57,6 @@ def nxdplug_step_inputs() -> Iterable[StepInput]:
         keywords=("sampling_params",),
         description="per-row (top_k, top_p, temperature) and the noise of the draw",
     )
-
-
-# Runs only for configs that enable on-device-sampling.
-
-
-@hookimpl
-def nxdplug_token_source(
-    context: Any,
-    generation_config: Any,
-    batch_size: int,
-    step_keywords: dict[str, Any],
-    generate_kwargs: dict[str, Any],
-) -> Any:
-    from nxdplug.plugins.sampling.generation import device_token_source
-
-    return device_token_source(
-        context, generation_config, batch_size, step_keywords, generate_kwargs
-    )
-
-
-@hookimpl
-def nxdplug_request_sampling(context: Any) -> Any:
-    from nxdplug.plugins.sampling.request_sampling import RequestSampling
-
-    return RequestSampling(context.config, context.device)
 
 
 @hookimpl

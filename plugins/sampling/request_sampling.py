@@ -11,11 +11,12 @@ import torch
 
 
 class RequestSampling:
-    """The ``nxdplug_request_sampling`` answer of on-device sampling."""
+    """The on-device-sampling feature's ``request_sampling``, built with the application's
+    pipeline context."""
 
-    def __init__(self, config: Any, device: torch.device) -> None:
-        neuron_config = config.neuron_config
-        self.device = device
+    def __init__(self, context: Any) -> None:
+        neuron_config = context.neuron_config
+        self.device = context.device
         self.config = neuron_config.on_device_sampling_config
         self.returns_logits = bool(neuron_config.output_logits)
 

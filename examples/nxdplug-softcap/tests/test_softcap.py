@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from nxdplug_softcap import hooks
 
 CAP = 2.0  # well inside the tiny model's logit range, so capping changes every step
 STEPS = 4
-PIPELINE_HOOKS = ("nxdplug_validate_config", "nxdplug_transform_model")
+CALLBACKS = ("validate", "cap_the_head")  # in the order nxdplug calls them
 
 
 def neuron_config(**options: Any) -> NeuronConfig:
@@ -64,37 +63,36 @@ def capped(logits: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(logits / cap)
 
 
-@contextmanager
-def softcap_hook_calls(manager: Any) -> Iterator[list[str]]:
-    """The names of this plugin's pipeline hooks called inside the block, in order."""
+def recording(name: str, function: Callable[..., Any], calls: list[str]) -> Callable[..., Any]:
+    def recorded(*args: Any) -> Any:
+        calls.append(name)
+        return function(*args)
+
+    return recorded
+
+
+@pytest.fixture
+def callback_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the feature's callbacks nxdplug calls during the test, in order."""
     calls: list[str] = []
-
-    def before(hook_name: str, implementations: list[Any], kwargs: dict[str, Any]) -> None:
-        if hook_name in PIPELINE_HOOKS:
-            calls.extend(hook_name for impl in implementations if impl.plugin is hooks)
-
-    undo = manager.add_hookcall_monitoring(before, lambda *args: None)
-    try:
-        yield calls
-    finally:
-        undo()
+    for name in CALLBACKS:
+        monkeypatch.setattr(hooks, name, recording(name, getattr(hooks, name), calls))
+    return calls
 
 
-def test_logits_are_softcapped(softcap_plugin, tiny_llama, reference) -> None:
+def test_logits_are_softcapped(softcap_plugin, callback_calls, tiny_llama, reference) -> None:
     assert (reference.logits.abs() > 2 * CAP).any(), "the cap would change nothing"
-    with softcap_hook_calls(softcap_plugin) as calls:
-        app = from_pretrained(tiny_llama, neuron_config(final_logit_softcapping=CAP))
-        app.to_cpu()
+    app = from_pretrained(tiny_llama, neuron_config(final_logit_softcapping=CAP))
+    app.to_cpu()
     assert [feature.name for feature in app.plugins.features] == ["logit-softcap"]
-    assert calls == list(PIPELINE_HOOKS)
+    assert callback_calls == list(CALLBACKS)
     assert_logits(app, reference, capped(reference.logits, CAP))
 
 
-def test_unset_runs_none_of_the_hooks(softcap_plugin, tiny_llama, reference) -> None:
-    with softcap_hook_calls(softcap_plugin) as calls:
-        app = from_pretrained(tiny_llama, neuron_config())
-        app.to_cpu()
-    assert calls == []
+def test_unset_calls_no_callback(softcap_plugin, callback_calls, tiny_llama, reference) -> None:
+    app = from_pretrained(tiny_llama, neuron_config())
+    app.to_cpu()
+    assert callback_calls == []
     assert app.plugins.features == ()
     assert_logits(app, reference, reference.logits)
 

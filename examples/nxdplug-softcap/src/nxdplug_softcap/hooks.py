@@ -1,7 +1,7 @@
 """The plugin: a ``logit-softcap`` feature, its config check and its model transform.
 
 ``NeuronConfig(final_logit_softcapping=30.0)`` switches it on; unset (``None``) leaves it off,
-and then nxdplug calls none of the pipeline hooks below.
+and then nxdplug calls neither of the feature's callbacks below.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from nxdplug.types import Feature
 from nxdplug_softcap.softcap import add_softcap
 
 if TYPE_CHECKING:
-    from nxdplug.config import InferenceConfig
+    from nxdplug.pipeline import PipelineContext
     from torch import nn
 
 NXDPLUG_API_VERSION = 1
@@ -34,6 +34,8 @@ def nxdplug_features() -> Iterable[Feature]:
         # Set, not truthy: final_logit_softcapping=0 switches the feature on and is refused.
         enabled_when_set=True,
         settings={SETTING: None},
+        validate=f"{__name__}:validate",
+        transform_model=f"{__name__}:cap_the_head",
         description="cap final logits smoothly: cap * tanh(logits / cap) (Gemma-2)",
     )
 
@@ -50,17 +52,15 @@ def cap_problems(value: Any) -> list[str]:
     ]
 
 
-@hookimpl
-def nxdplug_validate_config(config: InferenceConfig) -> Iterable[str]:
-    return cap_problems(getattr(config.neuron_config, SETTING, None))
+def validate(context: PipelineContext) -> Iterable[str]:
+    return cap_problems(getattr(context.neuron_config, SETTING, None))
 
 
-@hookimpl
-def nxdplug_transform_model(model: nn.Module, config: InferenceConfig) -> None:
+def cap_the_head(model: nn.Module, context: PipelineContext) -> None:
     head = getattr(model, "lm_head", None)
     if head is None:
         raise NotSupportedError(
             f"{SETTING} needs a model with an 'lm_head' module to cap, and "
             f"{type(model).__name__} has none; unset {SETTING} for this model"
         )
-    add_softcap(head, getattr(config.neuron_config, SETTING))
+    add_softcap(head, getattr(context.neuron_config, SETTING))
