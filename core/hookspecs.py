@@ -42,8 +42,10 @@ if TYPE_CHECKING:
 PROJECT_NAME = "nxdplug"
 
 # The plugin API version. A plugin module may declare the version it was written for as
-# ``NXDPLUG_API_VERSION = 1``; one written for another version is refused, not loaded.
-API_VERSION = 1
+# ``NXDPLUG_API_VERSION = 2``; one written for another version is refused, not loaded.
+# Version 2: plugins import from ``nxdplug.plugin_api``; the plugin-wide pipeline hooks and the
+# sampling-only ones became record callbacks; serving's hooks moved to the serve plugin.
+API_VERSION = 2
 API_VERSION_ATTRIBUTE = "NXDPLUG_API_VERSION"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

@@ -21,7 +21,7 @@ MISSPELLED_HOOK = """
     from nxdplug import hookimpl
     from nxdplug.types import Sampler
 
-    NXDPLUG_API_VERSION = 1
+    NXDPLUG_API_VERSION = 2
 
     @hookimpl
     def nxdplug_samplrs():
@@ -31,7 +31,7 @@ MISSPELLED_HOOK = """
 WRONG_SIGNATURE = """
     from nxdplug import hookimpl
 
-    NXDPLUG_API_VERSION = 1
+    NXDPLUG_API_VERSION = 2
 
     @hookimpl
     def nxdplug_add_hookspecs(manager):
@@ -39,14 +39,14 @@ WRONG_SIGNATURE = """
 """
 
 FUTURE_API = """
-    NXDPLUG_API_VERSION = 2
+    NXDPLUG_API_VERSION = 3
 """
 
 TAKEN_NAME = """
     from nxdplug import hookimpl
     from nxdplug.types import Sampler
 
-    NXDPLUG_API_VERSION = 1
+    NXDPLUG_API_VERSION = 2
 
     @hookimpl
     def nxdplug_samplers():
@@ -72,7 +72,7 @@ CASES = {
         WRONG_SIGNATURE,
         "asks for 'manager', which the hook does not pass; the hook passes (pluginmanager)",
     ),
-    "future-api": (FUTURE_API, "written for nxdplug plugin API 2, but this nxdplug provides API 1"),
+    "future-api": (FUTURE_API, "written for nxdplug plugin API 3, but this nxdplug provides API 2"),
 }
 
 

@@ -27,7 +27,7 @@ def each_rank_alone(world_size: int, config: object) -> list[list[int]]:
 
 
 class SoloGroupPlugin:
-    NXDPLUG_API_VERSION = 1
+    NXDPLUG_API_VERSION = 2
 
     @hookimpl
     def nxdplug_features(self):

@@ -65,7 +65,7 @@ def ban_in_output(model: nn.Module, context: Any) -> None:
 
 
 class BannedTokensPlugin:
-    NXDPLUG_API_VERSION = 1
+    NXDPLUG_API_VERSION = 2
 
     @hookimpl
     def nxdplug_features(self):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from nxdplug.contrib_models.llama.convert import convert_hf_llama_state_dict
-from nxdplug.modules.attention import head_dim_of
+from nxdplug.plugin_api import head_dim_of
 
 # HF name -> nxdplug name, for whole keys outside the blocks.
 MODEL_RENAMES = {

@@ -10,22 +10,27 @@ import attrs
 import torch
 from torch import nn
 
-from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
-from nxdplug.config.checkpoint_settings import agree_with_checkpoint
-from nxdplug.errors import ConfigError
-from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
-from nxdplug.modules.kv_cache import CacheSlot
-from nxdplug.modules.moe import initialize_moe_module, without_router_outputs
-from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
-from nxdplug.modules.parallel_linear import (
+from nxdplug.plugin_api import (
+    CacheSlot,
     ColumnParallelLinear,
+    ConfigError,
+    InferenceConfig,
+    MoENeuronConfig,
+    NeuronAttentionBase,
+    NeuronBaseForCausalLM,
+    NeuronBaseModel,
+    NeuronConfig,
     ParallelEmbedding,
+    RotaryEmbedding,
+    agree_with_checkpoint,
+    head_dim_of,
+    initialize_moe_module,
+    moe_neuron_config_problems,
+    rope_parameters,
     tp_rank,
     tp_world_size,
+    without_router_outputs,
 )
-from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
-from nxdplug.runtime.application import NeuronBaseForCausalLM
-from nxdplug.runtime.model_base import NeuronBaseModel
 
 # DBRX's LayerNorms have no bias and torch's default eps; its config names neither.
 LAYER_NORM_EPS = 1e-5

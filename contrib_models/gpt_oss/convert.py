@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from nxdplug.contrib_models.llama.convert import convert_hf_llama_state_dict
-from nxdplug.errors import CheckpointError
+from nxdplug.plugin_api import CheckpointError
 
 
 def deinterleave(gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,26 +12,29 @@ import attrs
 import torch
 from torch import nn
 
-from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
-from nxdplug.config.checkpoint_settings import agree_with_checkpoint
 from nxdplug.contrib_models.gpt_oss.rope_yarn import ROPE_TYPES, rotary_embedding
 from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaDecoderLayer
 from nxdplug.contrib_models.qwen2.modeling_qwen2 import layer_window
-from nxdplug.errors import ConfigError
-from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
-from nxdplug.modules.moe import initialize_moe_module
-from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
-from nxdplug.modules.norms import RMSNorm
-from nxdplug.modules.parallel_linear import (
+from nxdplug.plugin_api import (
     ColumnParallelLinear,
+    ConfigError,
+    InferenceConfig,
+    MoENeuronConfig,
+    NeuronAttentionBase,
+    NeuronBaseForCausalLM,
+    NeuronBaseModel,
+    NeuronConfig,
     ParallelEmbedding,
+    RMSNorm,
+    agree_with_checkpoint,
+    head_dim_of,
+    initialize_moe_module,
+    moe_neuron_config_problems,
+    rope_parameters,
     shard_tensor,
     tp_rank,
     tp_world_size,
 )
-from nxdplug.modules.rotary import rope_parameters
-from nxdplug.runtime.application import NeuronBaseForCausalLM
-from nxdplug.runtime.model_base import NeuronBaseModel
 
 # transformers < 5 had no swiglu_alpha in the config: the value was fixed.
 DEFAULT_SWIGLU_ALPHA = 1.702

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.errors import ConfigError, NotSupportedError
-from nxdplug.modules.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding
+from nxdplug.plugin_api import SUPPORTED_ROPE_TYPES, ConfigError, NotSupportedError, RotaryEmbedding
 
 ROPE_TYPES = (*SUPPORTED_ROPE_TYPES, "yarn")
 

@@ -8,22 +8,26 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from nxdplug.config import InferenceConfig, NeuronConfig
-from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
-from nxdplug.modules.kv_cache import CacheSlot
-from nxdplug.modules.mlp import GatedMLP
-from nxdplug.modules.moe import without_router_outputs
-from nxdplug.modules.norms import RMSNorm
-from nxdplug.modules.parallel_linear import (
+from nxdplug.plugin_api import (
+    CacheSlot,
     ColumnParallelLinear,
+    GatedMLP,
+    InferenceConfig,
+    NeuronAttentionBase,
+    NeuronBaseForCausalLM,
+    NeuronBaseModel,
+    NeuronConfig,
     ParallelEmbedding,
+    RMSNorm,
+    RotaryEmbedding,
+    gather_sequence,
+    head_dim_of,
+    rope_parameters,
+    scatter_sequence,
     tp_rank,
     tp_world_size,
+    without_router_outputs,
 )
-from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
-from nxdplug.modules.sequence_parallel import gather_sequence, scatter_sequence
-from nxdplug.runtime.application import NeuronBaseForCausalLM
-from nxdplug.runtime.model_base import NeuronBaseModel
 
 
 class LlamaNeuronConfig(NeuronConfig):

@@ -6,13 +6,13 @@ from typing import Any
 
 from torch import nn
 
-from nxdplug.config import InferenceConfig
 from nxdplug.contrib_models.llama.modeling_llama import (
     LlamaInferenceConfig,
     NeuronLlamaDecoderLayer,
     NeuronLlamaForCausalLM,
     NeuronLlamaModel,
 )
+from nxdplug.plugin_api import InferenceConfig
 
 
 class MistralInferenceConfig(LlamaInferenceConfig):

@@ -7,15 +7,19 @@ from typing import Any
 import attrs
 from torch import nn
 
-from nxdplug.config import InferenceConfig, MoENeuronConfig, NeuronConfig
 from nxdplug.contrib_models.llama.modeling_llama import (
     NeuronLlamaDecoderLayer,
     NeuronLlamaForCausalLM,
     NeuronLlamaModel,
 )
-from nxdplug.errors import ConfigError
-from nxdplug.modules.moe import initialize_moe_module
-from nxdplug.modules.moe.checkpoint_settings import moe_neuron_config_problems
+from nxdplug.plugin_api import (
+    ConfigError,
+    InferenceConfig,
+    MoENeuronConfig,
+    NeuronConfig,
+    initialize_moe_module,
+    moe_neuron_config_problems,
+)
 
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)

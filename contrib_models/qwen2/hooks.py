@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import ModelArchitecture, StateDictConverter
+from nxdplug.plugin_api import ModelArchitecture, StateDictConverter, hookimpl
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 MODULE = "nxdplug.contrib_models.qwen2.modeling_qwen2"
 

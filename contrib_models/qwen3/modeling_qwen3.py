@@ -8,7 +8,6 @@ from typing import Any
 
 from torch import nn
 
-from nxdplug.config import InferenceConfig
 from nxdplug.contrib_models.llama.modeling_llama import (
     LlamaInferenceConfig,
     NeuronLlamaDecoderLayer,
@@ -16,6 +15,7 @@ from nxdplug.contrib_models.llama.modeling_llama import (
     NeuronLlamaModel,
 )
 from nxdplug.contrib_models.qwen2.modeling_qwen2 import layer_window
+from nxdplug.plugin_api import InferenceConfig
 
 
 class Qwen3InferenceConfig(LlamaInferenceConfig):

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from nxdplug.contrib_models.llama.convert import convert_hf_llama_state_dict
-from nxdplug.modules.moe.checkpoint import stack_gated_experts
+from nxdplug.plugin_api import stack_gated_experts
 
 
 def convert_hf_qwen3_moe_state_dict(

@@ -15,6 +15,7 @@ from typing import Any
 import attrs
 
 from nxdplug.errors import NxdPlugError, PluginError
+from nxdplug.hookspecs import API_VERSION
 from nxdplug.lazy import is_ref
 from nxdplug.manager import get_plugin_manager
 from nxdplug.registry import get_registry
@@ -129,7 +130,7 @@ def doctor_findings() -> tuple[list[str], list[str]]:
     ]
     warnings = [
         f"{info.name} ({info.origin}) does not declare NXDPLUG_API_VERSION; add "
-        "`NXDPLUG_API_VERSION = 1` to its hooks module"
+        f"`NXDPLUG_API_VERSION = {API_VERSION}` to its hooks module"
         for info in manager.plugin_infos()
         if info.status == "active" and info.api_version is None
     ]

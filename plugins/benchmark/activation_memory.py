@@ -36,10 +36,13 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from nxdplug import NeuronConfig, from_pretrained
-from nxdplug.errors import NxdPlugError
-from nxdplug.runtime.step import StepInputs
-from nxdplug.runtime.tensor_parallel import end_rank_process
+from nxdplug.plugin_api import (
+    NeuronConfig,
+    NxdPlugError,
+    StepInputs,
+    end_rank_process,
+    from_pretrained,
+)
 
 MIB = 2**20
 

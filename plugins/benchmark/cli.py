@@ -19,20 +19,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nxdplug.cli import extensions
-from nxdplug.cli.inference import (
+from nxdplug.plugin_api import (
+    NxdPlugError,
     add_compiled_model_options,
+    add_extension_arguments,
+    add_neuron_config_options,
+    add_speculation_options,
     application_beside,
+    enabling_settings,
+    generate_keywords,
+    hf_comparison,
     inference_config,
     load_model,
-)
-from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
-from nxdplug.cli.speculation import (
-    add_speculation_options,
+    neuron_config_kwargs,
     plain_application,
+    positive_int,
+    prepare_config,
     refuse_unused_draft,
 )
-from nxdplug.errors import NxdPlugError
 
 # --compare-hf's modes, in the report's order, and each one's name in the report.
 HF_SYSTEMS = {"eager": "hf", "compiled": "hf_compiled"}
@@ -91,7 +95,7 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> None:
     add_compiled_model_options(parser, required=False)
     add_speculation_options(parser)
     add_neuron_config_options(parser)
-    extensions.add_extension_arguments(parser, "benchmark")
+    add_extension_arguments(parser, "benchmark")
     parser.epilog = BASE_HELP
 
 
@@ -162,7 +166,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
     progress(f"loading {args.model_path} ({dtype_name}, batch {batch_size})")
     refuse_unused_draft(args, config)
-    extensions.prepare_config(args, config)
+    prepare_config(args, config)
     rss_before_load = []
 
     def before_load() -> None:
@@ -178,8 +182,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
         return _benchmark_speculation(args, model, input_ids, progress)
     new_tokens, runs = args.max_new_tokens, args.runs
     # The enabled plugins' per-step inputs (LoRA's adapter_ids, ...), and their HF equivalent.
-    step_keywords = extensions.generate_keywords(args, model)
-    base_without = extensions.enabling_settings(config, "benchmark")
+    step_keywords = generate_keywords(args, model)
+    base_without = enabling_settings(config, "benchmark")
     base = _base_application(args, config, base_without, progress) if base_without else None
     hf_systems = _hf_systems(args, model, dtype, progress)
     others = ["the base model"] * (base is not None) + [f"HF {m}" for m in _hf_modes(args)]
@@ -241,7 +245,7 @@ def _base_application(
 ) -> Any:
     """The same checkpoint and config with ``settings`` back at NeuronConfig's defaults,
     eager or compiled beside --compiled-model-path."""
-    from nxdplug.config import load_pretrained_config
+    from nxdplug.plugin_api import load_pretrained_config
 
     progress(f"loading the base model (without {', '.join(settings)})")
     neuron_config = copy.deepcopy(config.neuron_config)
@@ -273,7 +277,7 @@ def _hf_systems(
     systems = {}
     for mode in _hf_modes(args):
         progress(f"loading the HF transformers model ({mode})")
-        hf_model, hf_kwargs = extensions.hf_comparison(args, model, load) or (
+        hf_model, hf_kwargs = hf_comparison(args, model, load) or (
             load(args.model_path),
             {},
         )
@@ -317,7 +321,7 @@ def _benchmark_speculation(
 
     from nxdplug.plugins.benchmark import measurements as benchmark
 
-    kwargs = extensions.generate_keywords(args, model)
+    kwargs = generate_keywords(args, model)
     if args.prompt_lookup_num_tokens:
         kwargs["prompt_lookup_num_tokens"] = args.prompt_lookup_num_tokens
     proposer = (
@@ -377,7 +381,7 @@ def _hf_speculation(args: argparse.Namespace, model: Any, batch_size: int) -> tu
     def load(path: Path) -> Any:
         return _load_hf_model(path, dtype, quiet=args.quiet)
 
-    comparison = extensions.hf_comparison(args, model, load)
+    comparison = hf_comparison(args, model, load)
     if comparison is None:
         raise NxdPlugError(
             f"--compare-hf: HF transformers has no {mode} decoding to compare with; leave out "

@@ -27,8 +27,7 @@ import attrs
 import torch
 from torch import nn
 
-from nxdplug.errors import NxdPlugError
-from nxdplug.modules.attention import head_dim_of
+from nxdplug.plugin_api import NxdPlugError, head_dim_of
 from nxdplug.plugins.benchmark.roofline import GEMM_SIZE, PrefillCeiling
 
 PROMPT_SEED = 0
@@ -492,7 +491,7 @@ def model_weight_bytes(model: Any) -> int:
 def weights_skeleton(model: Any) -> nn.Module:
     """The application's model class built on the meta device (no memory, no KV cache) and
     transformed by the enabled plugins, for counting its weights."""
-    from nxdplug.runtime.meta_init import parameters_on_meta
+    from nxdplug.plugin_api import parameters_on_meta
 
     with parameters_on_meta(), model.context.active():
         skeleton = model.context_encoding_model.model_cls(model.config, optimize_inference=False)
@@ -781,7 +780,7 @@ class SpeculationReport:
 
 
 def _time_generate(model: Any, input_ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> float:
-    from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
+    from nxdplug.plugin_api import HuggingFaceGenerationAdapter
 
     adapter = HuggingFaceGenerationAdapter(model)
     start = time.perf_counter()
@@ -821,7 +820,7 @@ def measure_speculation(
     (after one warm-up each): the target alone, with speculation and, given ``hf`` (an HF
     model and its ``generate()`` keywords for the same speculation), HF transformers; and the
     speculative runs' summed acceptance statistics."""
-    from nxdplug.runtime.speculation import AcceptanceStats
+    from nxdplug.plugin_api import AcceptanceStats
 
     total = AcceptanceStats()
     plain_times, speculative_times, hf_times = [], [], []

@@ -23,8 +23,7 @@ import attrs
 import torch
 from torch import nn
 
-from nxdplug.modules.attention import head_dim_of
-from nxdplug.modules.parallel_linear import ParallelEmbedding
+from nxdplug.plugin_api import ParallelEmbedding, head_dim_of
 
 GEMM_SIZE = 2048
 GEMM_REPEATS = 5

@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager
+from nxdplug.plugin_api import CacheLayout, KVCacheManager, current_step
 from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
 from nxdplug.plugins.static_kv_cache.cache import kernel_enabled, usable_kernel
 from nxdplug.plugins.static_kv_cache.kernel import paged_decode_attention_op
-from nxdplug.runtime.step import current_step
 
 
 class BlockKVCache(KVCacheManager):

@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nxdplug.cli import extensions
-from nxdplug.cli.options import positive_int
+from nxdplug.plugin_api import OptionsOnly, positive_int
 
 # A destination only these flags fill: arguments without it are another command's.
 MARK = "block_kv_flags"
@@ -67,7 +66,7 @@ def serve_defaults(args: argparse.Namespace) -> dict[str, Any]:
     return {"is_block_kv_layout": True, "is_prefix_caching": True}
 
 
-class BlockCacheFlags(extensions.OptionsOnly):
+class BlockCacheFlags(OptionsOnly):
     def add_arguments(self, parser: argparse.ArgumentParser, command: str) -> None:
         group = parser.add_argument_group(TITLE)
         for flag, (setting, keywords) in FLAGS[command].items():

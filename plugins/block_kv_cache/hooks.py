@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
+from nxdplug.plugin_api import CliExtension, Feature, KVCacheStrategy, StepInput, hookimpl
 from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, ENABLED_BY, SETTINGS, USES_BLOCKS
-from nxdplug.types import CliExtension, Feature, KVCacheStrategy, StepInput
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 PACKAGE = "nxdplug.plugins.block_kv_cache"
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from nxdplug.plugin_api import ExtendWrapper, ModelWrapper
 from nxdplug.plugins.block_kv_cache.settings import USES_BLOCKS, BlockSettings
-from nxdplug.runtime.model_wrapper import ExtendWrapper, ModelWrapper
 
 # Features whose caches or phases do not read through block tables (yet), refused by name.
 NOT_WITH_BLOCKS = {

@@ -14,7 +14,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import NxdPlugError
 
 BlockHash = bytes
 

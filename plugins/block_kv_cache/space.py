@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.engine.cache_space import CacheSpace, CacheUsage
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import CacheSpace, CacheUsage, NxdPlugError
 from nxdplug.plugins.block_kv_cache.pool import BlockHash, BlockPool, chained_hashes
 from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
 

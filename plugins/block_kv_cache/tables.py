@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import NxdPlugError
 from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
 
 

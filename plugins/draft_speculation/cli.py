@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from nxdplug.cli.speculation import application_without_speculation
+from nxdplug.plugin_api import application_without_speculation
 
 
 class DraftModelCommandLine:

@@ -10,11 +10,8 @@ from typing import Any
 import attrs
 import torch
 
-from nxdplug.engine.requests import Request
-from nxdplug.engine.speculative import Proposer, SpeculativeConfig
-from nxdplug.errors import ConfigError
+from nxdplug.plugin_api import ConfigError, Proposer, Request, ScheduledStep, SpeculativeConfig
 from nxdplug.plugins.draft_speculation.proposers import is_application
-from nxdplug.runtime.scheduled_step import ScheduledStep
 
 
 def engine_proposer(application: Any, config: SpeculativeConfig, draft: Any) -> Proposer:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CliExtension, SpeculationMode
+from nxdplug.plugin_api import CliExtension, SpeculationMode, hookimpl
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 
 @hookimpl

@@ -11,8 +11,7 @@ from typing import Any, Protocol
 
 import torch
 
-from nxdplug.errors import NotSupportedError
-from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice
+from nxdplug.plugin_api import NotSupportedError, SpeculativeRequest, TokenChoice
 
 
 class Proposer(Protocol):

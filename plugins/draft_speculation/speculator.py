@@ -14,13 +14,19 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import NotSupportedError, NxdPlugError
+from nxdplug.plugin_api import (
+    AcceptanceStats,
+    GeneratedRows,
+    NotSupportedError,
+    NxdPlugError,
+    SpeculativeRequest,
+    accept,
+)
 from nxdplug.plugins.draft_speculation.proposers import (
     DraftModelProposer,
     PromptLookupProposer,
     Proposer,
 )
-from nxdplug.runtime.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest, accept
 
 
 class ChainSpeculator:

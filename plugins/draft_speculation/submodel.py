@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from nxdplug.runtime.model_wrapper import SPECULATION_MODEL_TAG, ModelWrapper
+from nxdplug.plugin_api import SPECULATION_MODEL_TAG, ModelWrapper
 
 
 def validate(context: Any) -> Iterable[str]:

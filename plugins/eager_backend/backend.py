@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.errors import NotSupportedError
+from nxdplug.plugin_api import NotSupportedError
 
 NO_ARTEFACTS = "the eager backend runs modules as they are and writes no artefacts"
 

@@ -24,8 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nxdplug.checkpoint.state_dict import load_state_dict
-from nxdplug.errors import CheckpointError, NxdPlugError
+from nxdplug.plugin_api import CheckpointError, NxdPlugError, load_state_dict
 
 LM_HEAD = "lm_head.weight"
 TIED_EMBEDDING = "model.embed_tokens.weight"

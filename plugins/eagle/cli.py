@@ -13,8 +13,7 @@ from typing import Any
 
 def attach_fused_draft(config: Any, draft_path: Path) -> None:
     """Set ``config.fused_spec_config`` for the draft at ``draft_path``."""
-    from nxdplug.config import FusedSpecNeuronConfig, load_pretrained_config
-    from nxdplug.runtime.application import architecture_for
+    from nxdplug.plugin_api import FusedSpecNeuronConfig, architecture_for, load_pretrained_config
 
     worker_cls = architecture_for(draft_path).load("application")._model_cls
     neuron_config = config.neuron_config

@@ -21,11 +21,18 @@ import torch
 from torch import nn
 
 from nxdplug.contrib_models.llama.modeling_llama import NeuronLlamaDecoderLayer
-from nxdplug.modules.attention import attention_mask_4d, head_dim_of
-from nxdplug.modules.kv_cache import CacheLayout, CacheSlot, KVCacheManager
-from nxdplug.modules.parallel_linear import ColumnParallelLinear, ParallelEmbedding
-from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
-from nxdplug.runtime.step import StepInputs
+from nxdplug.plugin_api import (
+    CacheLayout,
+    CacheSlot,
+    ColumnParallelLinear,
+    KVCacheManager,
+    ParallelEmbedding,
+    RotaryEmbedding,
+    StepInputs,
+    attention_mask_4d,
+    head_dim_of,
+    rope_parameters,
+)
 
 
 class EagleDraftModel(nn.Module):

@@ -24,14 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.modules.attention import NeuronAttentionBase, head_dim_of
-from nxdplug.modules.kv_cache import CacheSlot
-from nxdplug.modules.mlp import GatedMLP
-from nxdplug.modules.norms import RMSNorm
-from nxdplug.modules.parallel_linear import ColumnParallelLinear, ParallelEmbedding
-from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
+from nxdplug.plugin_api import (
+    CacheSlot,
+    ColumnParallelLinear,
+    GatedMLP,
+    NeuronAttentionBase,
+    ParallelEmbedding,
+    RMSNorm,
+    RotaryEmbedding,
+    StepInputs,
+    head_dim_of,
+    rope_parameters,
+)
 from nxdplug.plugins.eagle.draft import draft_cache, pair_attention
-from nxdplug.runtime.step import StepInputs
 
 
 def feature_layers(num_layers: int) -> tuple[int, int, int]:

@@ -17,14 +17,16 @@ from typing import Any
 import attrs
 import torch
 
-from nxdplug.engine.requests import Request
-from nxdplug.engine.speculative import SpeculativeConfig
-from nxdplug.errors import ConfigError
+from nxdplug.plugin_api import (
+    FUSED_SPECULATION_MODEL_TAG,
+    CausalLMOutputWithTokens,
+    ConfigError,
+    Request,
+    ScheduledStep,
+    SpeculativeConfig,
+    StepInputs,
+)
 from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
-from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG
-from nxdplug.runtime.outputs import CausalLMOutputWithTokens
-from nxdplug.runtime.scheduled_step import ScheduledStep
-from nxdplug.runtime.step import StepInputs
 
 
 def engine_settings(config: SpeculativeConfig) -> dict[str, Any]:

@@ -25,10 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdplug.plugin_api import (
+    FUSED_SPECULATION_MODEL_TAG,
+    ModelWrapper,
+    StepInputs,
+    last_token_states,
+)
 from nxdplug.plugins.eagle.draft import feature_size
-from nxdplug.runtime.model_base import last_token_states
-from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG, ModelWrapper
-from nxdplug.runtime.step import StepInputs
 
 EAGLE_CONTEXT_TAG = "eagle_context_encoding_model"
 

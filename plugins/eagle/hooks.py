@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CliExtension, Feature, SpeculationMode, StateDictConverter
+from nxdplug.plugin_api import CliExtension, Feature, SpeculationMode, StateDictConverter, hookimpl
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 ENABLED_BY = ("enable_fused_speculation", "enable_eagle_speculation")
 DRAFT = ("is_eagle_draft",)

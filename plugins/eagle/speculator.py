@@ -27,19 +27,20 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import NxdPlugError
-from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
-from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG
-from nxdplug.runtime.scheduled_step import compact_left, positions_from_mask
-from nxdplug.runtime.speculation import (
+from nxdplug.plugin_api import (
+    FUSED_SPECULATION_MODEL_TAG,
     AcceptanceStats,
     GeneratedRows,
+    NxdPlugError,
     SpeculativeRequest,
+    StepInputs,
     TokenChoice,
+    compact_left,
     greedy_acceptance,
+    positions_from_mask,
     rejection_acceptance,
 )
-from nxdplug.runtime.step import StepInputs
+from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
 
 
 def gumbel_noise(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -28,10 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdplug.plugin_api import ModelWrapper, StepInputs, TokenTree, tree_attention
 from nxdplug.plugins.eagle.fused import EagleSpeculationWrapper, gather_rows
-from nxdplug.runtime.model_wrapper import ModelWrapper
-from nxdplug.runtime.step import StepInputs
-from nxdplug.runtime.token_tree import TokenTree, tree_attention
 
 
 class EagleTreePhase(nn.Module):

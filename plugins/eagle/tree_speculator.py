@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 
+from nxdplug.plugin_api import SpeculativeRequest, StepInputs
 from nxdplug.plugins.eagle.speculator import EagleSpeculator
-from nxdplug.runtime.speculation import SpeculativeRequest
-from nxdplug.runtime.step import StepInputs
 
 
 class EagleTreeSpeculator(EagleSpeculator):

@@ -71,7 +71,7 @@ def eagle_config_problems(config: Any) -> Iterator[str]:
 
 def draft_config_problems(config: Any, draft: Any) -> Iterator[str]:
     """The draft config against the target's."""
-    from nxdplug.config.validation import core_config_problems
+    from nxdplug.plugin_api import core_config_problems
 
     draft_neuron_config = getattr(draft, "neuron_config", None)
     if draft_neuron_config is not None and not draft_neuron_config.is_eagle_draft:

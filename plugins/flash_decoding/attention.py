@@ -15,8 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from nxdplug.modules.kv_cache import CacheSlot
-from nxdplug.modules.parallel_linear import all_gather
+from nxdplug.plugin_api import CacheSlot, all_gather
 
 GROUP = "kv"
 

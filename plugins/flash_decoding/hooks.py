@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import Feature, ParallelGroup
+from nxdplug.plugin_api import Feature, ParallelGroup, hookimpl
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 MODULE = "nxdplug.plugins.flash_decoding.layout"
 

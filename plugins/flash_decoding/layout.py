@@ -10,9 +10,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from nxdplug.errors import ConfigError
-from nxdplug.modules.attention import NeuronAttentionBase
-from nxdplug.modules.process_groups import group_rank, group_size
+from nxdplug.plugin_api import ConfigError, NeuronAttentionBase, group_rank, group_size
 from nxdplug.plugins.flash_decoding.attention import GROUP, SequenceSplitAttention, held_length
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager, read_prefix, write_positions
+from nxdplug.plugin_api import CacheLayout, KVCacheManager, read_prefix, write_positions
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity
@@ -109,7 +109,7 @@ def cache_bytes(kv_mgr: nn.Module) -> int:
 def apply_config_scales(model: nn.Module, context: Any) -> None:
     """The ``transform_model`` callback: the config's scales into the model's fp8 cache (it
     starts with scale 1)."""
-    from nxdplug.errors import NotSupportedError
+    from nxdplug.plugin_api import NotSupportedError
     from nxdplug.plugins.fp8_kv_cache.scales import SCALES
 
     scales = getattr(context.neuron_config, SCALES, None)

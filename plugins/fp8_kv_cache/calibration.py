@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.modules.kv_cache import KVCacheManager
+from nxdplug.plugin_api import KVCacheManager
 from nxdplug.plugins.fp8_kv_cache.cache import FP8_MAX
 from nxdplug.plugins.fp8_kv_cache.scales import GRANULARITIES, GRANULARITY, SCALES
 
@@ -73,8 +73,7 @@ def calibrate_kv_cache_scales(
     dtype and 1 by default), one prompt at a time with a context bucket per prompt length, so no
     padding token reaches the maxima.
     """
-    from nxdplug.config import NeuronConfig
-    from nxdplug.runtime.application import from_pretrained
+    from nxdplug.plugin_api import NeuronConfig, from_pretrained
 
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {list(GRANULARITIES)}, got {granularity!r}")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nxdplug.errors import NxdPlugError
 from nxdplug.nxdi.demo.flags import FeatureDemoFlags, only
+from nxdplug.plugin_api import NxdPlugError
 
 _PER_TENSOR = "per_tensor_symmetric"
 

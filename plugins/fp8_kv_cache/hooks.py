@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
+from nxdplug.plugin_api import CliExtension, Feature, KVCacheStrategy, hookimpl
 from nxdplug.plugins.fp8_kv_cache.scales import DEFAULT_GRANULARITY, GRANULARITY, SCALES
-from nxdplug.types import CliExtension, Feature, KVCacheStrategy
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 ENABLED_BY = ("kv_cache_quant",)
 

@@ -90,8 +90,7 @@ def validate(context: Any) -> list[str]:
     is a Neuron (XLA) runtime setting, so it is not required here on the CPU: checking it
     belongs to the neuron backend plugin.
     """
-    from nxdplug.errors import ConfigError
-    from nxdplug.modules.attention import attention_head_counts
+    from nxdplug.plugin_api import ConfigError, attention_head_counts
 
     config = context.config
     scales = getattr(config.neuron_config, SCALES, None)

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.modules.attention import head_dim_of, head_layout
-from nxdplug.modules.gqa import HeadLayout
+from nxdplug.plugin_api import HeadLayout, head_dim_of, head_layout
 
 # ``weight_scale``: the per-channel scales of a quantized checkpoint follow their rows.
 KV_PROJECTION = re.compile(r"(^|\.)self_attn\.[kv]_proj\.(weight|bias|weight_scale)$")

@@ -12,9 +12,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nxdplug.config.hf import pretrained_config_attributes, with_rope_aliases
-from nxdplug.config.serialization import read_json_object
-from nxdplug.errors import ConfigError
+from nxdplug.plugin_api import (
+    ConfigError,
+    pretrained_config_attributes,
+    read_json_object,
+    with_rope_aliases,
+)
 
 CONFIG_JSON = "config.json"
 

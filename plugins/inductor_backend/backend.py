@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from nxdplug.errors import ConfigError, NxdPlugError
+from nxdplug.plugin_api import ConfigError, NxdPlugError
 from nxdplug.plugins.inductor_backend.bf16_linear import may_hold_bf16_weights, panels_in_use
 from nxdplug.plugins.inductor_backend.graph_runner import load_package
 from nxdplug.plugins.inductor_backend.prepacked_linear import (

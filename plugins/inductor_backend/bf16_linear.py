@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import NxdPlugError
-from nxdplug.runtime.cpp_ops import build_operator
+from nxdplug.plugin_api import NxdPlugError, build_operator
 
 SOURCE = Path(__file__).with_name("bf16_linear.cpp")
 LIBRARY = "nxdplug_bf16_linear"

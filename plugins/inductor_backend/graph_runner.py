@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.runtime.cpp_ops import build_operator_library
+from nxdplug.plugin_api import build_operator_library
 
 SOURCE = Path(__file__).with_name("graph_runner.cpp")
 LIBRARY = "nxdplug_graph_runner"

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from nxdplug.compile.artefacts import ArtefactError
+from nxdplug.plugin_api import ArtefactError
 from nxdplug.plugins.inductor_backend.bf16_linear import takes_panels, to_panels
 from nxdplug.plugins.inductor_backend.fused_linears import (
     FUSED_METADATA,

@@ -19,8 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from nxdplug.checkpoint.state_dict import load_tensor_file
-from nxdplug.errors import CheckpointError, ConfigError
+from nxdplug.plugin_api import CheckpointError, ConfigError, load_tensor_file
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"

@@ -10,8 +10,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from nxdplug.cli.options import GENERIC_NEURON_CONFIG_DEST, positive_int
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import GENERIC_NEURON_CONFIG_DEST, NxdPlugError, positive_int
 
 BASE_MODEL = "none"
 RUNTIME_UPDATING_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -98,7 +97,7 @@ class LoraCommandLine:
         dynamic = getattr(args, "enable_dynamic_multi_lora", False)
         if paths is None and listing is None and not dynamic:
             return _route_settings(args, from_environment=False)  # refused: without effect
-        from nxdplug.config import LoraServingConfig
+        from nxdplug.plugin_api import LoraServingConfig
 
         settings: dict[str, Any] = {"lora_ckpt_paths": dict(paths) if paths else None}
         settings["lora_ckpt_json"] = listing

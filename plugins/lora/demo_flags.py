@@ -12,9 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nxdplug.cli.options import positive_int
-from nxdplug.errors import NxdPlugError
 from nxdplug.nxdi.demo.flags import FeatureDemoFlags
+from nxdplug.plugin_api import NxdPlugError, positive_int
 
 
 def _adapter_paths(entries: list[str] | None) -> dict[str, str] | None:
@@ -73,7 +72,7 @@ class LoraDemoFlags(FeatureDemoFlags):
             if named:
                 raise NxdPlugError(f"{', '.join(named)} need(s) --enable-lora")
             return {}
-        from nxdplug.config import LoraServingConfig
+        from nxdplug.plugin_api import LoraServingConfig
 
         settings = {
             "max_loras": args.max_loras,

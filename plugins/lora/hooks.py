@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
+from nxdplug.plugin_api import CliExtension, Feature, StateDictConverter, StepInput, hookimpl
 from nxdplug.plugins.serve.records import ServingRoute
-from nxdplug.types import CliExtension, Feature, StateDictConverter, StepInput
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 ENABLED_BY = ("lora_config",)
 # The server's opt-in to the adapter routes (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING), and the

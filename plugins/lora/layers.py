@@ -34,8 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.errors import NotSupportedError, NxdPlugError
-from nxdplug.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from nxdplug.plugin_api import (
+    ColumnParallelLinear,
+    NotSupportedError,
+    NxdPlugError,
+    RowParallelLinear,
+    current_step,
+)
 from nxdplug.plugins.lora.adapters import slot_count
 from nxdplug.plugins.lora.layout import (
     Placement,
@@ -45,7 +50,6 @@ from nxdplug.plugins.lora.layout import (
     stacked_rank,
 )
 from nxdplug.plugins.lora.store import AdapterStore
-from nxdplug.runtime.step import current_step
 
 LORA_WEIGHTS = ("lora_a", "lora_b", "lora_scale")
 

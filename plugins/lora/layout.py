@@ -39,9 +39,15 @@ from typing import Any
 import attrs
 import torch
 
-from nxdplug.errors import CheckpointError
-from nxdplug.modules.attention import attention_head_counts, head_dim_of, head_layout
-from nxdplug.modules.parallel_linear import shard_tensor, tp_rank, tp_world_size
+from nxdplug.plugin_api import (
+    CheckpointError,
+    attention_head_counts,
+    head_dim_of,
+    head_layout,
+    shard_tensor,
+    tp_rank,
+    tp_world_size,
+)
 from nxdplug.plugins.lora.adapters import (
     adapter_matrices,
     adapters,

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import NxdPlugError
 
 KEYWORD = "adapter_ids"
 STORE = "nxdplug.plugins.lora.store"

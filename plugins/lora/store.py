@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import CheckpointError, NotSupportedError, NxdPlugError
+from nxdplug.plugin_api import CheckpointError, NotSupportedError, NxdPlugError
 from nxdplug.plugins.lora.adapters import (
     Adapter,
     adapter_matrices,

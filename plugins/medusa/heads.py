@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.checkpoint.state_dict import load_tensor_file
-from nxdplug.errors import CheckpointError
+from nxdplug.plugin_api import CheckpointError, load_tensor_file
 from nxdplug.plugins.medusa.hooks import DEFAULT_LAYERS, LAYERS_SETTING
 
 HEADS_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_heads.pt")

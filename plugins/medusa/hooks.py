@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CliExtension, Feature, SpeculationMode, StateDictConverter
+from nxdplug.plugin_api import CliExtension, Feature, SpeculationMode, StateDictConverter, hookimpl
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 ENABLED_BY = ("is_medusa",)
 # ResBlocks per head: not an NxD Inference attribute (its heads have one, as Medusa-1 releases).

@@ -7,11 +7,11 @@ from typing import Any
 
 from torch import nn
 
+from nxdplug.plugin_api import ModelWrapper
 from nxdplug.plugins.medusa.heads import HEADS_ATTRIBUTE, medusa_heads, num_layers
 from nxdplug.plugins.medusa.hooks import DEFAULT_LAYERS, LAYERS_SETTING
 from nxdplug.plugins.medusa.submodels import MedusaContextWrapper, MedusaTreeWrapper
 from nxdplug.plugins.medusa.tree import MedusaTree, tree_problems
-from nxdplug.runtime.model_wrapper import ModelWrapper
 
 
 def _is_count(value: Any) -> bool:

@@ -26,11 +26,17 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import NotSupportedError, NxdPlugError
+from nxdplug.plugin_api import (
+    AcceptanceStats,
+    GeneratedRows,
+    NotSupportedError,
+    NxdPlugError,
+    SpeculativeRequest,
+    StepInputs,
+    compact_left,
+    positions_from_mask,
+)
 from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_MODEL_TAG
-from nxdplug.runtime.scheduled_step import compact_left, positions_from_mask
-from nxdplug.runtime.speculation import AcceptanceStats, GeneratedRows, SpeculativeRequest
-from nxdplug.runtime.step import StepInputs
 
 
 class MedusaSpeculator:

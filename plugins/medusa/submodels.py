@@ -21,11 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxdplug.plugin_api import ModelWrapper, StepInputs, last_token_states, tree_attention
 from nxdplug.plugins.medusa.tree import MedusaTree
-from nxdplug.runtime.model_base import last_token_states
-from nxdplug.runtime.model_wrapper import ModelWrapper
-from nxdplug.runtime.step import StepInputs
-from nxdplug.runtime.token_tree import tree_attention
 
 MEDUSA_CONTEXT_TAG = "medusa_context_encoding_model"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.runtime.token_tree import TokenTree
+from nxdplug.plugin_api import TokenTree
 
 SETTING_HINT = "e.g. medusa_tree=[[0], [0, 0], [1], [0, 1]]"
 

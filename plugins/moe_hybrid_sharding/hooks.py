@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import Feature, StateDictConverter
+from nxdplug.plugin_api import Feature, StateDictConverter, hookimpl
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 MODULE = "nxdplug.plugins.moe_hybrid_sharding.layout"
 

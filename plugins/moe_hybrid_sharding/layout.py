@@ -17,10 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.errors import ConfigError
-from nxdplug.modules.moe import ExpertMLPs
-from nxdplug.modules.moe.parallel import rank_layout
-from nxdplug.runtime.step import current_phase
+from nxdplug.plugin_api import ConfigError, ExpertMLPs, current_phase, rank_layout
 
 PHASES = ("context_encoding", "token_generation")
 EXPERT_WEIGHT = re.compile(

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CompileBackend, Feature
+from nxdplug.plugin_api import CompileBackend, Feature, hookimpl
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 # NeuronConfig's NKI kernel switches and the capability that runs them; kernels.py checks them.
 CAPABILITY = "nki-kernels"

@@ -16,8 +16,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType, ModuleType
 from typing import Any
 
-from nxdplug.errors import NotSupportedError
-from nxdplug.lazy import resolve_ref
+from nxdplug.plugin_api import NotSupportedError, resolve_ref
 
 NXDI_PACKAGE = "neuronx_distributed_inference"
 _IMPORT_FROM = dis.opmap["IMPORT_FROM"]
@@ -49,7 +48,7 @@ def reexport_model_module(module_name: str) -> None:
 
     def source_module() -> ModuleType:
         if not source:
-            from nxdplug.registry import get_registry
+            from nxdplug.plugin_api import get_registry
 
             record = get_registry().get("model_architectures", family)
             source.append(importlib.import_module(record.application.partition(":")[0]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nxdplug.cli.extensions import OptionsOnly
+from nxdplug.plugin_api import OptionsOnly
 from nxdplug.plugins.prompt_logprobs.hooks import SETTING
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CliExtension, Feature
+from nxdplug.plugin_api import CliExtension, Feature, hookimpl
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 SETTING = "enable_prompt_logprobs"
 MODULE = "nxdplug.plugins.prompt_logprobs.scoring"

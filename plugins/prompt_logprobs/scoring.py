@@ -14,10 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.runtime.model_base import last_token_states
-from nxdplug.runtime.model_wrapper import ModelWrapper
-from nxdplug.runtime.outputs import PROMPT_LOGPROBS, PROMPT_TOP_LOGPROBS, CausalLMOutputWithTokens
-from nxdplug.runtime.step import StepInputs
+from nxdplug.plugin_api import (
+    PROMPT_LOGPROBS,
+    PROMPT_TOP_LOGPROBS,
+    CausalLMOutputWithTokens,
+    ModelWrapper,
+    StepInputs,
+    last_token_states,
+)
 
 PROMPT_SCORING_TAG = "prompt_scoring_model"
 

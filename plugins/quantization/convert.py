@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import CheckpointError
+from nxdplug.plugin_api import CheckpointError
 from nxdplug.plugins.quantization.int4 import (
     PACK_FACTOR,
     float16_rounding,

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import (
+from nxdplug.plugin_api import (
     CliExtension,
     Feature,
     QuantizationMethod,
     QuantizedCheckpointFormat,
     StateDictConverter,
+    hookimpl,
 )
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 PACKAGE = "nxdplug.plugins.quantization"
 

@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import NotSupportedError
+from nxdplug.plugin_api import NotSupportedError, build_operators
 from nxdplug.plugins.quantization.kernel import tile_rows, untile_rows
-from nxdplug.runtime.cpp_ops import build_operators
 
 PACK_FACTOR = 8  # 4-bit values per int32
 OFFSET = 8  # Q + OFFSET is the unsigned nibble

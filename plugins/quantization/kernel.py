@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.runtime.cpp_ops import build_operator
+from nxdplug.plugin_api import build_operator
 
 SOURCE = Path(__file__).with_name("int8_matmul.cpp")
 LIBRARY = "nxdplug_quantization"

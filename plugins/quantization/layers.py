@@ -16,11 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.errors import ConfigError
-from nxdplug.modules.parallel_linear import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-)
+from nxdplug.plugin_api import ColumnParallelLinear, ConfigError, RowParallelLinear
 from nxdplug.plugins.quantization.int4 import (
     dequantize_int4,
     int4_kernels,

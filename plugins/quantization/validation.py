@@ -7,8 +7,7 @@ from collections.abc import Iterator
 from importlib.util import find_spec
 from typing import Any
 
-from nxdplug.compile.backend import requested_backend
-from nxdplug.types import QuantizationMethod
+from nxdplug.plugin_api import QuantizationMethod, requested_backend
 
 SPECIAL_SCALAR_ENV = "XLA_HANDLE_SPECIAL_SCALAR"
 
@@ -21,8 +20,7 @@ def validate(context: Any) -> list[str]:
 def method_problems(neuron_config: Any) -> Iterator[str]:
     """``quantization_dtype`` and ``quantization_type`` against the registered methods (a
     third-party method's dtype is as good as a built-in one)."""
-    from nxdplug.config.suggestions import did_you_mean
-    from nxdplug.registry import get_registry
+    from nxdplug.plugin_api import did_you_mean, get_registry
 
     methods = get_registry().records("quantization_methods")
     allowed = {

@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from nxdplug.cli.options import positive_int
-from nxdplug.errors import NxdPlugError
 from nxdplug.nxdi.demo.flags import FeatureDemoFlags
+from nxdplug.plugin_api import NxdPlugError, positive_int
 
 # The on-device sampling settings, from the demo's sampling flags of the same names.
 _SAMPLING_SETTINGS = (
@@ -49,7 +48,7 @@ class SamplingDemoFlags(FeatureDemoFlags):
             if named:
                 raise NxdPlugError(f"{', '.join(named)} need(s) --on-device-sampling")
             return {}
-        from nxdplug.config import OnDeviceSamplingConfig
+        from nxdplug.plugin_api import OnDeviceSamplingConfig
 
         values = {name: getattr(args, name, None) for name in _SAMPLING_SETTINGS}
         settings = {name: value for name, value in values.items() if value is not None}

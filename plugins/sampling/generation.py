@@ -13,10 +13,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from nxdplug.errors import NotSupportedError
+from nxdplug.plugin_api import NotSupportedError, SamplingParams, get_registry
 from nxdplug.plugins.sampling.on_device import samples, sampling_params_tensor
-from nxdplug.registry import get_registry
-from nxdplug.runtime.sampling import SamplingParams
 
 # GenerationConfig settings that on-device sampling takes as sampling_params.
 SAMPLING_SETTINGS = ("do_sample", "top_k", "top_p", "temperature")

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.types import CliExtension, Feature, Sampler, StepInput
+from nxdplug.plugin_api import CliExtension, Feature, Sampler, StepInput, hookimpl
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 ENABLED_BY = ("on_device_sampling_config",)
 ON_DEVICE = "nxdplug.plugins.sampling.on_device"

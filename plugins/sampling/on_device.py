@@ -33,8 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug.errors import NxdPlugError
-from nxdplug.runtime.step import StepInputs
+from nxdplug.plugin_api import NxdPlugError, StepInputs
 
 DETERMINISTIC_SEED = 0
 _SMALLEST_NOISE = torch.finfo(torch.float32).tiny  # keeps -log(-log(u)) finite at u = 0

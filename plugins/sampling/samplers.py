@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nxdplug.runtime.sampling import SamplingParams
+from nxdplug.plugin_api import SamplingParams
 
 
 class GreedySampler:

@@ -14,8 +14,7 @@ import os
 import ssl
 from typing import Any
 
-from nxdplug.cli.options import positive_int
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import NxdPlugError, positive_int
 
 # Beyond a prompt of a long-context model (128k tokens are ~0.5 MB of text), and short enough
 # that parsing a body (C code that holds the interpreter's lock while it runs: ~0.3 s for 2 MB

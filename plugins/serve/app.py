@@ -22,8 +22,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from nxdplug.engine import EngineFullError, RequestError, RequestOutput
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import (
+    EngineFullError,
+    NxdPlugError,
+    RequestError,
+    RequestOutput,
+    get_registry,
+)
 from nxdplug.plugins.serve.engine_loop import EngineLoop, EngineStoppedError, OutputStream
 from nxdplug.plugins.serve.metrics import ServingMetrics
 from nxdplug.plugins.serve.protocol import (
@@ -53,7 +58,6 @@ from nxdplug.plugins.serve.responses import (
     vllm_prompt_logprobs,
 )
 from nxdplug.plugins.serve.responses_api import ResponseBuilder, ResponseRequest
-from nxdplug.registry import get_registry
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)

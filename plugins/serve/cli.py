@@ -21,21 +21,23 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from nxdplug.cli import extensions
-from nxdplug.cli.inference import (
+from nxdplug.plugin_api import (
+    NxdPlugError,
     add_compiled_model_options,
+    add_extension_arguments,
     add_model_path,
+    add_neuron_config_options,
+    add_speculative_config_option,
+    default_settings,
+    engine_draft,
     inference_config,
     load_model,
     load_tokenizer,
-)
-from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
-from nxdplug.cli.speculation import (
-    add_speculative_config_option,
-    engine_draft,
+    neuron_config_kwargs,
+    positive_int,
+    prepare_config,
     speculation_settings,
 )
-from nxdplug.errors import NxdPlugError
 from nxdplug.plugins.serve.access import add_access_arguments, api_keys, cors_policy, tls_settings
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -103,7 +105,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_speculative_config_option(server)
     add_access_arguments(parser)
     add_neuron_config_options(parser)
-    extensions.add_extension_arguments(parser, "serve")
+    add_extension_arguments(parser, "serve")
     parser.epilog = (
         "Serving defaults (each overridable): --is-continuous-batching, --batch-size 8, "
         "--ctx-batch-size 1, --enable-bucketing, --enable-prefix-caching (where the config "
@@ -120,14 +122,14 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
     settings = SERVE_DEFAULTS | neuron_config_kwargs(args) | speculation_settings(args)
     config = _serving_config(args, settings)
-    extensions.prepare_config(args, config)
+    prepare_config(args, config)
     model = load_model(args, config, compile_by_default=True)
     tokenizer = load_tokenizer(args.model_path, "serve")
 
-    from nxdplug.modules.parallel_linear import tp_rank, tp_world_size
+    from nxdplug.plugin_api import tp_rank, tp_world_size
 
     if tp_world_size() > 1 and tp_rank() != 0:
-        from nxdplug.engine.ranks import follow_steps
+        from nxdplug.plugin_api import follow_steps
 
         with _on_stop_signals(signal.SIG_IGN):
             follow_steps(model)
@@ -136,7 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
     draft = engine_draft(args, config)
     broadcaster = None
     if tp_world_size() > 1:
-        from nxdplug.engine.ranks import StepBroadcaster
+        from nxdplug.plugin_api import StepBroadcaster
 
         broadcaster = StepBroadcaster(model)
     try:
@@ -152,11 +154,11 @@ def _serving_config(args: argparse.Namespace, settings: dict[str, Any]) -> Any:
     """The config of ``settings``, with what features turn on by default in a server (vLLM's
     prefix caching) where the options leave it unsaid and it keeps the config valid; where it
     would not, without it, saying why."""
-    from nxdplug.pipeline import config_problems
+    from nxdplug.plugin_api import config_problems
 
     defaults = {
         name: value
-        for name, value in extensions.default_settings(args, "serve").items()
+        for name, value in default_settings(args, "serve").items()
         if name not in settings
     }
     with_defaults = inference_config(args.model_path, defaults | settings)
@@ -188,7 +190,7 @@ def _serve(
     CORS policy and the TLS settings."""
     import uvicorn
 
-    from nxdplug.engine import Engine
+    from nxdplug.plugin_api import Engine
     from nxdplug.plugins.serve.app import build_app
     from nxdplug.plugins.serve.engine_loop import EngineLoop
     from nxdplug.plugins.serve.guards import guarded
@@ -272,7 +274,7 @@ def _implementation(kind: str, name: str | None) -> type | None:
     """The class of the ``kind`` record called ``name`` (an unknown name lists the others)."""
     if name is None:
         return None
-    from nxdplug.registry import get_registry
+    from nxdplug.plugin_api import get_registry
 
     return get_registry().get(kind, name).load("implementation")
 

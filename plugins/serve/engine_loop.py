@@ -23,12 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from nxdplug.engine import RequestError, RequestOutput, SamplingSettings
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import NxdPlugError, RequestError, RequestOutput, SamplingSettings
 
 if TYPE_CHECKING:
-    from nxdplug.engine import Engine
-    from nxdplug.engine.requests import Request
+    from nxdplug.plugin_api import Engine, Request
     from nxdplug.plugins.serve.metrics import ServingMetrics
 
 logger = logging.getLogger("nxdplug.plugins.serve")

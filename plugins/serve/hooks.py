@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
-from nxdplug.manager import NxdPlugPluginManager
+from nxdplug.plugin_api import NxdPlugPluginManager, Subcommand, hookimpl
 from nxdplug.plugins.serve.hookspecs import RECORD_KINDS, ServingSpecs
-from nxdplug.types import Subcommand
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 
 @hookimpl

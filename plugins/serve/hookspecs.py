@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookspec
+from nxdplug.plugin_api import RecordKind, hookspec
 from nxdplug.plugins.serve.records import ReasoningParser, ServingRoute, ToolParser
-from nxdplug.types import RecordKind
 
 
 class ServingSpecs:

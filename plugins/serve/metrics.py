@@ -19,8 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from nxdplug.engine import Engine, RequestOutput
-    from nxdplug.engine.speculative import SpeculationMetrics
+    from nxdplug.plugin_api import Engine, RequestOutput, SpeculationMetrics
 
 # Seconds: from one CPU step of a tiny model to a long prompt's encoding on a large one.
 LATENCY_BUCKETS = (

@@ -21,8 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nxdplug.engine import SamplingSettings
-from nxdplug.engine.requests import MAX_TOP_LOGPROBS
+from nxdplug.plugin_api import MAX_TOP_LOGPROBS, SamplingSettings
 from nxdplug.plugins.serve.responses import ChatToolCall
 from nxdplug.plugins.serve.tool_calls import ToolUse
 

@@ -6,7 +6,7 @@ import re
 
 import attrs
 
-from nxdplug.types import PluginRecord, SelectableRecord, ref_field
+from nxdplug.plugin_api import PluginRecord, SelectableRecord, ref_field
 
 
 def _check_path(instance: object, attribute: attrs.Attribute, value: str) -> None:

@@ -12,7 +12,7 @@ import uuid
 
 import attrs
 
-from nxdplug.engine import RequestOutput
+from nxdplug.plugin_api import RequestOutput
 from nxdplug.plugins.serve.reasoning import ReasoningSplitter, Split
 from nxdplug.plugins.serve.responses import (
     AssistantMessage,

@@ -9,8 +9,7 @@ from typing import Any, Literal
 import attrs
 from pydantic import BaseModel, ConfigDict
 
-from nxdplug.engine import RequestOutput
-from nxdplug.engine.requests import PromptLogprob
+from nxdplug.plugin_api import PromptLogprob, RequestOutput
 
 
 class PromptTokensDetails(BaseModel):

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nxdplug.engine import RequestOutput
+from nxdplug.plugin_api import RequestOutput
 from nxdplug.plugins.serve.engine_loop import OutputStream
 from nxdplug.plugins.serve.protocol import ChatCompletionRequest, FunctionDefinition, bad_request
 from nxdplug.plugins.serve.replies import ReplyReader, Told

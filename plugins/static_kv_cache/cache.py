@@ -8,8 +8,13 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import NxdPlugError
-from nxdplug.modules.kv_cache import CacheLayout, KVCacheManager, read_prefix, write_positions
+from nxdplug.plugin_api import (
+    CacheLayout,
+    KVCacheManager,
+    NxdPlugError,
+    read_prefix,
+    write_positions,
+)
 from nxdplug.plugins.static_kv_cache.kernel import DTYPES, decode_attention_op
 
 # Up to this many queries a row (decoding, speculation, prompts of up to 128 positions) attend

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.runtime.cpp_ops import build_operator
+from nxdplug.plugin_api import build_operator
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 LIBRARY = "nxdplug_static_kv_cache"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import NxdPlugError
 
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

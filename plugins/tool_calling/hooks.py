@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.hookspecs import hookimpl
+from nxdplug.plugin_api import hookimpl
 from nxdplug.plugins.serve.records import ToolParser
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 
 @hookimpl(optionalhook=True)  # a hook of the serve plugin

@@ -17,11 +17,16 @@ import warnings
 from pathlib import Path
 from typing import Any, NoReturn
 
-from nxdplug.cli import extensions
-from nxdplug.cli.inference import inference_config, selection_summary
-from nxdplug.cli.speculation import refuse_unused_draft, without_speculation
-from nxdplug.errors import NxdPlugError
 from nxdplug.nxdi.demo.flags import COMMAND, add_run_flags, config_values, hints_given
+from nxdplug.plugin_api import (
+    NxdPlugError,
+    extension_config_kwargs,
+    inference_config,
+    prepare_config,
+    refuse_unused_draft,
+    selection_summary,
+    without_speculation,
+)
 
 TASK_TYPES = ("causal-lm",)
 
@@ -31,7 +36,7 @@ class DemoUsageError(NxdPlugError):
 
 
 def add_inference_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    from nxdplug.registry import get_registry
+    from nxdplug.plugin_api import get_registry
 
     families = sorted(r.name for r in get_registry().records("model_architectures"))
     parser.add_argument("--model-type", required=True, choices=families, help="model family")
@@ -67,7 +72,7 @@ def _lazy(base: type[argparse.ArgumentParser]) -> type[argparse.ArgumentParser]:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``inference_demo`` console script: ``nxdplug inference_demo`` with these flags."""
-    from nxdplug.cli.main import main as nxdplug_main
+    from nxdplug.plugin_api import main as nxdplug_main
 
     return nxdplug_main([COMMAND, *(sys.argv[1:] if argv is None else argv)])
 
@@ -75,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """NxD Inference's ``inference_demo.parse_args``: the flags (``sys.argv``'s by default)
     parsed as ``nxdplug inference_demo`` parses them."""
-    from nxdplug.cli.main import build_parser
+    from nxdplug.plugin_api import build_parser
 
     return build_parser().parse_args([COMMAND, *(sys.argv[1:] if argv is None else argv)])
 
@@ -88,7 +93,7 @@ def create_neuron_config(model_cls: Any, args: argparse.Namespace) -> Any:
 
 def console_main() -> NoReturn:
     """The ``inference_demo`` console script, ending as ``nxdplug`` does."""
-    from nxdplug.cli.main import exit_with
+    from nxdplug.plugin_api import exit_with
 
     exit_with(main())
 
@@ -102,7 +107,7 @@ def run_inference_demo(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nxdplug.runtime.application import architecture_for, from_pretrained
+    from nxdplug.plugin_api import architecture_for, from_pretrained
 
     family = architecture_for(args.model_path).name
     if family != args.model_type:
@@ -119,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.compile_dry_run:
         return _dry_run(config)
     refuse_unused_draft(args, config)
-    extensions.prepare_config(args, config)
+    prepare_config(args, config)
 
     model = from_pretrained(args.model_path, config=config)
     model.compiler_args = args.compiler_args
@@ -172,7 +177,7 @@ def neuron_config_options(args: argparse.Namespace) -> dict[str, Any]:
             options["modules_to_not_convert"] = model
         if draft is not None:
             options["draft_model_modules_to_not_convert"] = draft
-    from_plugins = extensions.extension_config_kwargs(args)
+    from_plugins = extension_config_kwargs(args)
     twice = sorted(set(options) & set(from_plugins))
     if twice:
         raise DemoUsageError(f"{', '.join(twice)} given twice (by a plugin's flags too); keep one")
@@ -205,7 +210,7 @@ def _check_flag_values(args: argparse.Namespace, neuron_config: Any) -> None:
 
 def _dry_run(config: Any) -> int:
     """What ``--compile-dry-run`` does here: resolve the plugins and report every problem."""
-    from nxdplug.pipeline import config_problems, select_plugins
+    from nxdplug.plugin_api import config_problems, select_plugins
 
     problems = config_problems(config)
     if not problems:
@@ -218,8 +223,7 @@ def _dry_run(config: Any) -> int:
 def _draft_application(args: argparse.Namespace, config: Any) -> Any:
     """The draft model of draft-model speculation (a separate application, as inference_demo
     builds it), or None: fused speculation (EAGLE) builds its draft into the target."""
-    from nxdplug.config import load_pretrained_config
-    from nxdplug.runtime.application import from_pretrained
+    from nxdplug.plugin_api import from_pretrained, load_pretrained_config
 
     neuron_config = config.neuron_config
     if (

@@ -31,10 +31,17 @@ from typing import Any
 
 import attrs
 
-from nxdplug.cli import extensions
-from nxdplug.cli.inference import add_compiled_model_options, add_model_path
-from nxdplug.cli.options import SHARED_OPTIONS, TORCH_DTYPES, add_shared_option, positive_int
-from nxdplug.cli.speculation import add_speculation_options
+from nxdplug.plugin_api import (
+    SHARED_OPTIONS,
+    TORCH_DTYPES,
+    OptionsOnly,
+    add_compiled_model_options,
+    add_extension_arguments,
+    add_model_path,
+    add_shared_option,
+    add_speculation_options,
+    positive_int,
+)
 
 COMMAND = "inference_demo"
 KINDS = ("config", "demo", "hint", "refused")
@@ -264,7 +271,7 @@ class RefusedFlag(argparse.Action):
         raise argparse.ArgumentError(self, f"not supported by nxdplug: {self.help}")
 
 
-class FeatureDemoFlags(extensions.OptionsOnly):
+class FeatureDemoFlags(OptionsOnly):
     """A feature plugin's inference_demo flags, as the implementation of its ``CliExtension``
     record (``commands=("inference_demo",)``): one argument group titled ``TITLE``, whose flags
     :meth:`add_flags` adds and :meth:`settings` turns into NeuronConfig settings. ``DEST`` is a
@@ -311,12 +318,12 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
             add_shared_option(group, flag)
         else:
             group.add_argument(flag, default=None, **keywords)
-    extensions.add_extension_arguments(parser, COMMAND)
+    add_extension_arguments(parser, COMMAND)
 
 
 def attribute_flags() -> Iterator[tuple[str, dict[str, Any]]]:
     """``(--flag, argparse keywords)`` of each MoENeuronConfig attribute of a plain type."""
-    from nxdplug.config import MoENeuronConfig
+    from nxdplug.plugin_api import MoENeuronConfig
 
     for field in attrs.fields(MoENeuronConfig):
         keywords = _keywords_of(str(field.type).replace(" | None", ""))

@@ -14,10 +14,8 @@ from typing import Any
 
 import torch
 
-from nxdplug.cli import extensions
-from nxdplug.cli.inference import load_tokenizer
-from nxdplug.errors import NxdPlugError
 from nxdplug.nxdi.demo.flags import COMMAND
+from nxdplug.plugin_api import NxdPlugError, generate_keywords, load_tokenizer
 
 GENERATION_CONFIG_FLAGS = ("do_sample", "top_k", "pad_token_id", "dynamic", "top_p", "temperature")
 
@@ -25,8 +23,7 @@ GENERATION_CONFIG_FLAGS = ("do_sample", "top_k", "pad_token_id", "dynamic", "top
 def run_loaded(args: argparse.Namespace, model: Any, draft: Any) -> int:
     """Check accuracy, generate and print the outputs, benchmark; 1 when logit matching
     failed (after the outputs are printed, as inference_demo)."""
-    from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
-    from nxdplug.runtime.logit_validation import LogitMatchingValidationError
+    from nxdplug.plugin_api import HuggingFaceGenerationAdapter, LogitMatchingValidationError
 
     neuron_config = model.neuron_config
     tokenizer = load_tokenizer(args.model_path, COMMAND, padding_side=neuron_config.padding_side)
@@ -34,7 +31,7 @@ def run_loaded(args: argparse.Namespace, model: Any, draft: Any) -> int:
     tokenizer.save_pretrained(str(args.compiled_model_path))
     generation_config = _generation_config(args, model)
     # Plugins' generate() keywords (adapter ids, ...); the draft model is this command's own.
-    keywords = extensions.generate_keywords(_without_draft(args), model)
+    keywords = generate_keywords(_without_draft(args), model)
     if draft is not None:
         keywords["assistant_model"] = draft
 
@@ -83,7 +80,7 @@ def _without_draft(args: argparse.Namespace) -> argparse.Namespace:
 
 def _generation_config(args: argparse.Namespace, model: Any) -> Any:
     """The checkpoint's GenerationConfig with the sampling flags, as inference_demo makes it."""
-    from nxdplug.runtime.generation import model_generation_config
+    from nxdplug.plugin_api import model_generation_config
 
     config = copy.deepcopy(model_generation_config(model))
     given = {key: getattr(args, key, None) for key in GENERATION_CONFIG_FLAGS}
@@ -98,8 +95,7 @@ def _check_accuracy(
 ) -> None:
     """inference_demo's check of the first prompt (once per batch row): a token mismatch is an
     error; a logit mismatch raises LogitMatchingValidationError for the caller."""
-    from nxdplug.runtime.accuracy import check_accuracy
-    from nxdplug.runtime.logit_accuracy import check_accuracy_logits
+    from nxdplug.plugin_api import check_accuracy, check_accuracy_logits
 
     mode = args.check_accuracy_mode
     if mode == "skip":
@@ -169,7 +165,7 @@ def _encode(
             "--allow-input-truncation"
         )
     if args.input_start_offsets:
-        from nxdplug.runtime.accuracy import shift_right
+        from nxdplug.plugin_api import shift_right
 
         ids, mask = shift_right(ids, mask, args.input_start_offsets, tokenizer.pad_token_id)
     return ids, mask

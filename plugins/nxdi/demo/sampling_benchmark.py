@@ -25,10 +25,14 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from nxdplug.errors import NotSupportedError, NxdPlugError
+from nxdplug.plugin_api import (
+    HF_DEFAULTS,
+    NotSupportedError,
+    NxdPlugError,
+    model_generation_config,
+    prepare_sampling_params,
+)
 from nxdplug.plugins.benchmark.measurements import measure_nxdplug, percentile, random_prompt_ids
-from nxdplug.runtime.generation import HF_DEFAULTS, model_generation_config
-from nxdplug.runtime.sampling_params import prepare_sampling_params
 
 BENCHMARK_REPORT_PATH = "./benchmark_report.json"
 END_TO_END_MODEL = "e2e_model"

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from nxdplug.errors import CheckpointError, ConfigError
+from nxdplug.plugin_api import CheckpointError, ConfigError
 from nxdplug.plugins.quantization.formats.common import (
     dequantize,
     full_precision_projections,

@@ -32,8 +32,12 @@ from typing import Any, NoReturn
 
 import attrs
 
-from nxdplug.cli.options import add_neuron_config_options, neuron_config_kwargs, positive_int
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import (
+    NxdPlugError,
+    add_neuron_config_options,
+    neuron_config_kwargs,
+    positive_int,
+)
 
 HOST = "127.0.0.1"
 # The command line of this Python's nxdplug (the nxdplug script may not be on PATH).
@@ -434,7 +438,7 @@ def _workload(args: argparse.Namespace) -> Workload:
     """The texts of ``--workload`` made with the model's tokenizer, and how to send them."""
     from transformers import AutoConfig
 
-    from nxdplug.cli.inference import load_tokenizer
+    from nxdplug.plugin_api import load_tokenizer
 
     tokenizer = load_tokenizer(args.model_path, "benchmark-serving")
     vocab_size = AutoConfig.from_pretrained(str(args.model_path)).get_text_config().vocab_size
@@ -623,7 +627,7 @@ def _compared_servers(args: argparse.Namespace) -> list[ServerUnderTest]:
 
 
 def _transformers_server(args: argparse.Namespace) -> ServerUnderTest:
-    from nxdplug.cli.inference import inference_config
+    from nxdplug.plugin_api import inference_config
 
     beside = Path(sys.executable).parent / "transformers"
     executable = str(beside) if beside.exists() else shutil.which("transformers")

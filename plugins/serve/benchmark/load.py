@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import NxdPlugError
 from nxdplug.plugins.benchmark.measurements import LatencyStats
 
 PROMPT_SEED = 0

@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO
 
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import NxdPlugError
 
 STOP_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.5

@@ -24,7 +24,7 @@ from typing import Any
 
 import attrs
 
-from nxdplug.errors import NxdPlugError
+from nxdplug.plugin_api import NxdPlugError
 from nxdplug.plugins.benchmark.measurements import LatencyStats
 from nxdplug.plugins.serve.benchmark.load import RequestTimes, async_client, timed_request
 

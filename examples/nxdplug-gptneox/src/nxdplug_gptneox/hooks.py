@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug import hookimpl
-from nxdplug.types import ModelArchitecture, StateDictConverter
+from nxdplug.plugin_api import ModelArchitecture, StateDictConverter, hookimpl
 
 # The nxdplug plugin API this module is written for; nxdplug refuses a module of another version.
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 MODELING = "nxdplug_gptneox.modeling"
 

@@ -12,21 +12,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxdplug import InferenceConfig, NeuronBaseForCausalLM, NeuronBaseModel
-from nxdplug.modules.activations import activation
-from nxdplug.modules.attention import (
-    NeuronAttentionBase,
-    head_dim_of,
-)
-from nxdplug.modules.kv_cache import CacheSlot
-from nxdplug.modules.parallel_linear import (
+from nxdplug.plugin_api import (
+    CacheSlot,
     ColumnParallelLinear,
+    InferenceConfig,
+    NeuronAttentionBase,
+    NeuronBaseForCausalLM,
+    NeuronBaseModel,
     ParallelEmbedding,
+    RotaryEmbedding,
     RowParallelLinear,
+    activation,
+    head_dim_of,
+    rope_parameters,
     tp_rank,
     tp_world_size,
 )
-from nxdplug.modules.rotary import RotaryEmbedding, rope_parameters
 
 # HF's default when a config gives neither rope_parameters' factor nor rotary_pct.
 DEFAULT_ROTARY_FRACTION = 0.25

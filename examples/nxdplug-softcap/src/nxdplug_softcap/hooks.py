@@ -11,17 +11,15 @@ import numbers
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from nxdplug import hookimpl
-from nxdplug.errors import NotSupportedError
-from nxdplug.types import Feature
+from nxdplug.plugin_api import Feature, NotSupportedError, hookimpl
 
 from nxdplug_softcap.softcap import add_softcap
 
 if TYPE_CHECKING:
-    from nxdplug.pipeline import PipelineContext
+    from nxdplug.plugin_api import PipelineContext
     from torch import nn
 
-NXDPLUG_API_VERSION = 1
+NXDPLUG_API_VERSION = 2
 
 SETTING = "final_logit_softcapping"  # the name Gemma-2's HF config uses for the same cap
 
