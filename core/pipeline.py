@@ -19,7 +19,6 @@ import attrs
 import torch
 from torch import nn
 
-from nxdplug.compile.backend import requested_backend
 from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.modules.process_groups import TP, add_group, group_size
 from nxdplug.registry import Registry, get_registry
@@ -40,6 +39,14 @@ if TYPE_CHECKING:
 
     from nxdplug.engine.token_choice import GraphSampling
     from nxdplug.runtime.generation import TokenSource
+
+BACKEND_ENV = "NXDPLUG_BACKEND"
+
+
+def requested_backend(neuron_config: Any) -> str | None:
+    """The backend a user asked for: NeuronConfig.compile_backend, then NXDPLUG_BACKEND."""
+    return getattr(neuron_config, "compile_backend", None) or os.environ.get(BACKEND_ENV) or None
+
 
 # NxD Inference attributes whose behaviour lives in a plugin: switching one on without an
 # installed plugin that declares it in ``enabled_by`` is a problem, never a silent no-op.

@@ -7,14 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nxdplug.config.head_sharding import GQA, determine_sharding_strategy, shardable_head_counts
 from nxdplug.errors import ConfigError
-from nxdplug.modules.gqa import (
-    GQA,
-    HeadLayout,
-    determine_sharding_strategy,
-    replicate_kv_heads,
-    shardable_head_counts,
-)
+from nxdplug.modules.gqa import HeadLayout, replicate_kv_heads
 
 
 @st.composite

@@ -110,9 +110,9 @@ STATIC_EXPORTS = {
         "NeuronApplicationBase": "nxdplug.runtime.application:NeuronApplicationBase",
     },
     "nxdplug.nxdi.modules.attention.gqa": {
-        "GQA": "nxdplug.modules.gqa:GQA",
-        "determine_sharding_strategy": "nxdplug.modules.gqa:determine_sharding_strategy",
-        "get_shardable_head_counts": "nxdplug.modules.gqa:shardable_head_counts",
+        "GQA": "nxdplug.config.head_sharding:GQA",
+        "determine_sharding_strategy": "nxdplug.config.head_sharding:determine_sharding_strategy",
+        "get_shardable_head_counts": "nxdplug.config.head_sharding:shardable_head_counts",
     },
     "nxdplug.nxdi.utils.argparse_utils": {
         "AUTO": "nxdplug.nxdi.demo.flags:AUTO",

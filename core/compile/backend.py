@@ -11,7 +11,6 @@ optional ``form_graph_weights`` method.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,10 +19,9 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NotSupportedError
+from nxdplug.pipeline import requested_backend
 from nxdplug.registry import get_registry
 from nxdplug.types import CompileBackend
-
-BACKEND_ENV = "NXDPLUG_BACKEND"
 
 
 class Backend(Protocol):
@@ -68,11 +66,6 @@ def weights_former(backend: Backend) -> Callable[[list[torch.Tensor]], set[int]]
 
 def _as_stored(weights: list[torch.Tensor]) -> set[int]:
     return set()
-
-
-def requested_backend(neuron_config: Any) -> str | None:
-    """The backend a user asked for: NeuronConfig.compile_backend, then NXDPLUG_BACKEND."""
-    return getattr(neuron_config, "compile_backend", None) or os.environ.get(BACKEND_ENV) or None
 
 
 def instantiate(record: CompileBackend) -> Backend:

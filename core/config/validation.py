@@ -16,11 +16,11 @@ import attrs
 import torch
 
 from nxdplug.config.dtypes import dtype_name
+from nxdplug.config.head_sharding import determine_sharding_strategy, shardable_head_counts
 from nxdplug.config.moe import routed_mlp_problems
 from nxdplug.config.neuron_config import CAST_TYPES, NeuronConfig
 from nxdplug.config.suggestions import did_you_mean
 from nxdplug.errors import ConfigError
-from nxdplug.modules.gqa import determine_sharding_strategy, shardable_head_counts
 
 if TYPE_CHECKING:
     from nxdplug.config.inference_config import InferenceConfig

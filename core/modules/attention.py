@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxdplug.modules.gqa import HeadLayout, determine_sharding_strategy
+from nxdplug.config.head_sharding import determine_sharding_strategy
+from nxdplug.modules.gqa import HeadLayout
 from nxdplug.modules.kv_cache import CacheSlot
 from nxdplug.modules.norms import RMSNorm
 from nxdplug.modules.parallel_linear import (

@@ -9,8 +9,8 @@ from nxdplug.nxdi.reexport import reexport
 reexport(
     __name__,
     {
-        "GQA": "nxdplug.modules.gqa:GQA",
-        "determine_sharding_strategy": "nxdplug.modules.gqa:determine_sharding_strategy",
-        "get_shardable_head_counts": "nxdplug.modules.gqa:shardable_head_counts",
+        "GQA": "nxdplug.config.head_sharding:GQA",
+        "determine_sharding_strategy": "nxdplug.config.head_sharding:determine_sharding_strategy",
+        "get_shardable_head_counts": "nxdplug.config.head_sharding:shardable_head_counts",
     },
 )
