@@ -249,8 +249,8 @@ def test_the_core_share_does_not_grow_back() -> None:
 # (TYPE_CHECKING imports aside). Issue #46 item 4.
 LAYERS = (
     ("__init__", "errors", "lazy", "types", "hookspecs", "manager", "registry"),
-    ("config",),
     ("checkpoint",),
+    ("config",),
     ("modules",),
     ("pipeline",),
     ("compile",),
@@ -264,8 +264,6 @@ LAYER_EXCEPTIONS = {
     ("compile/compiled_model.py", "nxdplug.runtime.tensor_parallel"),
     ("compile/compiled_model.py", "nxdplug.runtime.meta_init"),
     ("compile/graph_function.py", "nxdplug.runtime.step"),
-    ("config/checkpoint_format.py", "nxdplug.checkpoint.state_dict"),
-    ("config/coverage.py", "nxdplug.pipeline"),
     ("config/validation.py", "nxdplug.runtime.token_tree"),
     ("runtime/engine_generation.py", "nxdplug.engine"),
 }

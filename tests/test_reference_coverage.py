@@ -10,14 +10,14 @@ import attrs
 import pytest
 
 import nxdplug.config
-from nxdplug.cli.main import main as cli_main
-from nxdplug.config import coverage
-from nxdplug.config.coverage import (
+from nxdplug.cli import coverage
+from nxdplug.cli.coverage import (
     CORE_ATTRIBUTES,
     KNOWN_GAPS,
     READ_WITH,
     DocumentedAttribute,
 )
+from nxdplug.cli.main import main as cli_main
 from nxdplug.registry import get_registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +93,7 @@ def test_coverage_page_table_is_the_generated_one(statuses) -> None:
     table = coverage.markdown_table(statuses)
     assert table in COVERAGE_PAGE.read_text(), (
         "docs/api-coverage.md's attribute table is stale: regenerate it with "
-        "`python -m nxdplug.config.coverage --markdown`"
+        "`python -m nxdplug.cli.coverage --markdown`"
     )
 
 

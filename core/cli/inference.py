@@ -70,7 +70,7 @@ def selection_summary(selection: Any) -> dict[str, Any]:
 
 
 def run_check_config(args: argparse.Namespace) -> int:
-    from nxdplug.config.coverage import explain
+    from nxdplug.cli.coverage import explain
     from nxdplug.pipeline import config_problems, select_plugins
 
     config = inference_config(args.model_path, neuron_config_kwargs(args))

@@ -14,7 +14,7 @@ reads them; :func:`status` says, for the installed plugins, who reads each one:
 - ``gap``: silently ignored today, listed in :data:`KNOWN_GAPS` with its issue;
 - ``unhandled``: none of these, which the coverage test refuses.
 
-``python -m nxdplug.config.coverage --markdown`` prints the table of ``docs/api-coverage.md``.
+``python -m nxdplug.cli.coverage --markdown`` prints the table of ``docs/api-coverage.md``.
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ _LABELS = frozenset(CORE_ATTRIBUTES) | frozenset(READ_WITH) | frozenset(KNOWN_GA
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nxdplug.config.coverage")
+    parser = argparse.ArgumentParser(prog="python -m nxdplug.cli.coverage")
     parser.add_argument(
         "--markdown", action="store_true", help="print the table of docs/api-coverage.md"
     )
