@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from shipped_models import PYCODER, held_out_prompts
 
 from nxdplug import NeuronConfig, from_pretrained
 from nxdplug.cli.main import main
@@ -41,8 +42,6 @@ from nxdplug.plugins.fp8_kv_cache.calibration import calibrate_kv_cache_scales
 from nxdplug.plugins.static_kv_cache.cache import StaticKVCache
 from nxdplug.testing import make_tiny_checkpoint, random_prompts, teacher_forced_logits
 
-MODELS = Path("/work/shared/models")
-PYCODER = MODELS / "pycoder-tiny"
 NEW_TOKENS = 32
 
 
@@ -303,10 +302,7 @@ def test_calibration_rescues_keys_beyond_the_fp8_range(llama_path, llama_apps, t
 
 @pytest.fixture(scope="module")
 def pycoder():
-    if not PYCODER.is_dir():
-        pytest.skip(f"{PYCODER} is absent")
-    lines = (MODELS / "prompts.jsonl").read_text().splitlines()
-    prompts = [json.loads(line)["input_ids"][:64] for line in lines]
+    prompts = held_out_prompts()
     input_ids = torch.tensor(prompts[10:18])
     mask = torch.ones_like(input_ids)
     options = {"batch_size": 8, "seq_len": 96, "max_context_length": 64}

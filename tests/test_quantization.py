@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from shipped_models import PYCODER, held_out_prompts
 from torch import nn
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, load_pretrained_config
@@ -59,8 +60,6 @@ from nxdplug.registry import get_registry
 from nxdplug.testing import teacher_forced_logits
 from nxdplug.types import QuantizationMethod
 
-MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
-PYCODER = MODELS / "pycoder-tiny"
 PROMPT_ROWS = (0, 16, 32, 48)
 CONTEXT = 48  # prompt tokens given as the prompt; the other 16 measure perplexity
 NEW_TOKENS = 32
@@ -102,11 +101,6 @@ def problems_of(**options) -> list[str]:
     return config_problems(tiny_config(**options))
 
 
-needs_pycoder = pytest.mark.skipif(
-    not PYCODER.is_dir(), reason="shared/models/pycoder-tiny is not beside this checkout"
-)
-
-
 def pycoder_config(**options) -> LlamaInferenceConfig:
     settings = {"batch_size": len(PROMPT_ROWS), "seq_len": 128, "max_context_length": 64}
     neuron_config = NeuronConfig(**(settings | {"torch_dtype": "float32"} | options))
@@ -136,8 +130,8 @@ def greedy(app: NeuronLlamaForCausalLM, prompts: torch.Tensor, new_tokens: int) 
 
 @pytest.fixture(scope="module")
 def prompts() -> torch.Tensor:
-    rows = (MODELS / "prompts.jsonl").read_text().splitlines()
-    return torch.tensor([json.loads(rows[i])["input_ids"][:64] for i in PROMPT_ROWS])
+    rows = held_out_prompts()
+    return torch.tensor([rows[i] for i in PROMPT_ROWS])
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +217,6 @@ def test_quantize_weight_round_trip(dtype, per_channel) -> None:
 # -- accuracy against the float32 model -------------------------------------------------------
 
 
-@needs_pycoder
 @pytest.mark.parametrize(("dtype", "granularity"), list(BOUNDS))
 def test_accuracy_against_float32(dtype, granularity, prompts, reference, tmp_path) -> None:
     config = pycoder_config(**quantized_options(tmp_path / "q", dtype, granularity))
@@ -246,7 +239,6 @@ def test_accuracy_against_float32(dtype, granularity, prompts, reference, tmp_pa
     assert ratio <= max_ratio, measured
 
 
-@needs_pycoder
 def test_int8_per_channel_generates_the_float32_tokens(prompts, reference, int8_checkpoint):
     app = loaded(pycoder_config(**quantized_options(int8_checkpoint)))
     tokens = greedy(app, prompts, NEW_TOKENS)
@@ -268,11 +260,10 @@ def test_weight_memory_counts_8_bit_weights_and_their_scales() -> None:
     assert "MiB held" in memory.summary()
 
 
-@needs_pycoder
 def test_checkpoint_and_memory_about_a_third_of_float32(int8_checkpoint) -> None:
     saved = sum(f.stat().st_size for f in int8_checkpoint.iterdir())
-    original = (PYCODER / "model.safetensors").stat().st_size
-    assert 0.30 < saved / original < 0.35
+    parameters = sum(t.numel() for t in load_state_dict(PYCODER).values())
+    assert 0.30 < saved / (4 * parameters) < 0.35  # of the float32 checkpoint's size
 
     app = loaded(pycoder_config(**quantized_options(int8_checkpoint)))
     memory = weight_memory(app.loaded_model)
@@ -285,7 +276,6 @@ def test_checkpoint_and_memory_about_a_third_of_float32(int8_checkpoint) -> None
     assert app.loaded_model.embed_tokens.weight.dtype == torch.float32
 
 
-@needs_pycoder
 def test_a_bfloat16_model_keeps_the_float32_scales(int8_checkpoint) -> None:
     """The scales are not cast to the model's bf16 (the rest is): a weight dequantized for a
     prompt's GEMM is the float32 product cast to bf16, the bf16 of the float weight it stands
@@ -309,7 +299,6 @@ def last_logits(app, prompts: torch.Tensor) -> torch.Tensor:
         return app(input_ids=prompts).logits[:, -1]
 
 
-@needs_pycoder
 def test_modules_to_not_convert_stay_float(prompts, reference, tmp_path) -> None:
     skip = ["lm_head", "layers.0.self_attn"]
     config = pycoder_config(**quantized_options(tmp_path / "q"), modules_to_not_convert=skip)
@@ -330,15 +319,12 @@ def test_modules_to_not_convert_stay_float(prompts, reference, tmp_path) -> None
     assert cosine.min() > 0.9999
 
 
-@needs_pycoder
 def test_a_hand_written_pt_checkpoint_in_the_common_layout_loads(
     prompts, int8_checkpoint, tmp_path
 ) -> None:
     """Another tool's layout: int8 ``weight`` and float32 ``weight_scale`` [out, 1], in one
-    ``.pt`` file given as quantized_checkpoints_path."""
-    from safetensors.torch import load_file
-
-    state_dict = load_file(PYCODER / "model.safetensors")
+    ``.pt`` file given as quantized_checkpoints_path, written from the float32 weights."""
+    state_dict = load_state_dict(PYCODER, torch.float32)
     for key in [k for k in state_dict if k.endswith("_proj.weight") or k == "lm_head.weight"]:
         weight = state_dict[key]
         scale = weight.abs().amax(dim=1, keepdim=True) / 127
@@ -351,7 +337,6 @@ def test_a_hand_written_pt_checkpoint_in_the_common_layout_loads(
     torch.testing.assert_close(last_logits(foreign, prompts), last_logits(ours, prompts))
 
 
-@needs_pycoder
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
 def test_fused_qkv_and_gqa_replication_carry_the_scales(prompts, tmp_path, granularity) -> None:
     options = quantized_options(tmp_path / "q", "int8", granularity)
@@ -497,7 +482,6 @@ def test_config_problems_are_reported(tmp_path, monkeypatch) -> None:
     assert not any("XLA" in p for p in problems_of(**f8e4m3, compile_backend="neuron"))
 
 
-@needs_pycoder
 def test_a_checkpoint_that_does_not_fit_the_config_is_refused(int8_checkpoint) -> None:
     wrong_dtype = pycoder_config(**quantized_options(int8_checkpoint, "f8e5m2"))
     with pytest.raises(CheckpointError, match="quantization_dtype='f8e5m2'"):
