@@ -246,7 +246,8 @@ def test_on_device_sampling_is_refused_with_a_draft(checkpoints) -> None:
 
 def test_trained_draft_speeds_up_pycoder_losslessly() -> None:
     """The acceptance figures of docs/speculative-decoding.md: 20 held-out prompts, 64 new
-    tokens, k=4."""
+    tokens, k=4 (on the shipped bf16-rounded models: 2.75 tokens per call with the draft, 1.46
+    with prompt lookup)."""
     prompts = torch.tensor(file_start_prompts(20))
     mask = torch.ones_like(prompts)
     plain = application(PYCODER, batch=20, seq_len=160)
@@ -255,7 +256,7 @@ def test_trained_draft_speeds_up_pycoder_losslessly() -> None:
     draft = application(PYCODER_DRAFT, batch=20, seq_len=160)
     actual = greedy(speculating, prompts, mask, max_new_tokens=64, assistant_model=draft)
     assert torch.equal(actual, expected)
-    assert speculating.speculation_stats.tokens_per_call > 2.2  # the README's simulation: 2.66
+    assert speculating.speculation_stats.tokens_per_call > 2.2  # the trainers' simulation: 2.66
     actual = greedy(speculating, prompts, mask, max_new_tokens=64, prompt_lookup_num_tokens=4)
     assert torch.equal(actual, expected)
     assert speculating.speculation_stats.tokens_per_call > 1.2

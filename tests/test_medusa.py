@@ -194,7 +194,7 @@ def test_trained_heads_are_lossless_and_accepted(pycoder: Path) -> None:
         assert torch.equal(
             generate(medusa, input_ids, mask, 32), generate(plain, input_ids, mask, 32)
         )
-        assert medusa.speculation_stats.mean_accepted > 0.3
+        assert medusa.speculation_stats.mean_accepted > 0.3  # measured: 0.33 and 1.91
     input_ids = torch.zeros(2, 64, dtype=torch.long)
     input_ids[0], input_ids[1, 24:] = prompts[1], prompts[2][0, :40]
     mask = torch.ones_like(input_ids)
@@ -389,7 +389,7 @@ def measure_acceptance(folder: Path, tree: list[list[int]], prompts: list, new_t
 
 def test_trained_heads_are_accepted(pycoder: Path) -> None:
     figures = measure_acceptance(pycoder, CHAIN, held_out_prompts(4), 32)
-    assert figures["mean_accepted_per_call"] > 0.35, figures
+    assert figures["mean_accepted_per_call"] > 0.35, figures  # measured: 0.45 (40 of 88 calls)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,28 @@
 """Weight quantization (the ``quantization`` plugin) against the float32 model.
 
-Accuracy is measured on the trained pycoder-tiny (5.4 M parameters, 6 layers) with 4 held-out
-prompts of ``prompts.jsonl`` (64 tokens each). The float32 model generates 32 greedy tokens;
-each quantized model is then fed, after the first 48 prompt tokens, the last 16 prompt tokens
-and those 32 greedy tokens (teacher forcing). Per greedy position: the cosine similarity of its
-logits with the float32 ones, and whether its top-1 token is the float32 greedy token; over the
-16 prompt tokens: perplexity (held-out Python source). Measured here (torch 2.13, CPU):
+Accuracy is measured on the trained pycoder-tiny shipped in examples/models (5.4 M parameters, 6
+layers, its weights bf16-rounded) with 4 held-out prompts of ``prompts.jsonl`` (64 tokens each).
+The float32 model (float32 compute of those weights) generates 32 greedy tokens; each quantized
+model is then fed, after the first 48 prompt tokens, the last 16 prompt tokens and those 32
+greedy tokens (teacher forcing). Per greedy position: the cosine similarity of its logits with
+the float32 ones, and whether its top-1 token is the float32 greedy token; over the 16 prompt
+tokens: perplexity (held-out Python source). Measured here (torch 2.13, CPU):
 
 =================== ======== ======== ========= ===============================
 method              mean cos min cos  top-1     perplexity / float32's (13.70)
 =================== ======== ======== ========= ===============================
-int8 per channel    0.99998  0.99986  128/128   1.002
-int8 per tensor     0.99995  0.99968  125/128   1.007
-f8e4m3 per channel  0.99969  0.99813  127/128   0.989
-f8e4m3 per tensor   0.99964  0.99648  125/128   1.017
-f8e5m2 per channel  0.99871  0.99174  124/128   1.011
-f8e5m2 per tensor   0.99855  0.98377  121/128   0.993
-int4 blocks of 128  0.99486  0.97226  119/128   1.025
-int4 per channel    0.99421  0.97056  115/128   1.013
+int8 per channel    0.99998  0.99992  128/128   1.004
+int8 per tensor     0.99994  0.99969  126/128   1.007
+f8e4m3 per channel  0.99969  0.99838  127/128   0.987
+f8e4m3 per tensor   0.99965  0.99733  124/128   1.014
+f8e5m2 per channel  0.99873  0.99309  125/128   1.006
+f8e5m2 per tensor   0.99858  0.98603  120/128   1.004
+int4 blocks of 128  0.99470  0.96256  118/128   1.032
+int4 per channel    0.99410  0.97227  117/128   1.039
 =================== ======== ======== ========= ===============================
 
 ``BOUNDS`` asserts each with a margin. Generating freely, int8 per channel reproduces the
-float32 model's 32 greedy tokens on every prompt (128/128). The checkpoint is 0.33 of the
+float32 model's 32 greedy tokens on every prompt (128/128). The checkpoint is 0.33 of a
 float32 one: the projections take a quarter, and the embedding table (a tenth of the
 parameters) stays float32.
 """
@@ -73,8 +74,8 @@ BOUNDS = {
     ("f8e4m3", "per_tensor"): (0.998, 0.99, 0.93, 1.03),
     ("f8e5m2", "per_channel"): (0.995, 0.97, 0.90, 1.05),
     ("f8e5m2", "per_tensor"): (0.995, 0.97, 0.90, 1.05),
-    ("int4", "blockwise"): (0.993, 0.96, 0.88, 1.05),
-    ("int4", "per_channel"): (0.992, 0.96, 0.85, 1.04),
+    ("int4", "blockwise"): (0.993, 0.95, 0.88, 1.05),
+    ("int4", "per_channel"): (0.992, 0.96, 0.85, 1.06),
 }
 
 TINY_ATTRIBUTES = {
