@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from shipped_models import PYCODER, PYCODER_EAGLE, PYCODER_EAGLE3, file_start_prompts
 from test_eagle import (
     bigram_target,
     eagle_app,
@@ -309,31 +310,24 @@ def test_config_and_checkpoint_errors(target, draft, tmp_path):
 
 # --- the trained head for pycoder-tiny ---
 
-MODELS = Path("/work/shared/models")
-EAGLE3_HEAD = Path(__file__).resolve().parents[1] / "examples" / "models" / "pycoder-tiny-eagle3"
-# Measured when the head was shipped: 2.363 tokens per call against EAGLE-1's 2.438 (0.97x;
-# the issue's goal is 1.2x, not met by 24 minutes of CPU training, see the docs). The bound
-# guards against a head that loads or runs wrongly, which would accept next to nothing.
+# Measured when the head was shipped, on the float32 target: 2.363 tokens per call against
+# EAGLE-1's 2.438 (0.97x; the issue's goal is 1.2x, not met by 24 minutes of CPU training, see
+# the docs); on the shipped bf16-rounded target and EAGLE-1 draft: 2.355 against 2.449 (0.96x).
+# The bound guards against a head that loads or runs wrongly, which would accept next to nothing.
 EAGLE3_OVER_EAGLE1 = 0.95
 
 
-@pytest.mark.skipif(
-    not (MODELS / "pycoder-tiny" / "model.safetensors").is_file(),
-    reason=f"the trained models are not in {MODELS}",
-)
 def test_pycoder_head_is_lossless_and_accepted():
     """The shipped EAGLE-3 head (``examples/train_eagle3.py``) against the EAGLE-1 draft, k=4
     chains, greedy, on the held-out prompts: both lossless, and the head accepts about as much
     (see ``EAGLE3_OVER_EAGLE1``)."""
-    prompts = [json.loads(line) for line in (MODELS / "prompts.jsonl").open()]
-    prompts = [p["input_ids"] for p in prompts if p["kind"] == "file_start"][:20]
+    prompts = file_start_prompts(20)
     options = {"batch_size": 4, "seq_len": 136, "max_context_length": 64}
-    target = MODELS / "pycoder-tiny"
     apps = {
-        "eagle1": eagle_app(target, MODELS / "pycoder-tiny-eagle", k=4, **options),
-        "eagle3": eagle_app(target, EAGLE3_HEAD, k=4, is_eagle3=True, **options),
+        "eagle1": eagle_app(PYCODER, PYCODER_EAGLE, k=4, **options),
+        "eagle3": eagle_app(PYCODER, PYCODER_EAGLE3, k=4, is_eagle3=True, **options),
     }
-    plain = plain_app(target, **options)
+    plain = plain_app(PYCODER, **options)
     per_call = {name: [0, 0] for name in apps}
     for start in range(0, 20, 4):
         ids = torch.tensor(prompts[start : start + 4])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from shipped_models import PYCODER, PYCODER_DRAFT, PYCODER_EAGLE
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nxdplug import NeuronConfig, from_pretrained
@@ -20,9 +21,7 @@ from nxdplug.engine import Engine, RequestError, SamplingSettings
 from nxdplug.engine.speculative import SpeculativeConfig
 from nxdplug.errors import ConfigError
 
-SHIPPED = Path(__file__).resolve().parents[1] / "examples" / "models"
-TARGET, DRAFT = SHIPPED / "pycoder-tiny", SHIPPED / "pycoder-draft"
-EAGLE = SHIPPED / "pycoder-tiny-eagle"
+TARGET, DRAFT, EAGLE = PYCODER, PYCODER_DRAFT, PYCODER_EAGLE
 SETTINGS = {
     "torch_dtype": "float32",
     "is_continuous_batching": True,

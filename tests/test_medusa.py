@@ -12,7 +12,6 @@ of prompts.jsonl, 64 new tokens, 4 heads): see docs/speculative-decoding.md;
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from shipped_models import PYCODER, PYCODER_MEDUSA, file_start_prompts
 from transformers import GenerationConfig
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
@@ -36,16 +36,10 @@ from nxdplug.testing import (
     random_prompts,
 )
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
-PYCODER = SHARED / "pycoder-tiny"
-PYCODER_HEADS = SHARED / "pycoder-tiny-medusa" / "medusa_lm_head.safetensors"
-needs_models = pytest.mark.skipif(
-    not PYCODER_HEADS.is_file(), reason=f"the trained models are not in {SHARED}"
-)
-
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 WIDE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
 HEADS_FILE = "medusa_lm_head.safetensors"
+PYCODER_HEADS = PYCODER_MEDUSA / HEADS_FILE
 
 
 def medusa_options(tree: list[list[int]], heads: int = 4) -> dict:
@@ -112,8 +106,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pycoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not PYCODER_HEADS.is_file():
-        pytest.skip(f"the trained models are not in {SHARED}")
     folder = tmp_path_factory.mktemp("pycoder") / "with_heads"
     folder.mkdir()
     for file in [*PYCODER.iterdir(), PYCODER_HEADS]:
@@ -123,9 +115,7 @@ def pycoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def held_out_prompts(count: int) -> list[torch.Tensor]:
     """The first ``count`` ``file_start`` prompts of prompts.jsonl (64 tokens each)."""
-    records = [json.loads(line) for line in (SHARED / "prompts.jsonl").read_text().splitlines()]
-    starts = [r["input_ids"] for r in records if r["kind"] == "file_start"]
-    return [torch.tensor([ids]) for ids in starts[:count]]
+    return [torch.tensor([ids]) for ids in file_start_prompts(count)]
 
 
 # The tree
@@ -193,7 +183,6 @@ def test_random_model_output_is_the_targets(tiny: Path) -> None:
     assert 0 < stats.accepted < stats.row_calls * 3
 
 
-@needs_models
 def test_trained_heads_are_lossless_and_accepted(pycoder: Path) -> None:
     options = {"seq_len": 128, "max_context_length": 64}
     plain = load(pycoder, **options)
@@ -205,7 +194,7 @@ def test_trained_heads_are_lossless_and_accepted(pycoder: Path) -> None:
         assert torch.equal(
             generate(medusa, input_ids, mask, 32), generate(plain, input_ids, mask, 32)
         )
-        assert medusa.speculation_stats.mean_accepted > 0.3
+        assert medusa.speculation_stats.mean_accepted > 0.3  # measured: 0.33 and 1.91
     input_ids = torch.zeros(2, 64, dtype=torch.long)
     input_ids[0], input_ids[1, 24:] = prompts[1], prompts[2][0, :40]
     mask = torch.ones_like(input_ids)
@@ -398,10 +387,9 @@ def measure_acceptance(folder: Path, tree: list[list[int]], prompts: list, new_t
     return total.as_dict() | {f"{k}_seconds": round(v, 2) for k, v in seconds.items()}
 
 
-@needs_models
 def test_trained_heads_are_accepted(pycoder: Path) -> None:
     figures = measure_acceptance(pycoder, CHAIN, held_out_prompts(4), 32)
-    assert figures["mean_accepted_per_call"] > 0.35, figures
+    assert figures["mean_accepted_per_call"] > 0.35, figures  # measured: 0.45 (40 of 88 calls)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from shipped_models import PYCODER
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nxdplug import NeuronConfig, from_pretrained
 from nxdplug.testing import LOGIT_TOLERANCES, check_accuracy, check_against_hf
@@ -130,15 +131,8 @@ def test_qwen2_sliding_window_layers_follow_layer_types(tiny_checkpoint) -> None
 
 
 def test_pycoder_tiny_generates_hf_tokens_and_readable_code() -> None:
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    path = Path(__file__).resolve().parents[2] / "shared" / "models" / "pycoder-tiny"
-    if not path.is_dir():
-        pytest.skip("shared/models/pycoder-tiny is not beside this checkout")
-    app, hf = load_pair(path, torch.float32, seq_len=128, max_context_length=64)
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    app, hf = load_pair(PYCODER, torch.float32, seq_len=128, max_context_length=64)
+    tokenizer = AutoTokenizer.from_pretrained(PYCODER, padding_side="left")
     batch = tokenizer(["def __init__(self", "import os\n"], return_tensors="pt", padding=True)
     report = check_accuracy(
         app, hf, batch.input_ids, batch.attention_mask, max_new_tokens=NEW_TOKENS

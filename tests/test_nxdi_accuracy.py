@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from shipped_models import PYCODER
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -161,13 +162,9 @@ def test_the_reference_is_float32_for_a_bfloat16_checkpoint() -> None:
     """NxD Inference's reference is HF in float32 (transformers 4's default); transformers 5
     keeps a bf16 checkpoint in bf16, whose greedy tokens leave the float32 model's on the shipped
     (bf16) pycoder-tiny within the 124 checked."""
-    shipped = Path(__file__).resolve().parents[1] / "examples" / "models" / "pycoder-tiny"
-    app = application(shipped, batch_size=1, seq_len=128, max_context_length=64)
+    app = application(PYCODER, batch_size=1, seq_len=128, max_context_length=64)
 
-    check_accuracy(app, AutoTokenizer.from_pretrained(shipped), prompt="class Stack:")
-
-
-SHIPPED = Path(__file__).resolve().parents[1] / "examples" / "models" / "pycoder-tiny"
+    check_accuracy(app, AutoTokenizer.from_pretrained(PYCODER), prompt="class Stack:")
 
 
 def nxdi_cpu_test_inputs(vocab_size: int, seed: int) -> Namespace:
@@ -188,7 +185,7 @@ def nxdi_cpu_test_app(dtype: torch.dtype):
         torch_dtype=dtype,
         on_cpu=True,
     )
-    app = from_pretrained(SHIPPED, config)
+    app = from_pretrained(PYCODER, config)
     app.to_cpu()
     return app
 
@@ -223,7 +220,7 @@ def test_bfloat16_against_float32_scores_as_hf_bfloat16_does() -> None:
     against 0.018-0.035 per seed, so rtol 0.04 on the largest one fails 2 of the 8 seeds for
     nxdplug (0 for HF) on pycoder-tiny."""
     app = nxdi_cpu_test_app(torch.bfloat16)
-    hf = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.bfloat16).eval()
+    hf = AutoModelForCausalLM.from_pretrained(PYCODER, dtype=torch.bfloat16).eval()
     tol_map = {"50": (1e-5, 0.04), "all": (1e-5, 0.05)}
     config = GenerationConfig(do_sample=False, pad_token_id=0)
     ours: dict[str, list[float]] = {"50": [], "all": []}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -15,25 +14,25 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 import torch  # noqa: E402
+from shipped_models import PYCODER, PYCODER_DRAFT, PYCODER_EAGLE, PYCODER_EAGLE3  # noqa: E402
 from test_serving import get, running_server  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from nxdplug.cli.main import main  # noqa: E402
 
-SHIPPED = Path(__file__).resolve().parents[1] / "examples" / "models"
-TARGET, DRAFT = SHIPPED / "pycoder-tiny", SHIPPED / "pycoder-draft"
+TARGET, DRAFT = PYCODER, PYCODER_DRAFT
 PROMPT = "x = [1, 2, 3]\ny = ["
 CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
     "draft_model": {"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 3},
     "eagle": {
         "method": "eagle",
-        "model": str(SHIPPED / "pycoder-tiny-eagle"),
+        "model": str(PYCODER_EAGLE),
         "num_speculative_tokens": 3,
     },
     "eagle3": {
         "method": "eagle3",
-        "model": str(SHIPPED / "pycoder-tiny-eagle3"),
+        "model": str(PYCODER_EAGLE3),
         "num_speculative_tokens": 3,
     },
 }

@@ -9,11 +9,11 @@ speculation, which is lossless; Medusa and EAGLE accept as many tokens as in one
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from shipped_models import PYCODER, PYCODER_EAGLE, PYCODER_MEDUSA, file_start_prompts
 from test_eagle import eagle_app
 from test_medusa import HEADS_FILE as MEDUSA_HEADS
 from test_medusa import WIDE, load, medusa_options
@@ -35,8 +35,6 @@ pytestmark = pytest.mark.slow
 
 BASE = {"torch_dtype": "float32", "batch_size": 2, "seq_len": 48, "max_context_length": 16}
 SPECULATING = {"speculation_length": 3, "trace_tokengen_model": False}
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "models"
-PYCODER = SHARED / "pycoder-tiny"
 
 
 def app_of(checkpoint: str, tp_degree: int, **settings):
@@ -67,9 +65,8 @@ PYCODER_TOKENS = 32
 
 
 def pycoder_prompts() -> tuple[torch.Tensor, torch.Tensor]:
-    """The first two ``file_start`` prompts of the shared prompts (64 tokens each)."""
-    lines = (json.loads(line) for line in (SHARED / "prompts.jsonl").open())
-    ids = torch.tensor([p["input_ids"] for p in lines if p["kind"] == "file_start"][:2])
+    """The first two ``file_start`` held-out prompts (64 tokens each)."""
+    ids = torch.tensor(file_start_prompts(2))
     return ids, torch.ones_like(ids)
 
 
@@ -77,8 +74,7 @@ def trained_tokens_of(case: str, tp_degree: int, work: Path) -> tuple[torch.Tens
     """pycoder-tiny's greedy tokens with its Medusa heads or EAGLE draft, and the share of
     speculated tokens accepted."""
     if case == "eagle":
-        app = eagle_app(PYCODER, SHARED / "pycoder-tiny-eagle", k=4, tp_degree=tp_degree,
-                        **PYCODER_OPTIONS)  # fmt: skip
+        app = eagle_app(PYCODER, PYCODER_EAGLE, k=4, tp_degree=tp_degree, **PYCODER_OPTIONS)
     else:
         app = load(with_medusa_heads(work), tp_degree=tp_degree, **PYCODER_OPTIONS,
                    **medusa_options(WIDE))  # fmt: skip
@@ -98,15 +94,14 @@ def with_medusa_heads(work: Path) -> Path:
 def link_medusa_heads(work: Path) -> None:
     folder = with_medusa_heads(work)
     folder.mkdir()
-    for file in [*PYCODER.iterdir(), SHARED / "pycoder-tiny-medusa" / MEDUSA_HEADS]:
+    for file in [*PYCODER.iterdir(), PYCODER_MEDUSA / MEDUSA_HEADS]:
         (folder / file.name).symlink_to(file)
 
 
 def _rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> None:
     become_launched_rank(rank, world, port)
     results = {case: tokens_of(checkpoint, case, world) for case in CASES}
-    if PYCODER.is_dir():
-        results |= {case: trained_tokens_of(case, world, Path(out)) for case in TRAINED_CASES}
+    results |= {case: trained_tokens_of(case, world, Path(out)) for case in TRAINED_CASES}
     for case, (tokens, accepted) in results.items():
         torch.save(tokens, Path(out) / f"{case}-{rank}.pt")
         torch.save(accepted, Path(out) / f"{case}-accepted-{rank}.pt")
@@ -117,8 +112,7 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, out: str) -> None:
 def two_ranks(tiny_checkpoint, tmp_path_factory) -> tuple[Path, Path]:
     checkpoint = tiny_checkpoint("llama", seed=11)
     work = tmp_path_factory.mktemp("tp2-features")
-    if PYCODER.is_dir():
-        link_medusa_heads(work)
+    link_medusa_heads(work)
     spawn_two_ranks(_rank, str(checkpoint), str(work))
     return checkpoint, work
 
@@ -141,7 +135,6 @@ def test_speculation_is_lossless_on_every_rank(two_ranks, case: str) -> None:
         assert accepted[0] == accepted[1] > 0
 
 
-@pytest.mark.skipif(not PYCODER.is_dir(), reason=f"the trained models are not in {SHARED}")
 @pytest.mark.parametrize("case", TRAINED_CASES)
 def test_trained_speculation_is_lossless_and_accepts_as_one_process(two_ranks, case) -> None:
     _, work = two_ranks
