@@ -11,6 +11,7 @@ import pytest
 from nxdplug.cli.main import main
 from nxdplug.cli.plugins import hook_names, hook_reference_markdown
 from nxdplug.errors import PluginError
+from nxdplug.hookspecs import API_VERSION
 from nxdplug.manager import create_plugin_manager
 from nxdplug.registry import Registry
 from nxdplug.testing import fresh_plugin_manager
@@ -134,7 +135,8 @@ def test_doctor_passes_on_the_builtins(capsys) -> None:
 
 def test_every_builtin_declares_the_api_version() -> None:
     manager = create_plugin_manager()
-    assert {i.api_version for i in manager.plugin_infos() if i.distribution == "nxdplug"} == {1}
+    declared = {i.api_version for i in manager.plugin_infos() if i.distribution == "nxdplug"}
+    assert declared == {API_VERSION}
 
 
 def test_plugins_list_by_hook(capsys) -> None:
