@@ -6,10 +6,8 @@ light: torch and model code load only when a config or model is touched.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from nxdplug.hookspecs import hookimpl
+from nxdplug.lazy import lazy_attribute_getter
 
 __version__ = "0.1.0"
 
@@ -33,13 +31,7 @@ _LAZY_EXPORTS = {
 __all__ = ["__version__", "hookimpl", *_LAZY_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY_EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nxdplug' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attribute_getter(__name__, _LAZY_EXPORTS)
 
 
 def __dir__() -> list[str]:

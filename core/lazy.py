@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from nxdplug.errors import PluginError
@@ -31,3 +32,18 @@ def resolve_ref(ref: str) -> Any:
         except AttributeError as exc:
             raise PluginError(f"{module_name!r} has no attribute {attr_path!r} ({ref!r})") from exc
     return obj
+
+
+def lazy_attribute_getter(module_name: str, exports: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module's ``__getattr__`` that imports each name of ``exports`` (name -> module) on
+    first use and keeps it in the module, so that the module's own import stays light."""
+    namespace = vars(importlib.import_module(module_name))
+
+    def get(name: str) -> Any:
+        source = exports.get(name)
+        if source is None:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        namespace[name] = value = getattr(importlib.import_module(source), name)
+        return value
+
+    return get

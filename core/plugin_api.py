@@ -10,9 +10,10 @@ a plugin's hooks module that takes its records from here imports no torch.
 from __future__ import annotations
 
 import ast
-import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from nxdplug.lazy import lazy_attribute_getter
 
 if TYPE_CHECKING:
     from nxdplug.checkpoint.state_dict import load_state_dict, load_tensor_file
@@ -198,13 +199,7 @@ _EXPORTS = _exports()
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nxdplug.plugin_api' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attribute_getter(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:
