@@ -14,7 +14,7 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -100,10 +100,9 @@ class NxdPlugPluginManager(pluggy.PluginManager):
     ) -> None:
         super().__init__(PROJECT_NAME)
         self.spec_classes: list[type] = []
-        self.record_kinds: dict[str, RecordKind] = {}
+        self.record_kinds: dict[str, RecordKind] = {kind.name: kind for kind in RECORD_KINDS}
         for spec_class in SPEC_CLASSES:
             self.add_plugin_hookspecs(spec_class)
-        self._add_record_kinds(RECORD_KINDS)
         self.hook.nxdplug_add_hookspecs.call_historic(kwargs={"pluginmanager": self})
         self.strict = _strict_from_env() if strict is None else strict
         self.allow = _names_from_env(ALLOW_ENV) if allow is None else allow
@@ -114,18 +113,11 @@ class NxdPlugPluginManager(pluggy.PluginManager):
     def add_plugin_hookspecs(self, spec_class: type, *kinds: RecordKind) -> None:
         """Add the hooks declared on ``spec_class`` and the record kinds their registration
         hooks return (``nxdplug_add_hookspecs``); a kind's name may be taken once."""
-        self._check_new_kinds(kinds)
-        self.add_hookspecs(spec_class)
-        self.spec_classes.append(spec_class)
-        self._add_record_kinds(kinds)
-
-    def _check_new_kinds(self, kinds: Iterable[RecordKind]) -> None:
         for kind in kinds:
             if kind.name in self.record_kinds:
                 raise PluginError(f"the record kind {kind.name!r} is declared twice")
-
-    def _add_record_kinds(self, kinds: Iterable[RecordKind]) -> None:
-        self._check_new_kinds(kinds)
+        self.add_hookspecs(spec_class)
+        self.spec_classes.append(spec_class)
         self.record_kinds.update((kind.name, kind) for kind in kinds)
 
     def register(self, plugin: Any, name: str | None = None) -> str | None:

@@ -191,16 +191,14 @@ def _loaded_on_call(record: Any) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def build_parser(commands: Sequence[Command] | None = None) -> argparse.ArgumentParser:
-    """The parser of the core's commands and the plugins' (or of ``commands``)."""
-    if commands is None:
-        commands = COMMANDS + plugin_commands()
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the core's commands and the plugins'."""
     parser = _ArgumentParser(prog=PROG, description="The NxD Inference API on CPU and CUDA.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="show tracebacks of reported errors"
     )
-    _add_commands(parser, commands)
+    _add_commands(parser, COMMANDS + plugin_commands())
     return parser
 
 
