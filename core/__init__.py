@@ -20,7 +20,7 @@ _LAZY_EXPORTS = {
     "LoraServingConfig": "nxdplug.config",
     "ChunkedPrefillConfig": "nxdplug.config",
     "load_pretrained_config": "nxdplug.config",
-    "HuggingFaceGenerationAdapter": "nxdplug.runtime.generation",
+    "HuggingFaceGenerationAdapter": "nxdplug.generation.hf_adapter",
     "NeuronApplicationBase": "nxdplug.runtime.application",
     "NeuronBaseForCausalLM": "nxdplug.runtime.application",
     "NeuronBaseModel": "nxdplug.runtime.model_base",

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from transformers import GenerationConfig
 
     from nxdplug.engine.token_choice import GraphSampling
-    from nxdplug.runtime.generation import TokenSource
+    from nxdplug.generation.hf_adapter import TokenSource
 
 BACKEND_ENV = "NXDPLUG_BACKEND"
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from nxdplug.lazy import lazy_attribute_getter
 
 if TYPE_CHECKING:
+    from nxdplug.checkpoint.generation_config import model_generation_config
     from nxdplug.checkpoint.state_dict import load_state_dict, load_tensor_file
     from nxdplug.cli.extensions import (
         OptionsOnly,
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from nxdplug.config.hf import pretrained_config_attributes, with_rope_aliases
     from nxdplug.config.serialization import read_json_object
     from nxdplug.config.suggestions import did_you_mean
+    from nxdplug.config.token_tree import TokenTree, tree_attention
     from nxdplug.config.validation import core_config_problems
     from nxdplug.engine import (
         Engine,
@@ -83,6 +85,10 @@ if TYPE_CHECKING:
     from nxdplug.engine.requests import MAX_TOP_LOGPROBS, PromptLogprob, Request
     from nxdplug.engine.speculative import Proposer, SpeculationMetrics, SpeculativeConfig
     from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdPlugError
+    from nxdplug.generation.accuracy import check_accuracy, shift_right
+    from nxdplug.generation.hf_adapter import HF_DEFAULTS, HuggingFaceGenerationAdapter
+    from nxdplug.generation.logit_accuracy import check_accuracy_logits
+    from nxdplug.generation.logit_validation import LogitMatchingValidationError
     from nxdplug.hookspecs import hookimpl, hookspec
     from nxdplug.lazy import resolve_ref
     from nxdplug.manager import NxdPlugPluginManager
@@ -102,6 +108,7 @@ if TYPE_CHECKING:
         read_prefix,
         write_positions,
     )
+    from nxdplug.modules.meta_init import parameters_on_meta
     from nxdplug.modules.mlp import GatedMLP
     from nxdplug.modules.moe import ExpertMLPs, initialize_moe_module, without_router_outputs
     from nxdplug.modules.moe.checkpoint import stack_gated_experts
@@ -120,19 +127,12 @@ if TYPE_CHECKING:
     from nxdplug.modules.process_groups import group_rank, group_size
     from nxdplug.modules.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_parameters
     from nxdplug.modules.sequence_parallel import gather_sequence, scatter_sequence
+    from nxdplug.modules.step import StepInputs, current_phase, current_step
+    from nxdplug.modules.tensor_parallel import end_rank_process
     from nxdplug.pipeline import PipelineContext, config_problems, requested_backend, select_plugins
     from nxdplug.registry import get_registry
-    from nxdplug.runtime.accuracy import check_accuracy, shift_right
     from nxdplug.runtime.application import NeuronBaseForCausalLM, architecture_for, from_pretrained
     from nxdplug.runtime.cpp_ops import build_operator, build_operator_library, build_operators
-    from nxdplug.runtime.generation import (
-        HF_DEFAULTS,
-        HuggingFaceGenerationAdapter,
-        model_generation_config,
-    )
-    from nxdplug.runtime.logit_accuracy import check_accuracy_logits
-    from nxdplug.runtime.logit_validation import LogitMatchingValidationError
-    from nxdplug.runtime.meta_init import parameters_on_meta
     from nxdplug.runtime.model_base import NeuronBaseModel, last_token_states
     from nxdplug.runtime.model_wrapper import (
         FUSED_SPECULATION_MODEL_TAG,
@@ -157,9 +157,6 @@ if TYPE_CHECKING:
         greedy_acceptance,
         rejection_acceptance,
     )
-    from nxdplug.runtime.step import StepInputs, current_phase, current_step
-    from nxdplug.runtime.tensor_parallel import end_rank_process
-    from nxdplug.runtime.token_tree import TokenTree, tree_attention
     from nxdplug.types import (
         CliExtension,
         CompileBackend,

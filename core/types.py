@@ -241,7 +241,7 @@ class StepInput(SelectableRecord):
     """Per-row inputs a feature adds to the graphs of the core's phases.
 
     ``builder`` is a class built with the InferenceConfig that follows
-    :class:`nxdplug.runtime.step.StepInputBuilder`: each step it makes the tensors named in
+    :class:`nxdplug.modules.step.StepInputBuilder`: each step it makes the tensors named in
     ``inputs`` ([batch, ...], one row per sequence; the core pads rows and buckets) from the
     ``forward()`` / ``generate()`` keywords named in ``keywords``. The graphs find them in
     ``StepInputs.extra`` by name. ``phases`` lists the sub-model tags that take them (empty:
@@ -314,7 +314,7 @@ class Feature(SelectableRecord):
 
     A feature whose model chooses its tokens in its graph says where the host takes them from,
     through two more callbacks: ``token_source(context, generation_config, batch_size,
-    step_keywords, generate_kwargs)`` gives the :class:`nxdplug.runtime.generation.TokenSource`
+    step_keywords, generate_kwargs)`` gives the :class:`nxdplug.generation.hf_adapter.TokenSource`
     of a ``generate()`` call (``step_keywords``: the step-input keywords the caller gave;
     ``generate_kwargs``: its GenerationConfig keywords, as given); ``request_sampling(context)``
     the :class:`nxdplug.engine.token_choice.GraphSampling` through which the serving engine

@@ -16,7 +16,7 @@ from nxdplug.contrib_models.llama.modeling_llama import (
     LlamaInferenceConfig,
     NeuronLlamaForCausalLM,
 )
-from nxdplug.runtime.accuracy import get_generate_outputs
+from nxdplug.generation.accuracy import get_generate_outputs
 
 
 def main(model_path: str, draft_model_path: str, prompts: list[str]) -> None:

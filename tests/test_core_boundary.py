@@ -256,17 +256,9 @@ LAYERS = (
     ("compile",),
     ("runtime",),
     ("engine",),
+    ("generation",),
     ("cli", "testing", "plugin_api"),
 )
-# Imports against the order, still to be removed; a new one fails the test below.
-LAYER_EXCEPTIONS = {
-    ("compile/compiled_model.py", "nxdplug.runtime.step"),
-    ("compile/compiled_model.py", "nxdplug.runtime.tensor_parallel"),
-    ("compile/compiled_model.py", "nxdplug.runtime.meta_init"),
-    ("compile/graph_function.py", "nxdplug.runtime.step"),
-    ("config/validation.py", "nxdplug.runtime.token_tree"),
-    ("runtime/engine_generation.py", "nxdplug.engine"),
-}
 
 
 def runtime_imports(path: Path) -> list[str]:
@@ -300,5 +292,4 @@ def test_core_packages_import_in_layer_order() -> None:
             target = parts[1] if len(parts) > 1 else "__init__"
             if layer[target] > layer[own]:
                 against.add((relative.as_posix(), module))
-    assert against - LAYER_EXCEPTIONS == set(), "an import against the layer order"
-    assert LAYER_EXCEPTIONS - against == set(), "an exception no longer needed: drop it"
+    assert against == set(), "an import against the layer order"

@@ -33,9 +33,9 @@ from transformers import AutoModelForCausalLM
 from nxdplug.contrib_models.llama import NeuronLlamaForCausalLM
 from nxdplug.engine import Engine
 from nxdplug.errors import CheckpointError, ConfigError
+from nxdplug.modules.step import StepInputs
 from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
 from nxdplug.runtime.model_wrapper import FUSED_SPECULATION_MODEL_TAG
-from nxdplug.runtime.step import StepInputs
 from nxdplug.testing import random_prompts
 
 TREE = {0: [1, 2, 3], 1: [4, 5], 2: [6], 4: [7]}

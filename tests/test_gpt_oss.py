@@ -33,8 +33,8 @@ from nxdplug.contrib_models.gpt_oss.rope_yarn import (
     yarn_inv_freq,
 )
 from nxdplug.errors import CheckpointError, ConfigError
+from nxdplug.generation.hf_adapter import HuggingFaceGenerationAdapter
 from nxdplug.modules.rotary import rope_parameters
-from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
 from nxdplug.testing import (
     LOGIT_TOLERANCES,
     check_accuracy,

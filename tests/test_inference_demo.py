@@ -18,10 +18,10 @@ import torch
 
 from nxdplug.cli.main import UsageError, build_parser, main
 from nxdplug.config import MoENeuronConfig, OnDeviceSamplingConfig
+from nxdplug.generation.accuracy import shift_right
 from nxdplug.nxdi.demo.command import main as inference_demo_main
 from nxdplug.nxdi.demo.command import neuron_config_options
 from nxdplug.nxdi.demo.flags import add_run_flags, attribute_flags
-from nxdplug.runtime.accuracy import shift_right
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAD = ["inference_demo", "--model-type", "llama", "--task-type", "causal-lm", "run"]

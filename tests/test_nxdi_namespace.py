@@ -43,18 +43,18 @@ STATIC_EXPORTS = {
         "load_pretrained_config": "nxdplug:load_pretrained_config",
     },
     "nxdplug.nxdi.utils.accuracy": {
-        "TEST_PROMPT": "nxdplug.runtime.accuracy:TEST_PROMPT",
-        "get_generate_outputs": "nxdplug.runtime.accuracy:get_generate_outputs",
-        "check_accuracy": "nxdplug.runtime.accuracy:check_accuracy",
-        "generate_expected_logits": "nxdplug.runtime.logit_accuracy:generate_expected_logits",
-        "check_accuracy_logits": "nxdplug.runtime.logit_accuracy:check_accuracy_logits",
-        "check_accuracy_logits_v2": "nxdplug.runtime.logit_accuracy:check_accuracy_logits_v2",
-        "logit_validation": "nxdplug.runtime.logit_validation:logit_validation",
-        "prepare_inputs_from_prompt": "nxdplug.runtime.accuracy:prepare_inputs_from_prompt",
-        "shift_inputs_by_offset": "nxdplug.runtime.accuracy:shift_inputs_by_offset",
+        "TEST_PROMPT": "nxdplug.generation.accuracy:TEST_PROMPT",
+        "get_generate_outputs": "nxdplug.generation.accuracy:get_generate_outputs",
+        "check_accuracy": "nxdplug.generation.accuracy:check_accuracy",
+        "generate_expected_logits": "nxdplug.generation.logit_accuracy:generate_expected_logits",
+        "check_accuracy_logits": "nxdplug.generation.logit_accuracy:check_accuracy_logits",
+        "check_accuracy_logits_v2": "nxdplug.generation.logit_accuracy:check_accuracy_logits_v2",
+        "logit_validation": "nxdplug.generation.logit_validation:logit_validation",
+        "prepare_inputs_from_prompt": "nxdplug.generation.accuracy:prepare_inputs_from_prompt",
+        "shift_inputs_by_offset": "nxdplug.generation.accuracy:shift_inputs_by_offset",
         "HuggingFaceGenerationAdapter": "nxdplug:HuggingFaceGenerationAdapter",
         "LogitMatchingValidationError": (
-            "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
+            "nxdplug.generation.logit_validation:LogitMatchingValidationError"
         ),
     },
     "nxdplug.nxdi.utils.benchmark": {
@@ -65,7 +65,7 @@ STATIC_EXPORTS = {
     },
     "nxdplug.nxdi.utils.exceptions": {
         "LogitMatchingValidationError": (
-            "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
+            "nxdplug.generation.logit_validation:LogitMatchingValidationError"
         ),
     },
     "nxdplug.nxdi.modules.autobucketing": {
@@ -81,7 +81,7 @@ STATIC_EXPORTS = {
     "nxdplug.nxdi.modules.moe_v2": {
         "initialize_moe_module": "nxdplug.modules.moe:initialize_moe_module",
     },
-    "nxdplug.nxdi.modules.eagle.token_tree": {"TokenTree": "nxdplug.runtime.token_tree:TokenTree"},
+    "nxdplug.nxdi.modules.eagle.token_tree": {"TokenTree": "nxdplug.config.token_tree:TokenTree"},
     "nxdplug.nxdi.modules.lora_serving": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
     "nxdplug.nxdi.modules.lora_serving.config": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
     "nxdplug.nxdi.modules.generation.sampling": {
@@ -119,7 +119,7 @@ STATIC_EXPORTS = {
         "StringOrIntegers": "nxdplug.nxdi.demo.flags:StringOrIntegers",
     },
     "nxdplug.nxdi.utils.constants": {
-        "TEST_PROMPT": "nxdplug.runtime.accuracy:TEST_PROMPT",
+        "TEST_PROMPT": "nxdplug.generation.accuracy:TEST_PROMPT",
         "BENCHMARK_REPORT_PATH": "nxdplug.nxdi.demo.sampling_benchmark:BENCHMARK_REPORT_PATH",
         "END_TO_END_MODEL": "nxdplug.nxdi.demo.sampling_benchmark:END_TO_END_MODEL",
         **{
@@ -138,7 +138,7 @@ STATIC_EXPORTS = {
         "parse_args": "nxdplug.nxdi.demo.command:parse_args",
         "create_neuron_config": "nxdplug.nxdi.demo.command:create_neuron_config",
         "LogitMatchingValidationError": (
-            "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
+            "nxdplug.generation.logit_validation:LogitMatchingValidationError"
         ),
         "BENCHMARK_REPORT_PATH": "nxdplug.nxdi.demo.sampling_benchmark:BENCHMARK_REPORT_PATH",
         "load_pretrained_config": "nxdplug:load_pretrained_config",
@@ -262,8 +262,8 @@ def test_a_name_nxdplug_lacks_says_it_is_not_implemented(module_name: str, name:
 def test_patching_a_name_changes_what_nxdplug_calls(tiny_checkpoint) -> None:
     """mock.patch where NxD Inference's code would be patched reaches nxdplug's callers, and
     everything is as before after the ``with`` (nested patches included)."""
+    from nxdplug.generation import logit_accuracy
     from nxdplug.nxdi.utils import accuracy
-    from nxdplug.runtime import logit_accuracy
 
     original = accuracy.generate_expected_logits
     with mock.patch("nxdplug.nxdi.utils.accuracy.generate_expected_logits") as outer:

@@ -7,7 +7,7 @@ import torch
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.errors import NxdPlugError
-from nxdplug.runtime.step import current_phase
+from nxdplug.modules.step import current_phase
 
 SETTINGS = {"torch_dtype": "float32", "batch_size": 1, "seq_len": 32, "max_context_length": 8}
 

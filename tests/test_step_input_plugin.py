@@ -17,7 +17,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained, hookimpl
 from nxdplug.errors import ConfigError, NotSupportedError
-from nxdplug.runtime.step import StepInputs
+from nxdplug.modules.step import StepInputs
 from nxdplug.testing import temporary_plugin
 from nxdplug.types import Feature, StepInput
 

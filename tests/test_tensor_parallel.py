@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.compile.artefacts import ArtefactError, Manifest
 from nxdplug.errors import ConfigError
-from nxdplug.runtime.tensor_parallel import join_launched_ranks
+from nxdplug.modules.tensor_parallel import join_launched_ranks
 from nxdplug.testing import end_rank_process, hf_greedy
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nxdplug import NeuronConfig
+from nxdplug.config.token_tree import TokenTreeError
 from nxdplug.errors import ConfigError
 from nxdplug.nxdi.modules.eagle.token_tree import TokenTree
-from nxdplug.runtime.token_tree import TokenTreeError
 
 
 def perfect_tree(branches: int, depth: int) -> dict[str, list[str]]:

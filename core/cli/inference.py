@@ -256,7 +256,7 @@ def run_compile(args: argparse.Namespace) -> int:
 def run_run(args: argparse.Namespace) -> int:
     import torch
 
-    from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
+    from nxdplug.generation.hf_adapter import HuggingFaceGenerationAdapter
 
     options = {"batch_size": len(args.prompts)} | neuron_config_kwargs(args)
     config = inference_config(args.model_path, options)

@@ -236,11 +236,11 @@ def console_main() -> NoReturn:
 
 def exit_with(exit_code: int) -> NoReturn:
     """Exit the process: a rank of a launched process group through
-    :func:`~nxdplug.runtime.tensor_parallel.end_rank_process` (the interpreter's teardown of a
+    :func:`~nxdplug.modules.tensor_parallel.end_rank_process` (the interpreter's teardown of a
     used gloo group may abort the process), any other the usual way."""
     distributed = sys.modules.get("torch.distributed")  # imported by any command that used it
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        from nxdplug.runtime.tensor_parallel import end_rank_process
+        from nxdplug.modules.tensor_parallel import end_rank_process
 
         end_rank_process(exit_code)
     sys.exit(exit_code)

@@ -56,15 +56,15 @@ from nxdplug.errors import NotSupportedError
 from nxdplug.manager import get_plugin_manager
 from nxdplug.modules.kv_cache import kv_cache_managers
 from nxdplug.modules.parallel_linear import tp_rank, tp_world_size
-from nxdplug.pipeline import validate
-from nxdplug.registry import get_registry
-from nxdplug.runtime.step import StepInputs
-from nxdplug.runtime.tensor_parallel import (
+from nxdplug.modules.step import StepInputs
+from nxdplug.modules.tensor_parallel import (
     is_first_rank,
     shared_by_first_rank,
     this_ranks_shard,
     wait_for_all_ranks,
 )
+from nxdplug.pipeline import validate
+from nxdplug.registry import get_registry
 
 
 def weights_file(rank: int) -> str:
@@ -140,7 +140,7 @@ def _weight_dtype(app: Any) -> torch.dtype | None:
 
 
 def build_skeleton(app: Any) -> Skeleton:
-    from nxdplug.runtime.meta_init import parameters_on_meta
+    from nxdplug.modules.meta_init import parameters_on_meta
 
     with parameters_on_meta():
         model = app.context.build_model()

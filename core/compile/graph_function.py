@@ -13,7 +13,7 @@ from torch import nn
 from torch.func import functional_call
 
 from nxdplug.modules.kv_cache import KVCacheManager
-from nxdplug.runtime.step import Phase, StepInputs, in_phase
+from nxdplug.modules.step import Phase, StepInputs, in_phase
 
 
 def weight_names(model: nn.Module) -> list[str]:

@@ -309,7 +309,7 @@ def _fused_draft_settings(_: InferenceConfig, nc: NeuronConfig) -> Iterator[str]
         )
     if nc.token_tree_config is None:
         return
-    from nxdplug.runtime.token_tree import TokenTree, TokenTreeError
+    from nxdplug.config.token_tree import TokenTree, TokenTreeError
 
     try:
         tree = TokenTree(nc.token_tree_config)

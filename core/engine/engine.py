@@ -828,7 +828,7 @@ def prompt_scores(outputs: Any, row: int, request: Request) -> tuple[PromptLogpr
 
 def model_eos_token_ids(application: Any) -> list[int]:
     """The end-of-sequence tokens of the model's generation config (or config)."""
-    from nxdplug.runtime.generation import model_generation_config
+    from nxdplug.checkpoint.generation_config import model_generation_config
 
     eos = model_generation_config(application).eos_token_id
     if eos is None:

@@ -3,7 +3,7 @@
 A request may carry keywords of the enabled step-input plugins (``Engine.add_request(...,
 step_keywords={keyword: value})``), one value each. Every call of a step hands the
 plugin the list of its rows' values, None for a row without one, as ``generate()`` hands it one
-value per row. A plugin's builder (:class:`~nxdplug.runtime.step.StepInputBuilder`) may also
+value per row. A plugin's builder (:class:`~nxdplug.modules.step.StepInputBuilder`) may also
 answer the engine's questions, through methods it has only if it needs them:
 
 - ``row_problem(keyword, value) -> str | None``: why one request's value cannot be served (an

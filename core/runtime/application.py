@@ -32,6 +32,9 @@ from nxdplug.compile.compiled_model import (
 from nxdplug.config import CONFIG_FILE, InferenceConfig, NeuronConfig, load_pretrained_config
 from nxdplug.config.checkpoint_format import checkpoint_format_reader
 from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdPlugError
+from nxdplug.modules.meta_init import parameters_on_meta
+from nxdplug.modules.step import StepInputs
+from nxdplug.modules.tensor_parallel import join_launched_ranks, this_ranks_shard
 from nxdplug.pipeline import (
     DEFAULT_BACKEND,
     PipelineContext,
@@ -41,7 +44,6 @@ from nxdplug.pipeline import (
 )
 from nxdplug.registry import get_registry
 from nxdplug.runtime.loading_thread import LoadingThread
-from nxdplug.runtime.meta_init import parameters_on_meta
 from nxdplug.runtime.model_wrapper import (
     CONTEXT_ENCODING_MODEL_TAG,
     TOKEN_GENERATION_MODEL_TAG,
@@ -56,8 +58,6 @@ from nxdplug.runtime.outputs import (
 )
 from nxdplug.runtime.scheduled_step import ScheduledStep, positions_from_mask
 from nxdplug.runtime.speculation import AcceptanceStats
-from nxdplug.runtime.step import StepInputs
-from nxdplug.runtime.tensor_parallel import join_launched_ranks, this_ranks_shard
 from nxdplug.types import ModelArchitecture, QuantizationMethod
 
 _SAVE_IT_FIRST = (

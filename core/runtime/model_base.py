@@ -1,7 +1,7 @@
 """NeuronBaseModel: the decoder every causal LM plugin builds on.
 
 One model serves every phase. A sub-model (context encoding, token generation) is this module
-run with that phase's fixed input shapes, given one :class:`nxdplug.runtime.step.StepInputs`
+run with that phase's fixed input shapes, given one :class:`nxdplug.modules.step.StepInputs`
 per step; nothing inside branches on the data.
 """
 
@@ -28,8 +28,8 @@ from nxdplug.modules.sequence_parallel import (
     scatter_sequence,
     split_sequence,
 )
+from nxdplug.modules.step import StepInputs, current_phase, running
 from nxdplug.pipeline import current_context
-from nxdplug.runtime.step import StepInputs, current_phase, running
 
 
 def is_context_encoding(step: StepInputs) -> bool:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from nxdplug.errors import NxdPlugError
+from nxdplug.modules.step import Phase, StepInputs, in_phase
 from nxdplug.runtime.outputs import CausalLMOutputWithTokens
-from nxdplug.runtime.step import Phase, StepInputs, in_phase
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
@@ -85,7 +85,7 @@ class ModelWrapper(nn.Module):
 
     @property
     def phase(self) -> Phase:
-        """What :func:`~nxdplug.runtime.step.current_phase` says while this sub-model runs."""
+        """What :func:`~nxdplug.modules.step.current_phase` says while this sub-model runs."""
         return Phase(self.tag, self.is_context_encoding)
 
     @property

@@ -3,7 +3,7 @@
 The serving engine and ``generate()`` know what each row of a call is: its new tokens and how
 many positions its cache already holds before them. They say so in a :class:`ScheduledStep`,
 and the application's runner (``NeuronBaseForCausalLM.run``) turns that into one phase's
-:class:`~nxdplug.runtime.step.StepInputs`; nothing is inferred from padding or masks. A prompt
+:class:`~nxdplug.modules.step.StepInputs`; nothing is inferred from padding or masks. A prompt
 is a row with nothing cached; a decode step, one new token over the cached ones; a prompt's
 suffix after a cached prefix, or one chunk of a long prompt, several new tokens over them.
 """

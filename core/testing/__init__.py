@@ -23,7 +23,7 @@ import torch
 
 from nxdplug.errors import NxdPlugError
 from nxdplug.manager import NxdPlugPluginManager, create_plugin_manager, use_plugin_manager
-from nxdplug.runtime.tensor_parallel import end_rank_process
+from nxdplug.modules.tensor_parallel import end_rank_process
 from nxdplug.testing.precision import PrecisionReport, check_low_precision
 from nxdplug.testing.tiny_models import make_tiny_checkpoint
 
@@ -174,7 +174,7 @@ def check_accuracy(
 
     ``generate_kwargs`` go to the model's ``generate()`` in token matching (e.g. the
     ``assistant_model`` of a speculating model)."""
-    from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
+    from nxdplug.generation.hf_adapter import HuggingFaceGenerationAdapter
 
     if mode not in ACCURACY_MODES[:2]:
         raise ValueError(f"mode must be one of {ACCURACY_MODES[:2]}, got {mode!r}")

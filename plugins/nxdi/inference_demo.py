@@ -14,7 +14,7 @@ reexport(
         "create_neuron_config": "nxdplug.nxdi.demo.command:create_neuron_config",
         # What NxD Inference's inference_demo imports from its other modules.
         "LogitMatchingValidationError": (
-            "nxdplug.runtime.logit_validation:LogitMatchingValidationError"
+            "nxdplug.generation.logit_validation:LogitMatchingValidationError"
         ),
         "BENCHMARK_REPORT_PATH": "nxdplug.nxdi.demo.sampling_benchmark:BENCHMARK_REPORT_PATH",
         "load_pretrained_config": "nxdplug.config:load_pretrained_config",

@@ -9,21 +9,21 @@ from nxdplug.nxdi.reexport import reexport
 reexport(
     __name__,
     {
-        "TEST_PROMPT": "nxdplug.runtime.accuracy:TEST_PROMPT",
-        "get_generate_outputs": "nxdplug.runtime.accuracy:get_generate_outputs",
-        "check_accuracy": "nxdplug.runtime.accuracy:check_accuracy",
-        "generate_expected_logits": "nxdplug.runtime.logit_accuracy:generate_expected_logits",
-        "check_accuracy_logits": "nxdplug.runtime.logit_accuracy:check_accuracy_logits",
-        "check_accuracy_logits_v2": "nxdplug.runtime.logit_accuracy:check_accuracy_logits_v2",
+        "TEST_PROMPT": "nxdplug.generation.accuracy:TEST_PROMPT",
+        "get_generate_outputs": "nxdplug.generation.accuracy:get_generate_outputs",
+        "check_accuracy": "nxdplug.generation.accuracy:check_accuracy",
+        "generate_expected_logits": "nxdplug.generation.logit_accuracy:generate_expected_logits",
+        "check_accuracy_logits": "nxdplug.generation.logit_accuracy:check_accuracy_logits",
+        "check_accuracy_logits_v2": "nxdplug.generation.logit_accuracy:check_accuracy_logits_v2",
         # As imported where check_accuracy_logits calls it, so that patching it here reaches
         # that call (NxD Inference's utils.accuracy imports it from torch_neuronx).
-        "logit_validation": "nxdplug.runtime.logit_accuracy:logit_validation",
-        "prepare_inputs_from_prompt": "nxdplug.runtime.accuracy:prepare_inputs_from_prompt",
-        "shift_inputs_by_offset": "nxdplug.runtime.accuracy:shift_inputs_by_offset",
+        "logit_validation": "nxdplug.generation.logit_accuracy:logit_validation",
+        "prepare_inputs_from_prompt": "nxdplug.generation.accuracy:prepare_inputs_from_prompt",
+        "shift_inputs_by_offset": "nxdplug.generation.accuracy:shift_inputs_by_offset",
         # What NxD Inference's utils.accuracy imports from its other modules.
-        "HuggingFaceGenerationAdapter": "nxdplug.runtime.accuracy:HuggingFaceGenerationAdapter",
+        "HuggingFaceGenerationAdapter": "nxdplug.generation.accuracy:HuggingFaceGenerationAdapter",
         "LogitMatchingValidationError": (
-            "nxdplug.runtime.logit_accuracy:LogitMatchingValidationError"
+            "nxdplug.generation.logit_accuracy:LogitMatchingValidationError"
         ),
     },
 )

@@ -12,7 +12,7 @@ _WRAPPER = "nxdplug.runtime.model_wrapper"
 reexport(
     __name__,
     {
-        "TEST_PROMPT": "nxdplug.runtime.accuracy:TEST_PROMPT",
+        "TEST_PROMPT": "nxdplug.generation.accuracy:TEST_PROMPT",
         "BENCHMARK_REPORT_PATH": f"{_BENCHMARK}:BENCHMARK_REPORT_PATH",
         "END_TO_END_MODEL": f"{_BENCHMARK}:END_TO_END_MODEL",
         "CONTEXT_ENCODING_MODEL": f"{_WRAPPER}:CONTEXT_ENCODING_MODEL_TAG",

@@ -7,7 +7,7 @@ from nxdplug.nxdi.reexport import reexport
 reexport(
     __name__,
     {
-        "HuggingFaceGenerationAdapter": "nxdplug.runtime.generation:HuggingFaceGenerationAdapter",
+        "HuggingFaceGenerationAdapter": "nxdplug:HuggingFaceGenerationAdapter",
         "load_pretrained_config": "nxdplug.config:load_pretrained_config",
     },
 )

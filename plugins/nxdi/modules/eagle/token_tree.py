@@ -4,4 +4,4 @@ from __future__ import annotations
 
 from nxdplug.nxdi.reexport import reexport
 
-reexport(__name__, {"TokenTree": "nxdplug.runtime.token_tree:TokenTree"})
+reexport(__name__, {"TokenTree": "nxdplug.config.token_tree:TokenTree"})

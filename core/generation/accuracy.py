@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from nxdplug.errors import NotSupportedError
-from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
+from nxdplug.generation.hf_adapter import HuggingFaceGenerationAdapter
 
 # NxD Inference's default prompt for its accuracy checks.
 TEST_PROMPT = "Hello, I am a language model, and I am here to help,"

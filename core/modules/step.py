@@ -108,6 +108,7 @@ pytree.register_pytree_node(
     StepInputs,
     _flatten,
     _unflatten,
+    # The name compiled folders store (from when this module was nxdplug.runtime.step).
     serialized_type_name="nxdplug.runtime.step.StepInputs",
     flatten_with_keys_fn=_flatten_with_keys,
 )

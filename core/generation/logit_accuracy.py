@@ -4,8 +4,8 @@
 checkpoint (the application's ``load_hf_model``); ``check_accuracy_logits`` (and its keyword
 form ``check_accuracy_logits_v2``) greedily generates with the application through
 :class:`HuggingFaceGenerationAdapter` and compares the two with
-:func:`~nxdplug.runtime.logit_validation.logit_validation`, teacher forcing included, raising
-:class:`~nxdplug.runtime.logit_validation.LogitMatchingValidationError` on a mismatch.
+:func:`~nxdplug.generation.logit_validation.logit_validation`, teacher forcing included, raising
+:class:`~nxdplug.generation.logit_validation.LogitMatchingValidationError` on a mismatch.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 from transformers import GenerationConfig
 
 from nxdplug.errors import ConfigError, NotSupportedError, NxdPlugError
-from nxdplug.runtime.accuracy import TEST_PROMPT, reference_model
-from nxdplug.runtime.generation import HuggingFaceGenerationAdapter
-from nxdplug.runtime.logit_validation import LogitMatchingValidationError, logit_validation
+from nxdplug.generation.accuracy import TEST_PROMPT, reference_model
+from nxdplug.generation.hf_adapter import HuggingFaceGenerationAdapter
+from nxdplug.generation.logit_validation import LogitMatchingValidationError, logit_validation
 
 TolMap = Mapping[str | int, tuple[float, float]]
 

@@ -16,22 +16,22 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from transformers import GenerationConfig, PrefixConstrainedLogitsProcessor
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from nxdplug.checkpoint.generation_config import model_generation_config
 from nxdplug.errors import NotSupportedError, NxdPlugError
-from nxdplug.registry import get_registry
-from nxdplug.runtime.application import refuse_untaken_keywords
-from nxdplug.runtime.engine_generation import generate_on_engine, refuse_what_the_engine_ignores
-from nxdplug.runtime.generate_processors import (
+from nxdplug.generation.on_engine import generate_on_engine, refuse_what_the_engine_ignores
+from nxdplug.generation.processors import (
     GenerationParts,
     expand_for_return_sequences,
     generation_parts,
 )
+from nxdplug.registry import get_registry
+from nxdplug.runtime.application import refuse_untaken_keywords
 from nxdplug.runtime.sampling import SamplingParams
 from nxdplug.runtime.scheduled_step import ScheduledStep
 from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice, VerifiedProcessors
@@ -192,18 +192,6 @@ class GenerationProgress:
         )
 
 
-def model_generation_config(model: Any) -> GenerationConfig:
-    """The checkpoint's ``generation_config.json``, else one with the config's special tokens."""
-    folder = Path(model.model_path)
-    if (folder / "generation_config.json").is_file():
-        return GenerationConfig.from_pretrained(str(folder))
-    tokens = {
-        name: getattr(model.config, name, None)
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id")
-    }
-    return GenerationConfig(**{k: v for k, v in tokens.items() if v is not None})
-
-
 def _application_of(assistant_model: Any) -> Any:
     """The draft application of ``assistant_model``: NxD Inference's scripts pass the draft
     wrapped in its own HuggingFaceGenerationAdapter, others pass the application itself."""
@@ -312,7 +300,7 @@ class HuggingFaceGenerationAdapter:
         step-input plugins go to the model; with on-device sampling (its plugin's token source)
         the model samples, by default with the GenerationConfig's settings as one row per request
         when ``dynamic=True``. A continuous-batching model given more rows than its cache holds
-        runs them through the serving engine (:mod:`nxdplug.runtime.engine_generation`).
+        runs them through the serving engine (:mod:`nxdplug.generation.on_engine`).
         """
         assistant_model = _application_of(kwargs.pop("assistant_model", None))
         step_keywords = self._step_keywords(sampling_params, kwargs)

@@ -30,7 +30,7 @@ from transformers.generation.logits_process import (
 
 from nxdplug.engine import Engine, SamplingSettings
 from nxdplug.errors import NotSupportedError
-from nxdplug.runtime.generate_processors import GenerationParts
+from nxdplug.generation.processors import GenerationParts
 
 SEED_RANGE = 2**62
 
