@@ -17,7 +17,7 @@ import copy
 import functools
 import warnings
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import GenerationConfig, PrefixConstrainedLogitsProcessor
@@ -36,6 +36,9 @@ from nxdplug.runtime.sampling import SamplingParams
 from nxdplug.runtime.scheduled_step import ScheduledStep
 from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice, VerifiedProcessors
 from nxdplug.runtime.step_ahead import HostOverlap
+
+if TYPE_CHECKING:
+    from nxdplug.runtime.application import NeuronApplicationBase, NeuronBaseForCausalLM
 
 # transformers' own fallbacks for settings neither the model nor the caller gives (its
 # _get_default_generation_params in transformers 5; the lengths are decided with the prompt).
@@ -192,7 +195,7 @@ class GenerationProgress:
         )
 
 
-def model_generation_config(model: Any) -> GenerationConfig:
+def model_generation_config(model: NeuronApplicationBase) -> GenerationConfig:
     """The checkpoint's ``generation_config.json``, else one with the config's special tokens."""
     folder = Path(model.model_path)
     if (folder / "generation_config.json").is_file():
@@ -215,7 +218,7 @@ def _application_of(assistant_model: Any) -> Any:
 class HuggingFaceGenerationAdapter:
     """Wraps a NeuronBaseForCausalLM so that ``generate()`` works as with HF transformers."""
 
-    def __init__(self, model: Any, input_capture_hook: Any = None) -> None:
+    def __init__(self, model: NeuronBaseForCausalLM, input_capture_hook: Any = None) -> None:
         self.neuron_model = model
         self.config = model.config
         self.input_capture_hook = input_capture_hook
