@@ -120,7 +120,13 @@ if TYPE_CHECKING:
     from nxdplug.modules.process_groups import group_rank, group_size
     from nxdplug.modules.rotary import SUPPORTED_ROPE_TYPES, RotaryEmbedding, rope_parameters
     from nxdplug.modules.sequence_parallel import gather_sequence, scatter_sequence
-    from nxdplug.pipeline import PipelineContext, config_problems, requested_backend, select_plugins
+    from nxdplug.pipeline import (
+        PipelineContext,
+        PluginSelection,
+        config_problems,
+        requested_backend,
+        select_plugins,
+    )
     from nxdplug.registry import get_registry
     from nxdplug.runtime.accuracy import check_accuracy, shift_right
     from nxdplug.runtime.application import NeuronBaseForCausalLM, architecture_for, from_pretrained

@@ -37,7 +37,7 @@ def get_generate_outputs(
     prompts: list[str],
     tokenizer: Any,
     is_hf: bool = False,
-    draft_model: Any = None,
+    draft_model: PreTrainedModel | NeuronBaseForCausalLM | None = None,
     generation_config: GenerationConfig | None = None,
     **generate_kwargs: Any,
 ) -> tuple[torch.Tensor, list[str]]:
@@ -71,7 +71,7 @@ def check_accuracy(
     expected_token_ids: Any = None,
     num_tokens_to_check: int | None = None,
     do_sample: bool = False,
-    draft_model: Any = None,
+    draft_model: NeuronBaseForCausalLM | None = None,
     prompt: str | None = None,
     image: Any = None,
     input_start_offsets: Any = None,

@@ -207,7 +207,9 @@ def model_generation_config(model: NeuronApplicationBase) -> GenerationConfig:
     return GenerationConfig(**{k: v for k, v in tokens.items() if v is not None})
 
 
-def _application_of(assistant_model: Any) -> Any:
+def _application_of(
+    assistant_model: NeuronBaseForCausalLM | HuggingFaceGenerationAdapter,
+) -> NeuronBaseForCausalLM:
     """The draft application of ``assistant_model``: NxD Inference's scripts pass the draft
     wrapped in its own HuggingFaceGenerationAdapter, others pass the application itself."""
     if isinstance(assistant_model, HuggingFaceGenerationAdapter):

@@ -70,7 +70,7 @@ def check_accuracy_logits(
     tol_map: TolMap | None = None,
     num_tokens_to_check: int | None = None,
     execution_mode: str = "config",
-    draft_model: Any = None,
+    draft_model: NeuronBaseForCausalLM | None = None,
     image: Any = None,
     num_image_per_prompt: int = 1,
     inputs: Any = None,
