@@ -129,7 +129,13 @@ if TYPE_CHECKING:
     from nxdplug.modules.sequence_parallel import gather_sequence, scatter_sequence
     from nxdplug.modules.step import StepInputs, current_phase, current_step
     from nxdplug.modules.tensor_parallel import end_rank_process
-    from nxdplug.pipeline import PipelineContext, config_problems, requested_backend, select_plugins
+    from nxdplug.pipeline import (
+        PipelineContext,
+        PluginSelection,
+        config_problems,
+        requested_backend,
+        select_plugins,
+    )
     from nxdplug.registry import get_registry
     from nxdplug.runtime.application import NeuronBaseForCausalLM, architecture_for, from_pretrained
     from nxdplug.runtime.cpp_ops import build_operator, build_operator_library, build_operators

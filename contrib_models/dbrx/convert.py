@@ -7,12 +7,15 @@ and ``blocks.L.ffn.{router.layer, experts.mlp.w1, experts.mlp.v1, experts.mlp.w2
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from nxdplug.contrib_models.llama.convert import convert_hf_llama_state_dict
 from nxdplug.plugin_api import head_dim_of
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 # HF name -> nxdplug name, for whole keys outside the blocks.
 MODEL_RENAMES = {
@@ -33,7 +36,7 @@ EXPERTS = "ffn.experts.mlp"
 
 
 def convert_hf_dbrx_state_dict(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """Rename DBRX's keys to the decoder's; split each ``Wqkv`` into ``q_proj``, ``k_proj`` and
     ``v_proj`` (so GQA replication and ``fused_qkv`` treat it as any other checkpoint), and turn
@@ -55,7 +58,7 @@ def convert_hf_dbrx_state_dict(
 
 
 def split_fused_qkv(
-    state_dict: dict[str, torch.Tensor], key: str, target: str, config: Any
+    state_dict: dict[str, torch.Tensor], key: str, target: str, config: InferenceConfig
 ) -> None:
     """``key`` [q rows, then k rows, then v rows; hidden] -> ``{target}.{q,k,v}_proj.weight``."""
     head_dim = head_dim_of(config)
@@ -67,7 +70,7 @@ def split_fused_qkv(
 
 
 def stack_flat_experts(
-    state_dict: dict[str, torch.Tensor], source: str, target: str, config: Any
+    state_dict: dict[str, torch.Tensor], source: str, target: str, config: InferenceConfig
 ) -> None:
     """``{source}.{w1,v1,w2}`` -> ``{target}.gate_up_proj`` and ``{target}.down_proj``."""
     shape = (config.num_local_experts, config.intermediate_size, config.hidden_size)

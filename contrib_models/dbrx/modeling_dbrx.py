@@ -4,7 +4,7 @@ layer, between bias-free LayerNorms."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -31,6 +31,9 @@ from nxdplug.plugin_api import (
     tp_world_size,
     without_router_outputs,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 # DBRX's LayerNorms have no bias and torch's default eps; its config names neither.
 LAYER_NORM_EPS = 1e-5
@@ -170,7 +173,7 @@ class NeuronDbrxAttention(NeuronAttentionBase):
     """The attention building block with each of Q, K and V clamped to [-clip_qkv, clip_qkv]
     right after the projection, as DBRX's fused ``Wqkv`` output is."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: InferenceConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.clip_qkv = getattr(config, "clip_qkv", None)
 
@@ -189,7 +192,7 @@ def layer_norm(dim: int) -> nn.LayerNorm:
 class NeuronDbrxBlock(nn.Module):
     """x + attention(norm(x)), then h + ffn(norm(h))."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: InferenceConfig, layer_idx: int) -> None:
         super().__init__()
         _, act_over_top_k = top_k_weighting(
             config.moe_normalize_expert_weights, config.num_experts_per_tok
@@ -212,7 +215,7 @@ class NeuronDbrxBlock(nn.Module):
 
 
 class NeuronDbrxModel(NeuronBaseModel):
-    def init_model(self, config: Any) -> None:
+    def init_model(self, config: InferenceConfig) -> None:
         tp = {"tp_degree": tp_world_size(), "rank": tp_rank()}
         self.embed_tokens = ParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
         self.layers = nn.ModuleList(

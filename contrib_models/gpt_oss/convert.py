@@ -9,12 +9,15 @@ rows, then all up rows) and [experts, hidden, inner].
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from nxdplug.contrib_models.llama.convert import convert_hf_llama_state_dict
 from nxdplug.plugin_api import CheckpointError
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 
 def deinterleave(gate_up: torch.Tensor) -> torch.Tensor:
@@ -44,7 +47,7 @@ MXFP4_SUFFIXES = ("_blocks", "_scales")
 
 
 def convert_hf_gpt_oss_state_dict(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """Rename and re-lay the MLP tensors of every layer (:data:`MLP_TENSORS`); attention,
     sinks and norms keep their names. MXFP4-packed experts arrive dequantized (the quantization

@@ -6,7 +6,7 @@ softmax is taken over the top-k logits, in front of experts with biases and a cl
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -35,6 +35,9 @@ from nxdplug.plugin_api import (
     tp_rank,
     tp_world_size,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 # transformers < 5 had no swiglu_alpha in the config: the value was fixed.
 DEFAULT_SWIGLU_ALPHA = 1.702
@@ -140,7 +143,7 @@ class NeuronGptOssAttention(NeuronAttentionBase):
     """The attention building block with biases on q/k/v/o and a learned sink per query head
     (``sinks``, split over tensor-parallel ranks with the heads)."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: InferenceConfig, layer_idx: int) -> None:
         bias = bool(getattr(config, "attention_bias", True))
         super().__init__(
             config,
@@ -162,7 +165,7 @@ class NeuronGptOssAttention(NeuronAttentionBase):
         return attention_with_sinks(q.to(dtype), k.to(dtype), v.to(dtype), mask, self.sinks)
 
 
-def experts_config(config: Any) -> Any:
+def experts_config(config: InferenceConfig) -> InferenceConfig:
     """``config`` as initialize_moe_module reads it: the experts' activation is the sigmoid
     inside the clamped SwiGLU (the checkpoint's ``hidden_act`` names none of it)."""
     view = copy.copy(config)
@@ -173,7 +176,7 @@ def experts_config(config: Any) -> Any:
 class NeuronGptOssDecoderLayer(NeuronLlamaDecoderLayer):
     """Llama's layer with sink attention and a mixture-of-experts block for its MLP."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: InferenceConfig, layer_idx: int) -> None:
         attention = NeuronGptOssAttention(config, layer_idx)
         experts = initialize_moe_module(
             experts_config(config),
@@ -185,7 +188,7 @@ class NeuronGptOssDecoderLayer(NeuronLlamaDecoderLayer):
 
 
 class NeuronGptOssModel(NeuronBaseModel):
-    def init_model(self, config: Any) -> None:
+    def init_model(self, config: InferenceConfig) -> None:
         tp = {"tp_degree": tp_world_size(), "rank": tp_rank()}
         self.embed_tokens = ParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
         self.layers = nn.ModuleList(

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 # Keys HF checkpoints may carry that the model computes itself.
 DROPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def convert_hf_llama_state_dict(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """Drop computed buffers and fill ``lm_head.weight`` from the embeddings when tied."""
     converted = {k: v for k, v in state_dict.items() if not k.endswith(DROPPED_SUFFIXES)}

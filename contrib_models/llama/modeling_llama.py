@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from nxdplug.plugin_api import (
     tp_world_size,
     without_router_outputs,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 
 class LlamaNeuronConfig(NeuronConfig):
@@ -88,7 +91,7 @@ class NeuronLlamaDecoderLayer(nn.Module):
 
     def __init__(
         self,
-        config: Any,
+        config: InferenceConfig,
         layer_idx: int,
         *,
         qkv_bias: bool = False,
@@ -140,7 +143,7 @@ class NeuronLlamaModel(NeuronBaseModel):
     rope, mask, cache)`` for each layer, then ``norm(x)``, whose last token (a prompt) or
     every token (decoding) ``lm_head`` scores."""
 
-    def init_model(self, config: Any) -> None:
+    def init_model(self, config: InferenceConfig) -> None:
         tp = {"tp_degree": tp_world_size(), "rank": tp_rank()}
         self.embed_tokens = ParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
         self.layers = nn.ModuleList(
@@ -152,7 +155,7 @@ class NeuronLlamaModel(NeuronBaseModel):
         )
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
 
-    def make_decoder_layer(self, config: Any, index: int) -> nn.Module:
+    def make_decoder_layer(self, config: InferenceConfig, index: int) -> nn.Module:
         """One decoder layer; model families that differ only here override this."""
         return NeuronLlamaDecoderLayer(config, index)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -14,13 +14,16 @@ from nxdplug.contrib_models.llama.modeling_llama import (
 )
 from nxdplug.plugin_api import InferenceConfig
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
+
 
 class MistralInferenceConfig(LlamaInferenceConfig):
     """Llama's required attributes; ``sliding_window`` is optional (None: full attention)."""
 
 
 class NeuronMistralModel(NeuronLlamaModel):
-    def make_decoder_layer(self, config: Any, index: int) -> nn.Module:
+    def make_decoder_layer(self, config: InferenceConfig, index: int) -> nn.Module:
         window = getattr(config, "sliding_window", None)
         return NeuronLlamaDecoderLayer(config, index, sliding_window=window)
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from nxdplug.contrib_models.llama.convert import convert_hf_llama_state_dict
 from nxdplug.plugin_api import stack_gated_experts
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
+
 
 def convert_hf_mixtral_state_dict(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """``layers.L.block_sparse_moe.gate`` becomes ``layers.L.mlp.router.linear_router``, and
     the per-expert ``w1`` (gate), ``w3`` (up) and ``w2`` (down) become the stacked weights of

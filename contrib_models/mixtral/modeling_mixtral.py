@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 from torch import nn
@@ -20,6 +20,9 @@ from nxdplug.plugin_api import (
     initialize_moe_module,
     moe_neuron_config_problems,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
@@ -60,7 +63,7 @@ class MixtralInferenceConfig(InferenceConfig):
 class NeuronMixtralDecoderLayer(NeuronLlamaDecoderLayer):
     """Llama's layer with a mixture-of-experts block for its MLP."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: InferenceConfig, layer_idx: int) -> None:
         window = getattr(config, "sliding_window", None)
         super().__init__(
             config, layer_idx, sliding_window=window, mlp=initialize_moe_module(config)
@@ -68,7 +71,7 @@ class NeuronMixtralDecoderLayer(NeuronLlamaDecoderLayer):
 
 
 class NeuronMixtralModel(NeuronLlamaModel):
-    def make_decoder_layer(self, config: Any, index: int) -> nn.Module:
+    def make_decoder_layer(self, config: InferenceConfig, index: int) -> nn.Module:
         return NeuronMixtralDecoderLayer(config, index)
 
 

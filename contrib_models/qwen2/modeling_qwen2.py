@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -14,12 +14,15 @@ from nxdplug.contrib_models.llama.modeling_llama import (
 )
 from nxdplug.plugin_api import InferenceConfig
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
+
 
 class Qwen2InferenceConfig(LlamaInferenceConfig):
     """Llama's required attributes; sliding windows follow ``layer_types`` when present."""
 
 
-def layer_window(config: Any, index: int) -> int | None:
+def layer_window(config: InferenceConfig, index: int) -> int | None:
     """The attention window of layer ``index``: HF marks sliding layers in ``layer_types``."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
@@ -30,7 +33,7 @@ def layer_window(config: Any, index: int) -> int | None:
 
 
 class NeuronQwen2Model(NeuronLlamaModel):
-    def make_decoder_layer(self, config: Any, index: int) -> nn.Module:
+    def make_decoder_layer(self, config: InferenceConfig, index: int) -> nn.Module:
         return NeuronLlamaDecoderLayer(
             config, index, qkv_bias=True, sliding_window=layer_window(config, index)
         )

@@ -4,7 +4,7 @@ attention projection and optional sliding-window layers."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -17,6 +17,9 @@ from nxdplug.contrib_models.llama.modeling_llama import (
 from nxdplug.contrib_models.qwen2.modeling_qwen2 import layer_window
 from nxdplug.plugin_api import InferenceConfig
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
+
 
 class Qwen3InferenceConfig(LlamaInferenceConfig):
     """Llama's required attributes and ``head_dim``, which Qwen3 never derives from the width."""
@@ -28,7 +31,7 @@ class Qwen3InferenceConfig(LlamaInferenceConfig):
 class NeuronQwen3DecoderLayer(NeuronLlamaDecoderLayer):
     """Llama's layer with per-head Q/K norms, attention biases and per-layer windows."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: InferenceConfig, layer_idx: int) -> None:
         bias = bool(getattr(config, "attention_bias", False))
         super().__init__(
             config,
@@ -41,7 +44,7 @@ class NeuronQwen3DecoderLayer(NeuronLlamaDecoderLayer):
 
 
 class NeuronQwen3Model(NeuronLlamaModel):
-    def make_decoder_layer(self, config: Any, index: int) -> nn.Module:
+    def make_decoder_layer(self, config: InferenceConfig, index: int) -> nn.Module:
         return NeuronQwen3DecoderLayer(config, index)
 
 

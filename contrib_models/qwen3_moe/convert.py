@@ -3,16 +3,19 @@ stacked."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from nxdplug.contrib_models.llama.convert import convert_hf_llama_state_dict
 from nxdplug.plugin_api import stack_gated_experts
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
+
 
 def convert_hf_qwen3_moe_state_dict(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """In each sparse layer ``mlp.gate`` becomes ``mlp.router.linear_router`` and the
     per-expert ``gate_proj``, ``up_proj`` and ``down_proj`` become the stacked weights of

@@ -6,7 +6,7 @@ keep a gated MLP of width ``intermediate_size``."""
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 from torch import nn
@@ -25,6 +25,9 @@ from nxdplug.plugin_api import (
     initialize_moe_module,
     moe_neuron_config_problems,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 
 @attrs.define(slots=False, init=False, eq=False, repr=False, kw_only=True)
@@ -88,7 +91,7 @@ class Qwen3MoeInferenceConfig(InferenceConfig):
         return Qwen3MoeNeuronConfig
 
 
-def is_sparse_layer(config: Any, index: int) -> bool:
+def is_sparse_layer(config: InferenceConfig, index: int) -> bool:
     """Whether layer ``index`` routes over experts (HF's rule): not in ``mlp_only_layers``, and
     every ``decoder_sparse_step``-th layer."""
     step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -99,7 +102,7 @@ def is_sparse_layer(config: Any, index: int) -> bool:
     )
 
 
-def experts_config(config: Any) -> Any:
+def experts_config(config: InferenceConfig) -> InferenceConfig:
     """``config`` as initialize_moe_module reads it: the experts' width ``intermediate_size``
     is ``moe_intermediate_size`` (the dense layers keep the real ``intermediate_size``)."""
     view = copy.copy(config)
@@ -111,7 +114,7 @@ class NeuronQwen3MoeDecoderLayer(NeuronLlamaDecoderLayer):
     """Qwen3's attention (per-head Q/K norms); the MLP is routed experts in sparse layers and
     Llama's gated MLP in dense ones."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: InferenceConfig, layer_idx: int) -> None:
         bias = bool(getattr(config, "attention_bias", False))
         window = config.sliding_window if getattr(config, "use_sliding_window", False) else None
         sparse = is_sparse_layer(config, layer_idx)
@@ -127,7 +130,7 @@ class NeuronQwen3MoeDecoderLayer(NeuronLlamaDecoderLayer):
 
 
 class NeuronQwen3MoeModel(NeuronLlamaModel):
-    def make_decoder_layer(self, config: Any, index: int) -> nn.Module:
+    def make_decoder_layer(self, config: InferenceConfig, index: int) -> nn.Module:
         return NeuronQwen3MoeDecoderLayer(config, index)
 
 

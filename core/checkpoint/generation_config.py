@@ -4,15 +4,16 @@ engine start from (end-of-sequence tokens, HF's sampling defaults)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from transformers import GenerationConfig
 
+if TYPE_CHECKING:
+    from nxdplug.runtime.application import NeuronApplicationBase
 
-def model_generation_config(model: Any) -> GenerationConfig:
-    """The checkpoint's ``generation_config.json``, else one with the config's special tokens.
 
-    ``model`` is an application: its ``model_path`` and ``config``."""
+def model_generation_config(model: NeuronApplicationBase) -> GenerationConfig:
+    """The checkpoint's ``generation_config.json``, else one with the config's special tokens."""
     folder = Path(model.model_path)
     if (folder / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(str(folder))

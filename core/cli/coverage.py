@@ -24,11 +24,14 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 
 from nxdplug.registry import Registry, get_registry
+
+if TYPE_CHECKING:
+    from nxdplug.config import NeuronConfig
 
 # The section titles of the reference whose attributes are covered, and the nxdplug.config
 # class of each.
@@ -294,7 +297,7 @@ def markdown_table(statuses: dict[DocumentedAttribute, str]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def explain(neuron_config: Any, registry: Registry | None = None) -> dict[str, str]:
+def explain(neuron_config: NeuronConfig, registry: Registry | None = None) -> dict[str, str]:
     """For each NeuronConfig attribute set to other than its default: who handles it."""
     handlers = _handlers(registry or get_registry())
     defaults = type(neuron_config)()

@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nxdplug.registry import get_registry
 from nxdplug.types import CliExtension
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torch import nn
+    from transformers import PreTrainedModel
+
+    from nxdplug.config import InferenceConfig
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
 
 
 class CommandLineExtension(Protocol):
@@ -26,15 +35,20 @@ class CommandLineExtension(Protocol):
         """NeuronConfig settings from this feature's options, when they were given (every
         installed extension's run; an option the command lacks is absent from ``args``)."""
 
-    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
+    def prepare_config(self, args: argparse.Namespace, config: InferenceConfig) -> None:
         """Change the config from the options, before the model is built."""
 
-    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    def generate_keywords(
+        self, args: argparse.Namespace, model: NeuronBaseForCausalLM
+    ) -> dict[str, Any]:
         """Keywords for ``generate()`` (a draft application, ...)."""
 
     def hf_comparison(
-        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
-    ) -> tuple[Any, dict[str, Any]] | None:
+        self,
+        args: argparse.Namespace,
+        model: NeuronBaseForCausalLM,
+        load_hf_model: Callable[[Path], PreTrainedModel],
+    ) -> tuple[nn.Module, dict[str, Any]] | None:
         """HF transformers' model and ``generate()`` keywords doing what this feature does, for
         ``benchmark --compare-hf``; None when HF has no equivalent. ``load_hf_model(path)``
         loads a checkpoint in the model's dtype."""
@@ -44,14 +58,19 @@ class OptionsOnly:
     """Defaults for an extension whose options only make NeuronConfig settings: nothing to
     prepare once the config exists, no ``generate()`` keywords, no HF run of its own."""
 
-    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
+    def prepare_config(self, args: argparse.Namespace, config: InferenceConfig) -> None:
         """The settings are complete once made."""
 
-    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    def generate_keywords(
+        self, args: argparse.Namespace, model: NeuronBaseForCausalLM
+    ) -> dict[str, Any]:
         return {}
 
     def hf_comparison(
-        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
+        self,
+        args: argparse.Namespace,
+        model: NeuronBaseForCausalLM,
+        load_hf_model: Callable[[Path], PreTrainedModel],
     ) -> None:
         return None
 
@@ -79,19 +98,19 @@ def default_settings(args: argparse.Namespace, command: str) -> dict[str, Any]:
     return kwargs
 
 
-def _enabled_records(config: Any) -> Iterator[CliExtension]:
+def _enabled_records(config: InferenceConfig) -> Iterator[CliExtension]:
     for record in get_registry().records("cli_extensions"):
         if record.is_enabled_by(config.neuron_config):
             yield record
 
 
-def enabled_extensions(config: Any) -> Iterator[CommandLineExtension]:
+def enabled_extensions(config: InferenceConfig) -> Iterator[CommandLineExtension]:
     """The extensions ``config`` enables, built."""
     for record in _enabled_records(config):
         yield record.load("implementation")()
 
 
-def enabling_settings(config: Any, command: str) -> tuple[str, ...]:
+def enabling_settings(config: InferenceConfig, command: str) -> tuple[str, ...]:
     """The NeuronConfig attributes (``enabled_by``) of the extensions of ``command`` that
     ``config`` enables."""
     names: dict[str, None] = {}
@@ -101,12 +120,12 @@ def enabling_settings(config: Any, command: str) -> tuple[str, ...]:
     return tuple(names)
 
 
-def prepare_config(args: argparse.Namespace, config: Any) -> None:
+def prepare_config(args: argparse.Namespace, config: InferenceConfig) -> None:
     for extension in enabled_extensions(config):
         extension.prepare_config(args, config)
 
 
-def generate_keywords(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+def generate_keywords(args: argparse.Namespace, model: NeuronBaseForCausalLM) -> dict[str, Any]:
     keywords: dict[str, Any] = {}
     for extension in enabled_extensions(model.config):
         keywords |= extension.generate_keywords(args, model)
@@ -114,8 +133,10 @@ def generate_keywords(args: argparse.Namespace, model: Any) -> dict[str, Any]:
 
 
 def hf_comparison(
-    args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
-) -> tuple[Any, dict[str, Any]] | None:
+    args: argparse.Namespace,
+    model: NeuronBaseForCausalLM,
+    load_hf_model: Callable[[Path], PreTrainedModel],
+) -> tuple[nn.Module, dict[str, Any]] | None:
     """The first enabled extension's HF equivalent, if any offers one."""
     for extension in enabled_extensions(model.config):
         comparison = extension.hf_comparison(args, model, load_hf_model)

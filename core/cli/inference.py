@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxdplug.cli import extensions
 from nxdplug.cli.options import (
@@ -24,6 +24,11 @@ from nxdplug.cli.options import (
 from nxdplug.cli.speculation import acceptance_line, add_speculation_options, refuse_unused_draft
 from nxdplug.errors import NotSupportedError, NxdPlugError
 
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig
+    from nxdplug.pipeline import PluginSelection
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
+
 
 def add_model_path(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -31,7 +36,7 @@ def add_model_path(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def inference_config(model_path: Path, options: dict[str, Any]) -> Any:
+def inference_config(model_path: Path, options: dict[str, Any]) -> InferenceConfig:
     from nxdplug.config import load_pretrained_config
     from nxdplug.runtime.application import architecture_for
 
@@ -57,7 +62,7 @@ def add_check_config_arguments(parser: argparse.ArgumentParser) -> None:
     extensions.add_extension_arguments(parser, "check-config")
 
 
-def selection_summary(selection: Any) -> dict[str, Any]:
+def selection_summary(selection: PluginSelection) -> dict[str, Any]:
     return {
         "model": selection.architecture.name if selection.architecture else None,
         "features": [f.name for f in selection.features],
@@ -175,11 +180,11 @@ def add_compiled_model_options(
 
 def load_model(
     args: argparse.Namespace,
-    config: Any,
+    config: InferenceConfig,
     before_load: Callable[[], None] | None = None,
     *,
     compile_by_default: bool = False,
-) -> Any:
+) -> NeuronBaseForCausalLM:
     """The application, compiled and loaded from --compiled-model-path, or eager on the CPU.
     ``before_load`` runs once compiling is done, just before the weights are loaded.
     ``compile_by_default``: without --compiled-model-path (nor --enforce-eager), compile into
@@ -203,7 +208,7 @@ def load_model(
     return model
 
 
-def _default_folder(model: Any) -> Path | None:
+def _default_folder(model: NeuronBaseForCausalLM) -> Path | None:
     """The cache's folder for ``model``, or None (said on stderr) where it runs eagerly."""
     from nxdplug.compile.default_folder import default_compiled_folder
 
@@ -216,7 +221,9 @@ def _default_folder(model: Any) -> Path | None:
         return None
 
 
-def application_beside(args: argparse.Namespace, model_path: Path, config: Any, suffix: str) -> Any:
+def application_beside(
+    args: argparse.Namespace, model_path: Path, config: InferenceConfig, suffix: str
+) -> NeuronBaseForCausalLM:
     """A second application, ``model_path`` with ``config``, run as --compiled-model-path says:
     eager, or compiled into a folder beside it (its name plus ``suffix``) and loaded."""
     from nxdplug.runtime.application import from_pretrained
@@ -312,7 +319,7 @@ SPECULATION_KEYWORDS = ("assistant_model", "prompt_lookup_num_tokens")
 
 def _check_accuracy(
     args: argparse.Namespace,
-    model: Any,
+    model: NeuronBaseForCausalLM,
     batch: Any,
     new_tokens: int,
     speculation: dict[str, Any],

@@ -19,7 +19,9 @@ from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.registry import get_registry
 
 if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig, NeuronConfig
     from nxdplug.engine.speculative import SpeculativeConfig
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
 
 
 def add_speculation_options(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +35,7 @@ def add_speculation_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def without_speculation(neuron_config: Any) -> Any:
+def without_speculation(neuron_config: NeuronConfig) -> NeuronConfig:
     """A copy of ``neuron_config`` that selects no speculation mode: every attribute that
     enables one set back to NeuronConfig's default, and token generation traced."""
     plain = copy.deepcopy(neuron_config)
@@ -49,8 +51,8 @@ def without_speculation(neuron_config: Any) -> Any:
 
 
 def application_without_speculation(
-    args: argparse.Namespace, model_path: Path, config: Any, suffix: str
-) -> Any:
+    args: argparse.Namespace, model_path: Path, config: InferenceConfig, suffix: str
+) -> NeuronBaseForCausalLM:
     """``model_path`` with ``config``'s settings, speculation off: eager, or compiled into a
     folder beside --compiled-model-path (its name plus ``suffix``)."""
     from nxdplug.cli.inference import application_beside  # which imports this module
@@ -64,12 +66,12 @@ def application_without_speculation(
     return application_beside(args, model_path, plain_config, suffix)
 
 
-def plain_application(args: argparse.Namespace, config: Any) -> Any:
+def plain_application(args: argparse.Namespace, config: InferenceConfig) -> NeuronBaseForCausalLM:
     """The target without speculation, for the benchmark's comparison."""
     return application_without_speculation(args, args.model_path, config, "-plain")
 
 
-def refuse_unused_draft(args: argparse.Namespace, config: Any) -> None:
+def refuse_unused_draft(args: argparse.Namespace, config: InferenceConfig) -> None:
     """A draft checkpoint that no enabled plugin uses is a mistake, not something to ignore."""
     if args.draft_model_path is not None and not any(enabled_extensions(config)):
         raise NxdPlugError(
@@ -78,7 +80,7 @@ def refuse_unused_draft(args: argparse.Namespace, config: Any) -> None:
         )
 
 
-def acceptance_line(model: Any) -> str | None:
+def acceptance_line(model: NeuronBaseForCausalLM) -> str | None:
     stats = getattr(model, "speculation_stats", None)
     if stats is None or not stats.row_calls:
         return None
@@ -143,7 +145,7 @@ def speculation_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
-def engine_draft(args: argparse.Namespace, config: Any) -> Any:
+def engine_draft(args: argparse.Namespace, config: InferenceConfig) -> NeuronBaseForCausalLM | None:
     """The draft application of --speculative-config's ``model`` for ``draft_model`` (None
     otherwise): the target's settings without speculation and with lines of its own (no
     block layout), compiled and loaded as the target is (beside --compiled-model-path, with

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -65,6 +65,12 @@ from nxdplug.modules.tensor_parallel import (
 )
 from nxdplug.pipeline import validate
 from nxdplug.registry import get_registry
+
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig
+    from nxdplug.runtime.application import NeuronApplicationBase
+    from nxdplug.runtime.model_wrapper import ModelWrapper
+    from nxdplug.types import CompileBackend
 
 
 def weights_file(rank: int) -> str:
@@ -134,12 +140,12 @@ class Skeleton:
         return result
 
 
-def _weight_dtype(app: Any) -> torch.dtype | None:
+def _weight_dtype(app: NeuronApplicationBase) -> torch.dtype | None:
     neuron_config = app.neuron_config
     return neuron_config.torch_dtype if neuron_config.cast_type == "config" else None
 
 
-def build_skeleton(app: Any) -> Skeleton:
+def build_skeleton(app: NeuronApplicationBase) -> Skeleton:
     from nxdplug.modules.meta_init import parameters_on_meta
 
     with parameters_on_meta():
@@ -148,13 +154,15 @@ def build_skeleton(app: Any) -> Skeleton:
     return Skeleton(model, GraphFunction(model))
 
 
-def _config_for_backend(app: Any, backend_name: str) -> Any:
+def _config_for_backend(app: NeuronApplicationBase, backend_name: str) -> InferenceConfig:
     config = copy.deepcopy(app.config)
     config.neuron_config.compile_backend = backend_name
     return config
 
 
-def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, dict, dict]:
+def _fingerprint(
+    app: NeuronApplicationBase, backend_name: str, backend: Backend
+) -> tuple[str, dict, dict]:
     """(config hash, versions, plugin versions) of the graphs this app compiles."""
     config = _config_for_backend(app, backend_name)
     manager = get_plugin_manager()
@@ -172,7 +180,7 @@ def _fingerprint(app: Any, backend_name: str, backend: Backend) -> tuple[str, di
     return config_hash(shaping, versions | extra), versions, plugins
 
 
-def graphs_digest(app: Any) -> tuple[str, bool]:
+def graphs_digest(app: NeuronApplicationBase) -> tuple[str, bool]:
     """The config hash of the graphs compile() would make for ``app`` (with the backend it
     would choose; NotSupportedError where none writes artefacts), and whether they hold the
     weights."""
@@ -210,7 +218,9 @@ def _graph_file(tag: str, bucket: int, suffix: str, rank: int, ranks: int) -> st
     return f"{GRAPHS}/{tag}-{bucket}{rank_part}{suffix}"
 
 
-def _graph_plan(app: Any, suffix: str) -> Iterator[tuple[Any, int, StepInputs, str]]:
+def _graph_plan(
+    app: NeuronApplicationBase, suffix: str
+) -> Iterator[tuple[ModelWrapper, int, StepInputs, str]]:
     """This rank's graphs: (wrapper, bucket, example inputs, file)."""
     for wrapper in app.models:
         for bucket, example in zip(wrapper.buckets, wrapper.input_generator(), strict=True):
@@ -218,7 +228,7 @@ def _graph_plan(app: Any, suffix: str) -> Iterator[tuple[Any, int, StepInputs, s
             yield wrapper, bucket, example, file
 
 
-def _graph_entries(app: Any, suffix: str) -> tuple[GraphEntry, ...]:
+def _graph_entries(app: NeuronApplicationBase, suffix: str) -> tuple[GraphEntry, ...]:
     """The graphs of every rank, as the manifest lists them."""
     ranks = tp_world_size()
     return tuple(
@@ -244,12 +254,14 @@ def _staged_folder_of_all_ranks(destination: Path) -> Iterator[Path]:
     wait_for_all_ranks()
 
 
-def _phase_function(skeleton: Skeleton, wrapper: Any) -> GraphFunction:
+def _phase_function(skeleton: Skeleton, wrapper: ModelWrapper) -> GraphFunction:
     phase = wrapper.phase_module(skeleton.model)
     return GraphFunction(skeleton.model, phase, wrapper.extra_input_names, wrapper.phase)
 
 
-def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: bool = False) -> None:
+def compile_application(
+    app: NeuronApplicationBase, path: Path, *, debug: bool = False, quiet: bool = False
+) -> None:
     """Compile ``app`` into ``path``, or reuse what it holds. Once the config is checked, a
     single process holds the folder's writer lock, so that servers started at once on an
     empty cache compile it once and load one complete folder (the ranks of a tensor-parallel
@@ -262,7 +274,14 @@ def compile_application(app: Any, path: Path, *, debug: bool = False, quiet: boo
 
 
 def _reuse_or_compile(
-    app: Any, path: Path, record: Any, backend: Backend, config: Any, *, debug: bool, quiet: bool
+    app: NeuronApplicationBase,
+    path: Path,
+    record: CompileBackend,
+    backend: Backend,
+    config: InferenceConfig,
+    *,
+    debug: bool,
+    quiet: bool,
 ) -> None:
     """What :func:`compile_application` does once the config is checked (and locked)."""
     digest, versions, plugins = _fingerprint(app, record.name, backend)
@@ -339,7 +358,9 @@ def _reuse_or_compile(
     app.is_compiled = True
 
 
-def _write_weights(app: Any, previous: Path, staging: Path, skeleton: Skeleton) -> None:
+def _write_weights(
+    app: NeuronApplicationBase, previous: Path, staging: Path, skeleton: Skeleton
+) -> None:
     """This rank's weights; with skip_sharding, those already in ``previous``."""
     relative = weights_file(tp_rank())
     existing, target = previous / relative, staging / relative
@@ -350,7 +371,7 @@ def _write_weights(app: Any, previous: Path, staging: Path, skeleton: Skeleton) 
         save_state_dict(checkpoint_weights(app, skeleton), target)
 
 
-def checkpoint_weights(app: Any, skeleton: Skeleton) -> dict[str, torch.Tensor]:
+def checkpoint_weights(app: NeuronApplicationBase, skeleton: Skeleton) -> dict[str, torch.Tensor]:
     """The HF checkpoint converted to this rank's graph weights, checked against their shapes."""
     shapes = skeleton.weight_shapes(_weight_dtype(app))
     state_dict = this_ranks_shard(skeleton.model, app.get_state_dict(app.model_path, app.config))
@@ -360,7 +381,7 @@ def checkpoint_weights(app: Any, skeleton: Skeleton) -> dict[str, torch.Tensor]:
     return {name: tied[name].to(dtype) for name, (_, dtype) in shapes.items()}
 
 
-def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
+def load_application(app: NeuronApplicationBase, path: Path, *, quiet: bool = False) -> None:
     manifest = Manifest.read(path)
     verify_files(path, _files_of_this_rank(manifest))
     record = get_registry().get("compile_backends", manifest.backend)
@@ -405,7 +426,9 @@ def load_application(app: Any, path: Path, *, quiet: bool = False) -> None:
     app.reset()
 
 
-def _check_fingerprint(app: Any, path: Path, manifest: Manifest, backend: Backend) -> None:
+def _check_fingerprint(
+    app: NeuronApplicationBase, path: Path, manifest: Manifest, backend: Backend
+) -> None:
     digest, versions, plugins = _fingerprint(app, manifest.backend, backend)
     if digest == manifest.config_hash:
         return
@@ -425,7 +448,7 @@ def _check_fingerprint(app: Any, path: Path, manifest: Manifest, backend: Backen
 
 
 def _stored_weights(
-    app: Any, path: Path, manifest: Manifest, skeleton: Skeleton
+    app: NeuronApplicationBase, path: Path, manifest: Manifest, skeleton: Skeleton
 ) -> dict[str, torch.Tensor]:
     if not manifest.weights:
         return checkpoint_weights(app, skeleton)  # save_sharded_checkpoint=False: shard at load
@@ -436,7 +459,7 @@ def _stored_weights(
     return weights
 
 
-def warm_up(app: Any) -> None:
+def warm_up(app: NeuronApplicationBase) -> None:
     """Run every graph once on its example inputs, then clear the cache they wrote."""
     for wrapper in app.models:
         for example in wrapper.input_generator():
@@ -453,7 +476,7 @@ def _refuse_frozen(manifest: Manifest, path: Path) -> None:
         )
 
 
-def load_weights(app: Any, path: Path) -> None:
+def load_weights(app: NeuronApplicationBase, path: Path) -> None:
     """Swap the weights of a loaded model for those of ``path`` (no recompilation)."""
     manifest = Manifest.read(path)
     verify_files(path, _files_of_this_rank(manifest))
@@ -474,7 +497,7 @@ def load_weights(app: Any, path: Path) -> None:
             compiled.weights[index].copy_(weight)
 
 
-def shard_weights(app: Any, path: Path) -> None:
+def shard_weights(app: NeuronApplicationBase, path: Path) -> None:
     """Write the checkpoint's weights, in the compiled graphs' layout, into the compiled folder
     ``path`` (its manifest is updated to list and hash them)."""
     manifest = Manifest.read(path)

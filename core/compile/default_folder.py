@@ -14,10 +14,13 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nxdplug.compile.artefacts import store_folder
 from nxdplug.compile.compiled_model import graphs_digest
+
+if TYPE_CHECKING:
+    from nxdplug.runtime.application import NeuronApplicationBase
 
 COMPILED = "compiled"
 
@@ -31,7 +34,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "nxdplug"
 
 
-def default_compiled_folder(app: Any) -> Path:
+def default_compiled_folder(app: NeuronApplicationBase) -> Path:
     """The cache's folder for ``app``'s graphs (NotSupportedError where no backend writes
     artefacts). Set ``save_sharded_checkpoint=False`` in the config first: the folder is
     shared by the models of one config."""
@@ -41,7 +44,7 @@ def default_compiled_folder(app: Any) -> Path:
     return cache_root() / COMPILED / digest[:16]
 
 
-def _weights_identity(app: Any) -> str:
+def _weights_identity(app: NeuronApplicationBase) -> str:
     source = Path(app.weights_source(app.model_path, app.config)).resolve()
     files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
     stats = []

@@ -10,7 +10,11 @@ caching, chunked prefill or batch bucketing).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nxdplug.config.inference_config import InferenceConfig
+    from nxdplug.config.neuron_config import NeuronConfig
 
 DEFAULT_MIN_BUCKET = 128
 
@@ -36,12 +40,14 @@ def generate_buckets(min_length: int, max_length: int) -> list[int]:
     return [1 << exponent for exponent in range(low, high)] + [max_length]
 
 
-def _neuron_config(config: Any) -> Any:
+def _neuron_config(config: InferenceConfig | NeuronConfig) -> NeuronConfig:
     """The NeuronConfig of an InferenceConfig (a NeuronConfig is taken as it is)."""
     return getattr(config, "neuron_config", config)
 
 
-def _sub_model_buckets(neuron_config: Any, given: list[int] | None, maximum: int) -> list[int]:
+def _sub_model_buckets(
+    neuron_config: NeuronConfig, given: list[int] | None, maximum: int
+) -> list[int]:
     if not neuron_config.enable_bucketing:
         return generate_buckets(maximum, maximum)
     if given is not None:
@@ -49,7 +55,7 @@ def _sub_model_buckets(neuron_config: Any, given: list[int] | None, maximum: int
     return generate_buckets(DEFAULT_MIN_BUCKET, maximum)
 
 
-def generate_buckets_for_cte(inference_config: Any) -> list[int]:
+def generate_buckets_for_cte(inference_config: InferenceConfig | NeuronConfig) -> list[int]:
     """Context-encoding buckets: ``context_encoding_buckets`` when given, else
     ``generate_buckets(128, max_context_length)``; ``[max_context_length]`` without bucketing."""
     neuron_config = _neuron_config(inference_config)
@@ -58,7 +64,9 @@ def generate_buckets_for_cte(inference_config: Any) -> list[int]:
     )
 
 
-def generate_buckets_for_tkg(inference_config: Any) -> list[int] | list[list[int]]:
+def generate_buckets_for_tkg(
+    inference_config: InferenceConfig | NeuronConfig,
+) -> list[int] | list[list[int]]:
     """Token-generation buckets: ``token_generation_buckets`` when given, else
     ``generate_buckets(128, max_length)``; ``[max_length]`` without bucketing. With
     ``token_generation_batches`` (NxD Inference's batch bucketing), ``[batch, seq]`` pairs:
@@ -72,17 +80,17 @@ def generate_buckets_for_tkg(inference_config: Any) -> list[int] | list[list[int
     return [[size, bucket] for size in sizes for bucket in buckets]
 
 
-def _token_generation_lengths(neuron_config: Any) -> list[int]:
+def _token_generation_lengths(neuron_config: NeuronConfig) -> list[int]:
     return _sub_model_buckets(
         neuron_config, neuron_config.token_generation_buckets, neuron_config.max_length
     )
 
 
-def generate_buckets_for_speculation(inference_config: Any) -> list[int]:
+def generate_buckets_for_speculation(inference_config: InferenceConfig | NeuronConfig) -> list[int]:
     """Buckets of the (non-fused) speculation sub-model: the token-generation lengths."""
     return _token_generation_lengths(_neuron_config(inference_config))
 
 
-def generate_buckets_for_fused_spec(inference_config: Any) -> list[int]:
+def generate_buckets_for_fused_spec(inference_config: InferenceConfig | NeuronConfig) -> list[int]:
     """Buckets of the fused-speculation sub-model: the token-generation lengths."""
     return _token_generation_lengths(_neuron_config(inference_config))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,6 +19,9 @@ from nxdplug.checkpoint.state_dict import checkpoint_tensor_names
 from nxdplug.config.checkpoint_settings import agree_with_checkpoint
 from nxdplug.errors import ConfigError
 from nxdplug.registry import get_registry
+
+if TYPE_CHECKING:
+    from nxdplug.config.inference_config import InferenceConfig
 
 ORIGIN = "config.json's quantization_config"
 
@@ -31,12 +34,14 @@ class CheckpointFormatReader(Protocol):
     def settings(self) -> Mapping[str, Any]:
         """The NeuronConfig settings the checkpoint means."""
 
-    def convert(self, state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self, state_dict: dict[str, torch.Tensor], config: InferenceConfig
+    ) -> dict[str, torch.Tensor]:
         """The stored tensors in the layout of those settings."""
 
 
 def checkpoint_format_reader(
-    config: Any, tensor_names: Collection[str] = ()
+    config: InferenceConfig, tensor_names: Collection[str] = ()
 ) -> CheckpointFormatReader | None:
     """The reader of the checkpoint's quantization format; None for a checkpoint without
     ``quantization_config``. A method no installed plugin reads is a ConfigError."""
@@ -62,7 +67,9 @@ def checkpoint_format_reader(
     )
 
 
-def apply_checkpoint_format(config: Any, model_path: str | os.PathLike[str] | None) -> None:
+def apply_checkpoint_format(
+    config: InferenceConfig, model_path: str | os.PathLike[str] | None
+) -> None:
     """Make ``config.neuron_config`` agree with the checkpoint's quantization format: settings
     left at their defaults take the format's, settings given otherwise must agree (a
     ConfigError names each contradiction). A quantized format's weights are read from

@@ -6,7 +6,7 @@ them. Enumerations of NxD (``GLUType``, ``BlockShardStrategy``) are stored by na
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -16,6 +16,9 @@ from nxdplug.config.dtypes import to_torch_dtype
 from nxdplug.config.neuron_config import NeuronConfig
 from nxdplug.config.sections import build_section, section_converter
 from nxdplug.errors import ConfigError
+
+if TYPE_CHECKING:
+    from nxdplug.config.inference_config import InferenceConfig
 
 
 @attrs.define(kw_only=True)
@@ -204,7 +207,7 @@ def parallel_degree_problems(neuron_config: MoENeuronConfig) -> list[str]:
     ]
 
 
-def routed_mlp_problems(config: Any, neuron_config: Any) -> list[str]:
+def routed_mlp_problems(config: InferenceConfig, neuron_config: NeuronConfig) -> list[str]:
     """The core's checks of a MoENeuronConfig (nothing for other NeuronConfigs)."""
     if not isinstance(neuron_config, MoENeuronConfig):
         return []

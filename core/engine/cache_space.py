@@ -18,12 +18,15 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from nxdplug.errors import NxdPlugError
+
+if TYPE_CHECKING:
+    from nxdplug.config import NeuronConfig
 
 
 @attrs.frozen
@@ -92,7 +95,7 @@ class CacheSpace(ABC):
 class CacheLines(CacheSpace):
     """A whole line per request: the lowest free one, given back when the request ends."""
 
-    def __init__(self, neuron_config: Any) -> None:
+    def __init__(self, neuron_config: NeuronConfig) -> None:
         self.count = neuron_config.max_batch_size
         self._free = list(range(self.count))
 

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from nxdplug.lazy import resolve_ref
 from nxdplug.runtime.scheduled_step import ScheduledStep
+
+if TYPE_CHECKING:
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
 
 HEARTBEAT = "heartbeat"
 STOP = "stop"
@@ -31,7 +34,9 @@ HEARTBEAT_SECONDS = 60.0
 class StepBroadcaster:
     """The engine's runner on the first rank."""
 
-    def __init__(self, application: Any, heartbeat_seconds: float = HEARTBEAT_SECONDS) -> None:
+    def __init__(
+        self, application: NeuronBaseForCausalLM, heartbeat_seconds: float = HEARTBEAT_SECONDS
+    ) -> None:
         self.application = application
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -68,7 +73,7 @@ class StepBroadcaster:
                     _send(HEARTBEAT)
 
 
-def follow_steps(application: Any) -> None:
+def follow_steps(application: NeuronBaseForCausalLM) -> None:
     """Run every step the first rank broadcasts, until it says stop."""
     while True:
         box: list[Any] = [None]

@@ -27,6 +27,7 @@ from nxdplug.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
     from nxdplug.runtime.outputs import CausalLMOutputWithTokens
     from nxdplug.runtime.scheduled_step import ScheduledStep
 
@@ -162,7 +163,9 @@ class Speculation:
 
 
 def engine_speculation(
-    application: Any, config: SpeculativeConfig | None, draft: Any = None
+    application: NeuronBaseForCausalLM,
+    config: SpeculativeConfig | None,
+    draft: NeuronBaseForCausalLM | None = None,
 ) -> Speculation | None:
     """The engine's speculation for ``application`` under ``config``; None when neither asks
     for any. A ConfigError saying what to change when they disagree or the mode cannot run in

@@ -10,7 +10,7 @@ then takes the model's tokens.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
@@ -19,6 +19,9 @@ from nxdplug.engine.logits_adjustment import adjusted_logits
 from nxdplug.engine.requests import Request, RequestError, SamplingSettings
 from nxdplug.registry import get_registry
 from nxdplug.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from nxdplug.pipeline import PipelineContext
 
 
 class GraphSampling(Protocol):
@@ -48,7 +51,7 @@ class TokenChoice:
     """The engine's sampler for one application; ``eos_token_ids`` are those ``min_tokens``
     holds back."""
 
-    def __init__(self, context: Any, eos_token_ids: Collection[int] = ()) -> None:
+    def __init__(self, context: PipelineContext, eos_token_ids: Collection[int] = ()) -> None:
         self.eos_token_ids = eos_token_ids
         self.graph: GraphSampling | None = context.request_sampling()
         self.returns_logits = self.graph is None or self.graph.returns_logits

@@ -8,18 +8,23 @@ as ``assistant_model``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nxdplug.errors import NotSupportedError
 from nxdplug.generation.hf_adapter import HuggingFaceGenerationAdapter
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel
+
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
+
 # NxD Inference's default prompt for its accuracy checks.
 TEST_PROMPT = "Hello, I am a language model, and I am here to help,"
 
 
-def reference_model(neuron_model: Any) -> torch.nn.Module:
+def reference_model(neuron_model: NeuronBaseForCausalLM) -> torch.nn.Module:
     """HF transformers' model of the application's checkpoint in float32, NxD Inference's
     reference: ``load_hf_model(model_path)`` called as NxD Inference calls it (so a model
     class's own override works), then cast (transformers 4 loaded float32 by default;
@@ -28,12 +33,12 @@ def reference_model(neuron_model: Any) -> torch.nn.Module:
 
 
 def get_generate_outputs(
-    model: Any,
+    model: PreTrainedModel | NeuronBaseForCausalLM,
     prompts: list[str],
     tokenizer: Any,
     is_hf: bool = False,
-    draft_model: Any = None,
-    generation_config: Any = None,
+    draft_model: PreTrainedModel | NeuronBaseForCausalLM | None = None,
+    generation_config: GenerationConfig | None = None,
     **generate_kwargs: Any,
 ) -> tuple[torch.Tensor, list[str]]:
     """``(output ids [batch, prompt + new], decoded texts)`` of ``model`` on ``prompts``.
@@ -60,13 +65,13 @@ def get_generate_outputs(
 
 
 def check_accuracy(
-    neuron_model: Any,
+    neuron_model: NeuronBaseForCausalLM,
     tokenizer: Any,
-    generation_config: Any = None,
+    generation_config: GenerationConfig | None = None,
     expected_token_ids: Any = None,
     num_tokens_to_check: int | None = None,
     do_sample: bool = False,
-    draft_model: Any = None,
+    draft_model: NeuronBaseForCausalLM | None = None,
     prompt: str | None = None,
     image: Any = None,
     input_start_offsets: Any = None,
@@ -129,7 +134,9 @@ def _unpadded(token_ids: torch.Tensor, pad_token_id: int, limit: int | None) -> 
     return torch.stack(rows)
 
 
-def prepare_inputs_from_prompt(neuron_model: Any, tokenizer: Any, prompt: str | None = None) -> Any:
+def prepare_inputs_from_prompt(
+    neuron_model: NeuronBaseForCausalLM, tokenizer: Any, prompt: str | None = None
+) -> Any:
     """NxD Inference's: the tokenizer's padded batch of ``prompt`` (TEST_PROMPT by default),
     one row per sequence the model runs at once (``batch_size``; ``max_num_seqs`` with
     chunked prefill)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import GenerationConfig, PrefixConstrainedLogitsProcessor
@@ -36,6 +36,9 @@ from nxdplug.runtime.sampling import SamplingParams
 from nxdplug.runtime.scheduled_step import ScheduledStep
 from nxdplug.runtime.speculation import SpeculativeRequest, TokenChoice, VerifiedProcessors
 from nxdplug.runtime.step_ahead import HostOverlap
+
+if TYPE_CHECKING:
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
 
 # transformers' own fallbacks for settings neither the model nor the caller gives (its
 # _get_default_generation_params in transformers 5; the lengths are decided with the prompt).
@@ -192,7 +195,9 @@ class GenerationProgress:
         )
 
 
-def _application_of(assistant_model: Any) -> Any:
+def _application_of(
+    assistant_model: NeuronBaseForCausalLM | HuggingFaceGenerationAdapter,
+) -> NeuronBaseForCausalLM:
     """The draft application of ``assistant_model``: NxD Inference's scripts pass the draft
     wrapped in its own HuggingFaceGenerationAdapter, others pass the application itself."""
     if isinstance(assistant_model, HuggingFaceGenerationAdapter):
@@ -203,7 +208,7 @@ def _application_of(assistant_model: Any) -> Any:
 class HuggingFaceGenerationAdapter:
     """Wraps a NeuronBaseForCausalLM so that ``generate()`` works as with HF transformers."""
 
-    def __init__(self, model: Any, input_capture_hook: Any = None) -> None:
+    def __init__(self, model: NeuronBaseForCausalLM, input_capture_hook: Any = None) -> None:
         self.neuron_model = model
         self.config = model.config
         self.input_capture_hook = input_capture_hook

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig
@@ -22,11 +22,14 @@ from nxdplug.generation.accuracy import TEST_PROMPT, reference_model
 from nxdplug.generation.hf_adapter import HuggingFaceGenerationAdapter
 from nxdplug.generation.logit_validation import LogitMatchingValidationError, logit_validation
 
+if TYPE_CHECKING:
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
+
 TolMap = Mapping[str | int, tuple[float, float]]
 
 
 def generate_expected_logits(
-    neuron_model: Any,
+    neuron_model: NeuronBaseForCausalLM,
     input_ids: torch.Tensor,
     inputs_attention_mask: torch.Tensor,
     generation_config: GenerationConfig | None,
@@ -58,7 +61,7 @@ def generate_expected_logits(
 
 
 def check_accuracy_logits(
-    neuron_model: Any,
+    neuron_model: NeuronBaseForCausalLM,
     tokenizer: Any = None,
     generation_config: GenerationConfig | None = None,
     prompt: str | None = None,
@@ -67,7 +70,7 @@ def check_accuracy_logits(
     tol_map: TolMap | None = None,
     num_tokens_to_check: int | None = None,
     execution_mode: str = "config",
-    draft_model: Any = None,
+    draft_model: NeuronBaseForCausalLM | None = None,
     image: Any = None,
     num_image_per_prompt: int = 1,
     inputs: Any = None,
@@ -126,7 +129,7 @@ def check_accuracy_logits(
 
 
 def check_accuracy_logits_v2(
-    neuron_model: Any,
+    neuron_model: NeuronBaseForCausalLM,
     expected_logits: torch.Tensor,
     inputs_input_ids: torch.Tensor,
     inputs_attention_mask: torch.Tensor,
@@ -203,7 +206,9 @@ def check_accuracy_logits_v2(
     return results
 
 
-def _tokens_to_check(neuron_model: Any, prompt_length: int, requested: int | None) -> int:
+def _tokens_to_check(
+    neuron_model: NeuronBaseForCausalLM, prompt_length: int, requested: int | None
+) -> int:
     """What ``seq_len`` leaves after the prompt, or fewer when ``requested``."""
     room = neuron_model.config.neuron_config.seq_len - prompt_length
     if room < 1:

@@ -17,7 +17,7 @@ its tokens, then the pad token once it ended.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -31,6 +31,11 @@ from transformers.generation.logits_process import (
 from nxdplug.engine import Engine, SamplingSettings
 from nxdplug.errors import NotSupportedError
 from nxdplug.generation.processors import GenerationParts
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
 
 SEED_RANGE = 2**62
 
@@ -57,7 +62,7 @@ def refuse_what_the_engine_ignores(
 
 
 def generate_on_engine(
-    application: Any,
+    application: NeuronBaseForCausalLM,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     parts: GenerationParts,
@@ -136,7 +141,7 @@ def _engine_setting(processor: Any, prompt_width: int = 0) -> dict[str, Any] | N
     return None
 
 
-def _settings(config: Any, new_tokens: int, seeded: bool) -> SamplingSettings:
+def _settings(config: GenerationConfig, new_tokens: int, seeded: bool) -> SamplingSettings:
     if not config.do_sample:
         return SamplingSettings(max_tokens=new_tokens, temperature=0)
     return SamplingSettings(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
@@ -22,6 +22,9 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerationMixin
+
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig
 
 # transformers' max_length when neither the model nor the caller sets one (prompt + 20 tokens).
 HF_DEFAULT_MAX_LENGTH = 20
@@ -38,7 +41,7 @@ class _DecoderOnlyConfig:
 
     is_encoder_decoder = False
 
-    def __init__(self, model_config: Any) -> None:
+    def __init__(self, model_config: InferenceConfig) -> None:
         self.vocab_size = getattr(model_config, "vocab_size", None)
         self.max_position_embeddings = getattr(model_config, "max_position_embeddings", None)
 
@@ -49,7 +52,7 @@ class _DecoderOnlyConfig:
 class _TransformersBuilders(GenerationMixin):
     """GenerationMixin's builders, bound to a config instead of a transformers model."""
 
-    def __init__(self, model_config: Any) -> None:
+    def __init__(self, model_config: InferenceConfig) -> None:
         self.config = _DecoderOnlyConfig(model_config)
 
 
@@ -85,7 +88,7 @@ class GenerationParts:
 
 def generation_parts(
     config: GenerationConfig,
-    model_config: Any,
+    model_config: InferenceConfig,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     *,

@@ -8,11 +8,14 @@ rows (``seq_ids``) and gets back the keys and values of the first ``length`` pos
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from nxdplug.config import NeuronConfig
 
 
 @attrs.frozen
@@ -26,7 +29,7 @@ class CacheLayout:
     head_dim: int
     dtype: torch.dtype
     # The NeuronConfig, for a layout's own settings (a block cache's block count and size).
-    neuron_config: Any = attrs.field(default=None, eq=False, repr=False)
+    neuron_config: NeuronConfig | None = attrs.field(default=None, eq=False, repr=False)
 
 
 class KVCacheManager(nn.Module, ABC):

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from nxdplug.errors import NotSupportedError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from nxdplug.config import InferenceConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -38,7 +43,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: Mapping[str, Any]) -> torch
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: PretrainedConfig | InferenceConfig) -> dict[str, Any]:
     """The rope settings of an HF config, whichever of its spellings it uses.
 
     transformers 5 writes ``rope_parameters`` (theta inside); transformers 4 writes

@@ -11,13 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
 from nxdplug.errors import NxdPlugError
+
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig
 
 CORE_FIELDS = ("input_ids", "attention_mask", "position_ids", "seq_ids")
 
@@ -179,7 +182,7 @@ class StepInputBuilder(Protocol):
     also have ``bind(application)``, called each time the application's model is loaded.
     """
 
-    def __init__(self, config: Any) -> None: ...
+    def __init__(self, config: InferenceConfig) -> None: ...
 
     def example(self, batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Tensors of the graph's shapes ([batch_size, ...]) for tracing, by input name."""

@@ -12,7 +12,7 @@ repeats a draw). A row with ``top_k`` 1 or ``temperature`` 0 takes the best toke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,11 +22,14 @@ from nxdplug.registry import get_registry
 from nxdplug.runtime.sampling import SamplingParams
 from nxdplug.runtime.sampling_params import validate_sampling_params
 
+if TYPE_CHECKING:
+    from nxdplug.config import NeuronConfig
+
 
 class Sampler(nn.Module):
     """``Sampler(neuron_config, do_sample=None)``; ``do_sample`` overrides the config's."""
 
-    def __init__(self, neuron_config: Any, do_sample: bool | None = None) -> None:
+    def __init__(self, neuron_config: NeuronConfig, do_sample: bool | None = None) -> None:
         super().__init__()
         sampling_config = neuron_config.on_device_sampling_config
         if sampling_config is None:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
 
 from nxdplug.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
 
 # The settings under which a sampler leaves scores as they are (already processed and warped).
 NEUTRAL_PARAMS = SamplingParams()
@@ -190,7 +193,7 @@ class SpeculativeRequest:
 class Speculator(Protocol):
     """The implementation of a SpeculationMode record."""
 
-    def __init__(self, application: Any) -> None: ...
+    def __init__(self, application: NeuronBaseForCausalLM) -> None: ...
 
     def generate(self, request: SpeculativeRequest) -> torch.Tensor:
         """Prompt plus new tokens, [batch, prompt + generated], finished rows padded; updates

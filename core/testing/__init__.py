@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -26,6 +26,12 @@ from nxdplug.manager import NxdPlugPluginManager, create_plugin_manager, use_plu
 from nxdplug.modules.tensor_parallel import end_rank_process
 from nxdplug.testing.precision import PrecisionReport, check_low_precision
 from nxdplug.testing.tiny_models import make_tiny_checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from nxdplug.config import NeuronConfig
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
 
 __all__ = [
     "AccuracyReport",
@@ -140,7 +146,10 @@ def left_padded(
 
 
 def hf_greedy(
-    hf_model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int
+    hf_model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    max_new_tokens: int,
 ) -> Any:
     """HF transformers' greedy generation with per-step logits (prompts left-padded for it)."""
     input_ids, attention_mask = left_padded(input_ids, attention_mask)
@@ -160,8 +169,8 @@ def hf_greedy(
 
 
 def check_accuracy(
-    model: Any,
-    hf_model: Any,
+    model: NeuronBaseForCausalLM,
+    hf_model: PreTrainedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
@@ -216,7 +225,10 @@ def check_accuracy(
 
 
 def teacher_forced_logits(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, forced: torch.Tensor
+    model: NeuronBaseForCausalLM,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    forced: torch.Tensor,
 ) -> torch.Tensor:
     """[batch, steps, vocab] logits of ``model`` when fed ``forced`` tokens after the prompt."""
     model.reset()
@@ -239,7 +251,7 @@ def teacher_forced_logits(
 
 def check_against_hf(
     model_path: str,
-    neuron_config: Any = None,
+    neuron_config: NeuronConfig | None = None,
     *,
     prompts: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,

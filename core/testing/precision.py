@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
 
 
 @attrs.frozen
@@ -88,7 +91,7 @@ def hf_incremental_logits(
 
 
 def check_low_precision(
-    model: Any,
+    model: NeuronBaseForCausalLM,
     model_path: str | Path,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,

@@ -13,13 +13,16 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxdplug.checkpoint.atomic_folders import staged_folder
 from nxdplug.errors import ConfigError, PluginError
 from nxdplug.registry import get_registry
 from nxdplug.testing.tokenizer_builder import build_tokenizer
 from nxdplug.types import ModelArchitecture
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _TINY_CONFIG_DEFAULTS: dict[str, Any] = {
     "hidden_size": 64,
@@ -107,7 +110,7 @@ def _check_output(output: Path, force: bool) -> None:
         )
 
 
-def _build_config(record: ModelArchitecture, overrides: Mapping[str, Any]) -> Any:
+def _build_config(record: ModelArchitecture, overrides: Mapping[str, Any]) -> PretrainedConfig:
     if record.hf_config_class is None or record.hf_model_class is None:
         raise PluginError(
             f"model architecture {record.name!r} names no transformers classes "
@@ -178,7 +181,9 @@ def _kept_verbatim(config_class: type, key: str, value: Any) -> bool:
         return False
 
 
-def _save_model(record: ModelArchitecture, config: Any, seed: int, folder: Path) -> None:
+def _save_model(
+    record: ModelArchitecture, config: PretrainedConfig, seed: int, folder: Path
+) -> None:
     import torch
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging

@@ -17,7 +17,7 @@ import copy
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxdplug.plugin_api import (
     NxdPlugError,
@@ -37,6 +37,9 @@ from nxdplug.plugin_api import (
     prepare_config,
     refuse_unused_draft,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, NeuronBaseForCausalLM, NeuronConfig
 
 # --compare-hf's modes, in the report's order, and each one's name in the report.
 HF_SYSTEMS = {"eager": "hf", "compiled": "hf_compiled"}
@@ -115,7 +118,7 @@ def benchmark_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _check_lengths(args: argparse.Namespace, neuron_config: Any) -> None:
+def _check_lengths(args: argparse.Namespace, neuron_config: NeuronConfig) -> None:
     problems = []
     if args.prompt_length > neuron_config.max_context_length:
         problems.append(
@@ -241,8 +244,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
 
 def _base_application(
-    args: argparse.Namespace, config: Any, settings: tuple[str, ...], progress: Any
-) -> Any:
+    args: argparse.Namespace, config: InferenceConfig, settings: tuple[str, ...], progress: Any
+) -> NeuronBaseForCausalLM:
     """The same checkpoint and config with ``settings`` back at NeuronConfig's defaults,
     eager or compiled beside --compiled-model-path."""
     from nxdplug.plugin_api import load_pretrained_config
@@ -264,7 +267,7 @@ def _hf_modes(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _hf_systems(
-    args: argparse.Namespace, model: Any, dtype: Any, progress: Any
+    args: argparse.Namespace, model: NeuronBaseForCausalLM, dtype: Any, progress: Any
 ) -> dict[str, tuple[Any, dict[str, Any]]]:
     """HF transformers' model and ``generate()`` keywords for each --compare-hf mode, by report
     name: an enabled plugin's HF equivalent (LoRA's adapters, ...) or the plain checkpoint. Each
@@ -314,7 +317,7 @@ def _prompts(args: argparse.Namespace, vocab_size: int, batch_size: int) -> Any:
 
 
 def _benchmark_speculation(
-    args: argparse.Namespace, model: Any, input_ids: Any, progress: Any
+    args: argparse.Namespace, model: NeuronBaseForCausalLM, input_ids: Any, progress: Any
 ) -> int:
     """Whole generations with the config's speculation mode and without it, in turn."""
     import torch
@@ -362,7 +365,9 @@ def _benchmark_speculation(
     return 0
 
 
-def _hf_speculation(args: argparse.Namespace, model: Any, batch_size: int) -> tuple[Any, dict]:
+def _hf_speculation(
+    args: argparse.Namespace, model: NeuronBaseForCausalLM, batch_size: int
+) -> tuple[Any, dict]:
     """HF transformers' model and ``generate()`` keywords for the same speculation, from the
     speculation plugin's command-line extension; HF speculates at batch 1 only."""
     mode = model.plugins.speculation_mode.name

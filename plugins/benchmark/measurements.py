@@ -21,7 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -29,6 +29,9 @@ from torch import nn
 
 from nxdplug.plugin_api import NxdPlugError, head_dim_of
 from nxdplug.plugins.benchmark.roofline import GEMM_SIZE, PrefillCeiling
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, NeuronBaseForCausalLM
 
 PROMPT_SEED = 0
 BANDWIDTH_BYTES = 2**28
@@ -158,7 +161,10 @@ def random_prompt_ids(
 
 
 def _run_nxdplug(
-    model: Any, input_ids: torch.Tensor, new_tokens: int, step_keywords: Mapping[str, Any]
+    model: NeuronBaseForCausalLM,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    step_keywords: Mapping[str, Any],
 ) -> RunTimes:
     model.reset()
     mask = torch.ones_like(input_ids)
@@ -177,7 +183,7 @@ def _run_nxdplug(
 
 
 def measure_nxdplug(
-    model: Any,
+    model: NeuronBaseForCausalLM,
     input_ids: torch.Tensor,
     new_tokens: int,
     runs: int,
@@ -282,13 +288,13 @@ def compile_hf_generation(hf_model: nn.Module) -> nn.Module:
 
 
 def measure_alternating(
-    model: Any,
+    model: NeuronBaseForCausalLM,
     hf_systems: Mapping[str, tuple[nn.Module, Mapping[str, Any]]],
     input_ids: torch.Tensor,
     new_tokens: int,
     runs: int,
     step_keywords: Mapping[str, Any] | None = None,
-    base: Any | None = None,
+    base: NeuronBaseForCausalLM | None = None,
 ) -> tuple[dict[str, tuple[RunTimes, ...]], dict[str, float]]:
     """nxdplug's runs, those of ``base`` (another application, timed without
     ``step_keywords``) and those of each HF system (name: model and ``generate()`` keywords)
@@ -409,7 +415,7 @@ def decode_weight_bytes(
     return whole + sum(partial[n].decode_weight_bytes(batch_size, dtype) for n in outermost)
 
 
-def kv_cache_bytes(config: Any, batch_size: int, positions: float) -> float:
+def kv_cache_bytes(config: InferenceConfig, batch_size: int, positions: float) -> float:
     """Bytes of keys and values of ``positions`` cached tokens for every layer and row."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     itemsize = config.neuron_config.torch_dtype.itemsize
@@ -426,7 +432,9 @@ def mean_decode_positions(prompt_length: int, new_tokens: int) -> float:
     return prompt_length + new_tokens / 2
 
 
-def decode_bytes_per_step(model: Any, batch_size: int, positions: float) -> DecodeBytes:
+def decode_bytes_per_step(
+    model: NeuronBaseForCausalLM, batch_size: int, positions: float
+) -> DecodeBytes:
     """What one token-generation step of a NeuronBaseForCausalLM reads: every weight in the
     config's dtype (a tied one once; of an untied input embedding, only the rows of the batch;
     of routed experts, those a step can route to) and the KV cache of ``positions`` tokens per
@@ -481,14 +489,14 @@ def _process_status_bytes(field: str) -> int | None:
     return None
 
 
-def model_weight_bytes(model: Any) -> int:
+def model_weight_bytes(model: NeuronBaseForCausalLM) -> int:
     """Bytes of every weight the loaded model holds (as the plugins transformed it)."""
     config = model.config
     tied = bool(getattr(config, "tie_word_embeddings", False))
     return weight_bytes(weights_skeleton(model), config.neuron_config.torch_dtype, tied)
 
 
-def weights_skeleton(model: Any) -> nn.Module:
+def weights_skeleton(model: NeuronBaseForCausalLM) -> nn.Module:
     """The application's model class built on the meta device (no memory, no KV cache) and
     transformed by the enabled plugins, for counting its weights."""
     from nxdplug.plugin_api import parameters_on_meta
@@ -779,7 +787,9 @@ class SpeculationReport:
         )
 
 
-def _time_generate(model: Any, input_ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> float:
+def _time_generate(
+    model: NeuronBaseForCausalLM, input_ids: torch.Tensor, new_tokens: int, **kwargs: Any
+) -> float:
     from nxdplug.plugin_api import HuggingFaceGenerationAdapter
 
     adapter = HuggingFaceGenerationAdapter(model)

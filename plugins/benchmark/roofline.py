@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 from torch import nn
 
 from nxdplug.plugin_api import ParallelEmbedding, head_dim_of
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 GEMM_SIZE = 2048
 GEMM_REPEATS = 5
@@ -72,7 +75,7 @@ def _is_embedding(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding | ParallelEmbedding)
 
 
-def causal_attention_flops(config: Any, batch_size: int, prompt_length: int) -> int:
+def causal_attention_flops(config: InferenceConfig, batch_size: int, prompt_length: int) -> int:
     """QK^T and PV of a causal prompt: query ``i`` (1-based) meets ``i`` keys in each query
     head of each layer, 2 * head_dim FLOPs per product, twice (scores, then values).
 
@@ -84,7 +87,7 @@ def causal_attention_flops(config: Any, batch_size: int, prompt_length: int) -> 
 
 
 def prefill_flops(
-    skeleton: nn.Module, config: Any, batch_size: int, prompt_length: int
+    skeleton: nn.Module, config: InferenceConfig, batch_size: int, prompt_length: int
 ) -> PrefillFlops:
     """What one context encoding of ``batch_size`` prompts of ``prompt_length`` tokens needs,
     counted on the model's weights (``skeleton``, e.g. built on the meta device)."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nxdplug.plugin_api import ExtendWrapper, ModelWrapper
 from nxdplug.plugins.block_kv_cache.settings import USES_BLOCKS, BlockSettings
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronConfig, PipelineContext
 
 # Features whose caches or phases do not read through block tables (yet), refused by name.
 NOT_WITH_BLOCKS = {
@@ -17,7 +20,7 @@ NOT_WITH_BLOCKS = {
 }
 
 
-def validate(context: Any) -> Iterable[str]:
+def validate(context: PipelineContext) -> Iterable[str]:
     """The numbers the layout needs, checked at start-up, each saying what to change."""
     nc = context.neuron_config
     if not getattr(nc, "is_block_kv_layout", False):
@@ -83,7 +86,7 @@ def validate(context: Any) -> Iterable[str]:
         )
 
 
-def add_submodels(context: Any) -> Iterable[ModelWrapper]:
+def add_submodels(context: PipelineContext) -> Iterable[ModelWrapper]:
     """With prefix caching or chunked prefill, an extension phase per context-encoding bucket
     (the sizes of new tokens a row adds over its cached positions)."""
     nc = context.neuron_config
@@ -104,7 +107,7 @@ def add_submodels(context: Any) -> Iterable[ModelWrapper]:
     ]
 
 
-def new_token_sizes(nc: Any) -> list[int]:
+def new_token_sizes(nc: NeuronConfig) -> list[int]:
     """The extension phases' sizes of new tokens: the context-encoding buckets; with chunked
     prefill only those up to the first that holds a step's budget (no chunk is larger)."""
     sizes = sorted((nc.context_encoding_buckets if nc.enable_bucketing else None) or [])

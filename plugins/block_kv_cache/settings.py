@@ -12,9 +12,12 @@ context-encoding bucket.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronConfig
 
 ENABLED_BY = ("is_block_kv_layout",)
 # The step input (and keyword) holding each row's blocks.
@@ -42,7 +45,7 @@ class BlockSettings:
     chunked_prefill: bool
 
     @classmethod
-    def of(cls, neuron_config: Any) -> BlockSettings:
+    def of(cls, neuron_config: NeuronConfig) -> BlockSettings:
         block_size = getattr(neuron_config, "pa_block_size", None) or DEFAULT_BLOCK_SIZE
         blocks_per_line = math.ceil(neuron_config.seq_len / block_size)
         num_blocks = getattr(neuron_config, "pa_num_blocks", None)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,13 +20,16 @@ from nxdplug.plugin_api import CacheSpace, CacheUsage, NxdPlugError
 from nxdplug.plugins.block_kv_cache.pool import BlockHash, BlockPool, chained_hashes
 from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronConfig
+
 
 def _blocks_for(positions: int, size: int) -> int:
     return -(-positions // size)
 
 
 class BlockSpace(CacheSpace):
-    def __init__(self, neuron_config: Any) -> None:
+    def __init__(self, neuron_config: NeuronConfig) -> None:
         self.settings = BlockSettings.of(neuron_config)
         self.count = neuron_config.max_batch_size
         self.pool = BlockPool(self.settings.num_blocks)

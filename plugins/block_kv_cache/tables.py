@@ -8,16 +8,19 @@ its own line of blocks, which needs a pool of ``max_batch_size x blocks_per_line
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nxdplug.plugin_api import NxdPlugError
 from nxdplug.plugins.block_kv_cache.settings import BLOCK_TABLES, BlockSettings
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
+
 
 class BlockTables:
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: InferenceConfig) -> None:
         self.neuron_config = config.neuron_config
         self.settings = BlockSettings.of(self.neuron_config)
 

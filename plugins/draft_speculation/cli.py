@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxdplug.plugin_api import application_without_speculation
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from transformers import PreTrainedModel
+
+    from nxdplug.plugin_api import InferenceConfig, NeuronBaseForCausalLM
 
 
 class DraftModelCommandLine:
@@ -19,18 +26,23 @@ class DraftModelCommandLine:
     def neuron_config_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
         return {}  # --speculation-length is a core NeuronConfig option
 
-    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
+    def prepare_config(self, args: argparse.Namespace, config: InferenceConfig) -> None:
         """The draft is a separate application: the target's config is complete as it is."""
 
-    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    def generate_keywords(
+        self, args: argparse.Namespace, model: NeuronBaseForCausalLM
+    ) -> dict[str, Any]:
         if args.draft_model_path is None:
             return {}
         draft = application_without_speculation(args, args.draft_model_path, model.config, "-draft")
         return {"assistant_model": draft}
 
     def hf_comparison(
-        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
-    ) -> tuple[Any, dict[str, Any]]:
+        self,
+        args: argparse.Namespace,
+        model: NeuronBaseForCausalLM,
+        load_hf_model: Callable[[Path], PreTrainedModel],
+    ) -> tuple[PreTrainedModel, dict[str, Any]]:
         """Assisted generation with k tokens per round (constant schedule, no confidence
         cut), or prompt lookup."""
         hf_model = load_hf_model(args.model_path)

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -13,8 +13,15 @@ import torch
 from nxdplug.plugin_api import ConfigError, Proposer, Request, ScheduledStep, SpeculativeConfig
 from nxdplug.plugins.draft_speculation.proposers import is_application
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronBaseForCausalLM
 
-def engine_proposer(application: Any, config: SpeculativeConfig, draft: Any) -> Proposer:
+
+def engine_proposer(
+    application: NeuronBaseForCausalLM,
+    config: SpeculativeConfig,
+    draft: NeuronBaseForCausalLM | None,
+) -> Proposer:
     """The proposer of ``config.method``."""
     if config.method == "ngram":
         if draft is not None:
@@ -73,7 +80,7 @@ class DraftProposer:
     ``max_context_length``, after a preemption) gets no proposals.
     """
 
-    def __init__(self, application: Any, draft: Any) -> None:
+    def __init__(self, application: NeuronBaseForCausalLM, draft: NeuronBaseForCausalLM) -> None:
         target = application.neuron_config
         problems = []
         if draft is None:

@@ -7,11 +7,14 @@ committed token of a row sits at ``positions[row]``, and the target has not seen
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from nxdplug.plugin_api import NotSupportedError, SpeculativeRequest, TokenChoice
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronBaseForCausalLM
 
 
 class Proposer(Protocol):
@@ -28,7 +31,7 @@ class Proposer(Protocol):
         """Each row kept ``accepted`` of the drafts; its last token is now at ``positions``."""
 
 
-def is_application(model: Any) -> bool:
+def is_application(model: object) -> bool:
     return hasattr(model, "neuron_config") and hasattr(model, "kv_cache_populated")
 
 
@@ -42,7 +45,9 @@ class DraftModelProposer:
     rewrites what the cache already holds. The call is skipped when no row needs it.
     """
 
-    def __init__(self, draft: Any, k: int, choice: TokenChoice, vocab_size: int) -> None:
+    def __init__(
+        self, draft: NeuronBaseForCausalLM, k: int, choice: TokenChoice, vocab_size: int
+    ) -> None:
         if not is_application(draft):
             raise NotSupportedError(
                 f"assistant_model must be an nxdplug application (NeuronBaseForCausalLM built "

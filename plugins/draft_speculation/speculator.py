@@ -10,7 +10,7 @@ later query can see them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,11 +28,14 @@ from nxdplug.plugins.draft_speculation.proposers import (
     Proposer,
 )
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronBaseForCausalLM
+
 
 class ChainSpeculator:
     """The implementation of the ``draft-model`` speculation mode."""
 
-    def __init__(self, application: Any) -> None:
+    def __init__(self, application: NeuronBaseForCausalLM) -> None:
         self.application = application
         self.k = application.neuron_config.speculation_length
 

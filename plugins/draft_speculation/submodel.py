@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nxdplug.plugin_api import SPECULATION_MODEL_TAG, ModelWrapper
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import PipelineContext
 
-def validate(context: Any) -> Iterable[str]:
+
+def validate(context: PipelineContext) -> Iterable[str]:
     if context.neuron_config.on_device_sampling_config is not None:
         yield (
             "speculation_length with a draft model verifies the drafts on the host from the "
@@ -17,7 +20,7 @@ def validate(context: Any) -> Iterable[str]:
         )
 
 
-def add_submodels(context: Any) -> Iterable[ModelWrapper]:
+def add_submodels(context: PipelineContext) -> Iterable[ModelWrapper]:
     """A sub-model taking k+1 tokens per row (spec_batch_size rows), which
     ``application.forward`` routes k+1-token steps to."""
     neuron_config = context.neuron_config

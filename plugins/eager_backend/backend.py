@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from nxdplug.plugin_api import NotSupportedError
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 NO_ARTEFACTS = "the eager backend runs modules as they are and writes no artefacts"
 
@@ -24,7 +27,7 @@ class EagerBackend:
     def unavailable_reason(self) -> str | None:
         return None
 
-    def versions(self, config: Any) -> dict[str, str]:
+    def versions(self, config: InferenceConfig) -> dict[str, str]:
         return {"torch": torch.__version__}
 
     def prepare(self, model: nn.Module) -> nn.Module:

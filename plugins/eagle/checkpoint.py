@@ -18,13 +18,16 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nxdplug.plugin_api import CheckpointError, NxdPlugError, load_state_dict
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 LM_HEAD = "lm_head.weight"
 TIED_EMBEDDING = "model.embed_tokens.weight"
@@ -106,7 +109,7 @@ def copy_lm_head(
     return draft_file
 
 
-def merge_draft_state_dict(state_dict: dict[str, Any], config: Any) -> dict[str, Any]:
+def merge_draft_state_dict(state_dict: dict[str, Any], config: InferenceConfig) -> dict[str, Any]:
     """Add the draft checkpoint's tensors (``fused_spec_config.draft_model_path``) under
     ``eagle_draft.``; explains a missing LM head or an input norm the config does not expect."""
     draft_path = config.fused_spec_config.draft_model_path

@@ -8,10 +8,15 @@ import argparse
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from nxdplug.plugin_api import InferenceConfig, NeuronBaseForCausalLM
 
 
-def attach_fused_draft(config: Any, draft_path: Path) -> None:
+def attach_fused_draft(config: InferenceConfig, draft_path: Path) -> None:
     """Set ``config.fused_spec_config`` for the draft at ``draft_path``."""
     from nxdplug.plugin_api import FusedSpecNeuronConfig, architecture_for, load_pretrained_config
 
@@ -35,7 +40,7 @@ class EagleCommandLine:
     def neuron_config_kwargs(self, args: argparse.Namespace) -> dict[str, Any]:
         return {}  # --speculation-length is a core NeuronConfig option
 
-    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
+    def prepare_config(self, args: argparse.Namespace, config: InferenceConfig) -> None:
         """The draft of --draft-model-path, or of serve's --speculative-config (``eagle`` or
         ``eagle3``)."""
         path = getattr(args, "draft_model_path", None)
@@ -45,10 +50,15 @@ class EagleCommandLine:
         if path is not None:
             attach_fused_draft(config, path)
 
-    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    def generate_keywords(
+        self, args: argparse.Namespace, model: NeuronBaseForCausalLM
+    ) -> dict[str, Any]:
         return {}  # the draft runs inside the target's graphs
 
     def hf_comparison(
-        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
+        self,
+        args: argparse.Namespace,
+        model: NeuronBaseForCausalLM,
+        load_hf_model: Callable[[Path], PreTrainedModel],
     ) -> None:
         return None  # HF transformers has no EAGLE decoding

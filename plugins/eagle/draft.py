@@ -15,7 +15,7 @@ KV cache (a second cache manager in the fused model, reset and compiled with the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from nxdplug.plugin_api import (
     rope_parameters,
 )
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, PipelineContext
+
 
 class EagleDraftModel(nn.Module):
     """Embedding, ``fc``, decoder layers (the first without input norm by default), LM head.
@@ -44,7 +47,7 @@ class EagleDraftModel(nn.Module):
     ``enable_eagle_draft_input_norm``.
     """
 
-    def __init__(self, config: Any, context: Any) -> None:
+    def __init__(self, config: InferenceConfig, context: PipelineContext) -> None:
         super().__init__()
         target_config = context.config
         hidden = config.hidden_size
@@ -122,13 +125,13 @@ def pair_attention(
     return rope, tree_mask[:, None].bool()
 
 
-def feature_size(config: Any) -> int:
+def feature_size(config: InferenceConfig) -> int:
     """The width of the target feature the draft reads: the hidden size (EAGLE-1), or three
     layers' (EAGLE-3)."""
     return config.hidden_size * (3 if config.neuron_config.is_eagle3 else 1)
 
 
-def draft_cache(context: Any, num_layers: int, attention: nn.Module) -> KVCacheManager:
+def draft_cache(context: PipelineContext, num_layers: int, attention: nn.Module) -> KVCacheManager:
     """The draft's own KV cache, in the target's cache strategy, rows and length (so that one
     ``seq_ids`` / position addresses both caches)."""
     target = context.config.neuron_config
@@ -143,7 +146,7 @@ def draft_cache(context: Any, num_layers: int, attention: nn.Module) -> KVCacheM
     return context.kv_cache(layout)
 
 
-def add_draft(model: nn.Module, context: Any) -> None:
+def add_draft(model: nn.Module, context: PipelineContext) -> None:
     """The ``transform_model`` callback: the target gets its draft as ``eagle_draft`` (EAGLE-3's
     when ``is_eagle3``)."""
     draft_config = context.config.fused_spec_config.draft_config

@@ -19,7 +19,7 @@ as for EAGLE-1 (:mod:`nxdplug.plugins.eagle.draft`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +38,9 @@ from nxdplug.plugin_api import (
 )
 from nxdplug.plugins.eagle.draft import draft_cache, pair_attention
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, PipelineContext
+
 
 def feature_layers(num_layers: int) -> tuple[int, int, int]:
     """The target layers whose inputs EAGLE-3 reads (as its authors, vLLM and NxD Inference)."""
@@ -48,7 +51,7 @@ class Eagle3Layer(nn.Module):
     """The draft's one decoder layer (``midlayer``): attention over the token's embedding and
     the feature side by side, the feature as the residual."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: InferenceConfig) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = NeuronAttentionBase(config, 0, input_size=2 * hidden)
@@ -77,7 +80,7 @@ class Eagle3DraftModel(nn.Module):
     cache and the target's layer count (which layers' inputs are read).
     """
 
-    def __init__(self, config: Any, context: Any) -> None:
+    def __init__(self, config: InferenceConfig, context: PipelineContext) -> None:
         super().__init__()
         target_config = context.config
         hidden = config.hidden_size
@@ -140,7 +143,7 @@ class Eagle3DraftModel(nn.Module):
         return final, torch.cat([inputs[i] for i in self.layers_read], dim=-1)
 
 
-def eagle3_draft_problems(config: Any, draft: Any) -> list[str]:
+def eagle3_draft_problems(config: InferenceConfig, draft: InferenceConfig) -> list[str]:
     """What an EAGLE-3 draft config must say, beside EAGLE-1's checks."""
     problems = []
     if getattr(draft, "num_hidden_layers", 1) != 1:

@@ -12,7 +12,7 @@ its next pending pairs, with the target's features of the positions before them 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -27,6 +27,9 @@ from nxdplug.plugin_api import (
     StepInputs,
 )
 from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronBaseForCausalLM
 
 
 def engine_settings(config: SpeculativeConfig) -> dict[str, Any]:
@@ -64,7 +67,12 @@ class PendingPairs:
 class EagleEngineSpeculator:
     """The ``engine_fused`` of the ``eagle`` speculation mode."""
 
-    def __init__(self, application: Any, config: SpeculativeConfig, draft: Any) -> None:
+    def __init__(
+        self,
+        application: NeuronBaseForCausalLM,
+        config: SpeculativeConfig,
+        draft: NeuronBaseForCausalLM | None,
+    ) -> None:
         problems = []
         if draft is not None:
             problems.append("EAGLE drafts with the draft fused into the model: give no draft")

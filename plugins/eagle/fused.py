@@ -20,7 +20,7 @@ the rejection rule).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from nxdplug.plugin_api import (
     last_token_states,
 )
 from nxdplug.plugins.eagle.draft import feature_size
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, PipelineContext
 
 EAGLE_CONTEXT_TAG = "eagle_context_encoding_model"
 
@@ -126,7 +129,7 @@ class EagleContextWrapper(ModelWrapper):
 
     takes_step_inputs = False
 
-    def __init__(self, config: Any, model_cls: type[nn.Module]) -> None:
+    def __init__(self, config: InferenceConfig, model_cls: type[nn.Module]) -> None:
         super().__init__(
             config, model_cls, tag=EAGLE_CONTEXT_TAG, tokens_per_step=0, is_context_encoding=True
         )
@@ -146,7 +149,7 @@ class EagleSpeculationWrapper(ModelWrapper):
     takes_step_inputs = False
     extra_input_names = ("pending_features", "pending_count", "draft_noise", "inv_temperature")
 
-    def __init__(self, config: Any, model_cls: type[nn.Module]) -> None:
+    def __init__(self, config: InferenceConfig, model_cls: type[nn.Module]) -> None:
         super().__init__(
             config,
             model_cls,
@@ -210,7 +213,7 @@ class EagleSpeculationWrapper(ModelWrapper):
         return self.run_padded(rows, step.replace(attention_mask=mask))
 
 
-def add_submodels(context: Any) -> list[ModelWrapper]:
+def add_submodels(context: PipelineContext) -> list[ModelWrapper]:
     """The ``add_submodels`` callback: the two fused phases (the second drafts a tree when
     ``token_tree_config`` is set)."""
     if context.neuron_config.token_tree_config is not None:

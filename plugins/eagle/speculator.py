@@ -23,7 +23,7 @@ ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +42,9 @@ from nxdplug.plugin_api import (
 )
 from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronBaseForCausalLM
+
 
 def gumbel_noise(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """-log(-log(U)): ``argmax(log q + noise)`` is an exact draw from q."""
@@ -52,7 +55,7 @@ def gumbel_noise(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 class EagleSpeculator:
     """The ``implementation`` of the ``eagle`` speculation mode."""
 
-    def __init__(self, application: Any) -> None:
+    def __init__(self, application: NeuronBaseForCausalLM) -> None:
         self.application = application
         self.context = application.submodel(EAGLE_CONTEXT_TAG)
         self.speculation = application.submodel(FUSED_SPECULATION_MODEL_TAG)
@@ -183,7 +186,7 @@ class EagleSpeculator:
         return rejection_acceptance(drafts, q, p)
 
 
-def eagle_speculator(application: Any) -> EagleSpeculator:
+def eagle_speculator(application: NeuronBaseForCausalLM) -> EagleSpeculator:
     """The mode's implementation: the chain's speculator, or the tree's when the model was
     built with ``token_tree_config``."""
     if application.neuron_config.token_tree_config is None:

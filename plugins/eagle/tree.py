@@ -23,13 +23,16 @@ positions, and the tree's slots are written again before the next tree reads the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nxdplug.plugin_api import ModelWrapper, StepInputs, TokenTree, tree_attention
 from nxdplug.plugins.eagle.fused import EagleSpeculationWrapper, gather_rows
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, PipelineContext
 
 
 class EagleTreePhase(nn.Module):
@@ -98,7 +101,9 @@ class EagleTreeWrapper(EagleSpeculationWrapper):
 
     extra_input_names = ("pending_features", "pending_count")
 
-    def __init__(self, config: Any, model_cls: type[nn.Module], tree: TokenTree) -> None:
+    def __init__(
+        self, config: InferenceConfig, model_cls: type[nn.Module], tree: TokenTree
+    ) -> None:
         super().__init__(config, model_cls)
         self.tree = tree
 
@@ -117,7 +122,7 @@ class EagleTreeWrapper(EagleSpeculationWrapper):
         return {}
 
 
-def add_tree_submodel(context: Any) -> ModelWrapper:
+def add_tree_submodel(context: PipelineContext) -> ModelWrapper:
     """The tree's fused speculation sub-model, for ``token_tree_config``."""
     tree = TokenTree(context.neuron_config.token_tree_config)
     return EagleTreeWrapper(context.config, context.model_cls, tree)

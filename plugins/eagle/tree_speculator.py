@@ -15,18 +15,21 @@ pairs, with the target's features at the path's nodes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from nxdplug.plugin_api import SpeculativeRequest, StepInputs
 from nxdplug.plugins.eagle.speculator import EagleSpeculator
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronBaseForCausalLM
+
 
 class EagleTreeSpeculator(EagleSpeculator):
     """The ``eagle`` speculation mode's implementation when ``token_tree_config`` is set."""
 
-    def __init__(self, application: Any) -> None:
+    def __init__(self, application: NeuronBaseForCausalLM) -> None:
         super().__init__(application)
         self.tree = self.speculation.tree.on(application.device)
         # The target writes n tree slots after the newest committed token, as k = n - 1

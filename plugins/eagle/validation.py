@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, PipelineContext
 
 GUIDE = "see the feature guide's Fused Speculation example"
 
 
-def validate(context: Any) -> list[str]:
+def validate(context: PipelineContext) -> list[str]:
     """The ``validate`` callback of the ``eagle`` speculation mode."""
     return list(eagle_config_problems(context.config))
 
 
-def eagle_config_problems(config: Any) -> Iterator[str]:
+def eagle_config_problems(config: InferenceConfig) -> Iterator[str]:
     """Problems of a target config that enables fused speculation."""
     neuron_config = config.neuron_config
     length = neuron_config.speculation_length
@@ -69,7 +72,7 @@ def eagle_config_problems(config: Any) -> Iterator[str]:
     yield from draft_config_problems(config, draft)
 
 
-def draft_config_problems(config: Any, draft: Any) -> Iterator[str]:
+def draft_config_problems(config: InferenceConfig, draft: InferenceConfig) -> Iterator[str]:
     """The draft config against the target's."""
     from nxdplug.plugin_api import core_config_problems
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from nxdplug.plugin_api import CacheLayout, KVCacheManager, read_prefix, write_positions
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import PipelineContext
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity
@@ -106,7 +109,7 @@ def cache_bytes(kv_mgr: nn.Module) -> int:
     return sum(buffer.numel() * buffer.element_size() for buffer in kv_mgr.buffers())
 
 
-def apply_config_scales(model: nn.Module, context: Any) -> None:
+def apply_config_scales(model: nn.Module, context: PipelineContext) -> None:
     """The ``transform_model`` callback: the config's scales into the model's fp8 cache (it
     starts with scale 1)."""
     from nxdplug.plugin_api import NotSupportedError

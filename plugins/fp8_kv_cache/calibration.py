@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nxdplug.plugin_api import KVCacheManager
 from nxdplug.plugins.fp8_kv_cache.cache import FP8_MAX
 from nxdplug.plugins.fp8_kv_cache.scales import GRANULARITIES, GRANULARITY, SCALES
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronConfig
 
 
 class AbsMaxObserver(KVCacheManager):
@@ -63,7 +66,7 @@ def calibrate_kv_cache_scales(
     prompts: Sequence[Sequence[int]] | torch.Tensor,
     *,
     granularity: str = "per_tensor",
-    neuron_config: Any = None,
+    neuron_config: NeuronConfig | None = None,
 ) -> dict[str, Any]:
     """The NeuronConfig settings (``kv_cache_scales`` and ``kv_cache_scale_granularity``) that
     map the K/V ranges these prompts produce onto float8_e4m3fn's ±448.

@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import PipelineContext
 
 SCALES = "kv_cache_scales"
 GRANULARITY = "kv_cache_scale_granularity"
@@ -83,7 +86,7 @@ def scale_problems(scales: Any, granularity: Any, num_layers: int, num_heads: in
     return problems
 
 
-def validate(context: Any) -> list[str]:
+def validate(context: PipelineContext) -> list[str]:
     """The ``validate`` callback: the scale settings against the model's layers and K/V heads.
 
     NxD Inference also asks for ``XLA_HANDLE_SPECIAL_SCALAR=1`` with ``kv_cache_quant``; that

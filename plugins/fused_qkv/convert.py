@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 Q_PROJECTION = re.compile(r"^(?P<prefix>.*self_attn\.)q_proj\.(?P<kind>weight|bias|weight_scale)$")
 
 
 def fuse_qkv_projections(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """q_proj, k_proj, v_proj (weight and bias) -> qkv_proj, stacked along the output dim.
 

@@ -4,11 +4,14 @@ replicated (or converted to MHA), query heads padded to a multiple of tp_degree.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from nxdplug.plugin_api import HeadLayout, head_dim_of, head_layout
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 # ``weight_scale``: the per-channel scales of a quantized checkpoint follow their rows.
 KV_PROJECTION = re.compile(r"(^|\.)self_attn\.[kv]_proj\.(weight|bias|weight_scale)$")
@@ -40,7 +43,7 @@ def _laid_out(key: str, tensor: torch.Tensor, layout: HeadLayout, head_dim: int)
 
 
 def lay_out_attention_heads(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """k_proj/v_proj weights, biases and quantization scales with num_key_value_heads grown to
     the layout's count; with padded query heads, q_proj rows, o_proj columns and per-head

@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -23,6 +23,9 @@ from nxdplug.plugins.inductor_backend.prepacked_linear import (
     prepacking_available,
     use_prepacked_linears,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 C_COMPILERS = ("c++", "g++", "clang++")
 
@@ -100,7 +103,7 @@ class InductorBackend:
             return "AOTInductor needs a C++ compiler on PATH (install g++)"
         return None
 
-    def versions(self, config: Any) -> dict[str, str]:
+    def versions(self, config: InferenceConfig) -> dict[str, str]:
         # The application builds weights, caches and inputs on the CPU, so the graphs are CPU
         # graphs; CUDA needs those tensors placed on the GPU first (not done yet). Panels are
         # named only where a weight may be bf16: a float32 folder compiled on a CPU with

@@ -19,11 +19,14 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nxdplug.plugin_api import NxdPlugError, build_operator
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 SOURCE = Path(__file__).with_name("bf16_linear.cpp")
 LIBRARY = "nxdplug_bf16_linear"
@@ -69,7 +72,7 @@ def panels_in_use() -> bool:
     return panels_chosen() and _panels_usable()
 
 
-def may_hold_bf16_weights(config: Any) -> bool:
+def may_hold_bf16_weights(config: InferenceConfig) -> bool:
     """Whether the model of ``config`` (an InferenceConfig), or its fused draft, may have bf16
     linear weights: its dtype is bfloat16, or its weights keep their checkpoint's dtypes
     (``cast_type`` other than "config")."""

@@ -14,12 +14,15 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from nxdplug.plugin_api import CheckpointError, ConfigError, load_tensor_file
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, NeuronConfig, PipelineContext, PluginSelection
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
@@ -91,7 +94,7 @@ def read_adapter(adapter_id: str, path: Path) -> Adapter:
     return Adapter(adapter_id, path, rank, scale, ordered)
 
 
-def adapters(config: Any) -> list[Adapter]:
+def adapters(config: InferenceConfig) -> list[Adapter]:
     """The configured adapters in slot order (slot i + 1 is the i-th)."""
     return [
         read_adapter(i, path)
@@ -99,12 +102,12 @@ def adapters(config: Any) -> list[Adapter]:
     ]
 
 
-def slot_count(config: Any) -> int:
+def slot_count(config: InferenceConfig) -> int:
     """Slots per projection: ``max_loras`` adapters and slot 0, the base model."""
     return config.neuron_config.lora_config.max_loras + 1
 
 
-def slots(config: Any) -> dict[str, int]:
+def slots(config: InferenceConfig) -> dict[str, int]:
     """The adapters in a slot at start-up: the first ``max_loras`` listed, in slots 1, 2, ...;
     slot 0 is the base model."""
     lora_config = config.neuron_config.lora_config
@@ -112,7 +115,7 @@ def slots(config: Any) -> dict[str, int]:
     return {adapter_id: slot for slot, adapter_id in enumerate(listed, start=1)}
 
 
-def targets(config: Any) -> tuple[str, ...]:
+def targets(config: InferenceConfig) -> tuple[str, ...]:
     """The projections that carry LoRA weights: ``target_modules``; else, with dynamic loading,
     every projection an adapter may train, and without it every one a listed adapter trains."""
     lora_config = config.neuron_config.lora_config
@@ -124,7 +127,7 @@ def targets(config: Any) -> tuple[str, ...]:
     return tuple(name for name in TARGETS if name in trained)
 
 
-def _route_problems(neuron_config: Any) -> list[str]:
+def _route_problems(neuron_config: NeuronConfig) -> list[str]:
     """The adapter routes' opt-in needs dynamic multi-LoRA and the folders they may read."""
     allowed = getattr(neuron_config, "allowed_lora_paths", None)
     if not getattr(neuron_config, "allow_runtime_lora_updating", False):
@@ -152,7 +155,7 @@ def _route_problems(neuron_config: Any) -> list[str]:
     return problems
 
 
-def validate(context: Any) -> list[str]:
+def validate(context: PipelineContext) -> list[str]:
     """The ``validate`` callback of the multi-lora feature: every problem at once."""
     neuron_config = context.neuron_config
     lora_config = neuron_config.lora_config
@@ -212,7 +215,7 @@ def validate(context: Any) -> list[str]:
     return problems
 
 
-def _not_yet(neuron_config: Any, selection: Any) -> Iterator[tuple[str, str]]:
+def _not_yet(neuron_config: NeuronConfig, selection: PluginSelection) -> Iterator[tuple[str, str]]:
     if selection.speculation_mode is not None:
         yield f"speculation ({selection.speculation_mode.name})", "turn speculation off"
     policy = neuron_config.lora_config.eviction_policy

@@ -8,9 +8,17 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxdplug.plugin_api import GENERIC_NEURON_CONFIG_DEST, NxdPlugError, positive_int
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from torch import nn
+    from transformers import PreTrainedModel
+
+    from nxdplug.plugin_api import InferenceConfig, NeuronBaseForCausalLM
 
 BASE_MODEL = "none"
 RUNTIME_UPDATING_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -113,7 +121,7 @@ class LoraCommandLine:
         settings["base_model_quantized"] = given.get("quantized") is True
         return {"lora_config": LoraServingConfig(**settings)} | _route_settings(args)
 
-    def prepare_config(self, args: argparse.Namespace, config: Any) -> None:
+    def prepare_config(self, args: argparse.Namespace, config: InferenceConfig) -> None:
         mode = getattr(args, "check_accuracy_mode", "skip")
         if getattr(args, "adapter_ids", None) and mode != "skip":
             raise NxdPlugError(
@@ -121,15 +129,20 @@ class LoraCommandLine:
                 "use skip with --adapter-ids (the test suite checks adapters against PEFT)"
             )
 
-    def generate_keywords(self, args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    def generate_keywords(
+        self, args: argparse.Namespace, model: NeuronBaseForCausalLM
+    ) -> dict[str, Any]:
         ids = getattr(args, "adapter_ids", None)
         if not ids:
             return {}
         return {"adapter_ids": [None if i == BASE_MODEL else i for i in ids]}
 
     def hf_comparison(
-        self, args: argparse.Namespace, model: Any, load_hf_model: Callable[[Any], Any]
-    ) -> tuple[Any, dict[str, Any]]:
+        self,
+        args: argparse.Namespace,
+        model: NeuronBaseForCausalLM,
+        load_hf_model: Callable[[Path], PreTrainedModel],
+    ) -> tuple[nn.Module, dict[str, Any]]:
         """PEFT on HF transformers with every served adapter, each row on its own
         (``adapter_names``, PEFT's mixed batch)."""
         from peft import PeftModel

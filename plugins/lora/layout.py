@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -55,6 +55,9 @@ from nxdplug.plugins.lora.adapters import (
     slots,
     targets,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 QKV = ("q_proj", "k_proj", "v_proj")
 FUSED_QKV = "qkv_proj"
@@ -125,7 +128,7 @@ class Placement:
         return out_features * self.tp_degree, in_features
 
 
-def model_targets(config: Any) -> tuple[str, ...]:
+def model_targets(config: InferenceConfig) -> tuple[str, ...]:
     """The model's projections that carry LoRA weights: the adapters' targets, with q/k/v as
     ``qkv_proj`` when the model fuses them."""
     names = targets(config)
@@ -140,21 +143,21 @@ def is_model_target(module_name: str, names: tuple[str, ...]) -> bool:
     return match is not None and match.group(1) in names
 
 
-def stacked_rank(projection: str, config: Any) -> int:
+def stacked_rank(projection: str, config: InferenceConfig) -> int:
     """The rank dim of a projection's stacked weights: ``max_lora_rank``, three of them for
     the fused qkv."""
     rank = config.neuron_config.lora_config.max_lora_rank
     return 3 * rank if projection.endswith(FUSED_QKV) else rank
 
 
-def _qkv_sizes(config: Any) -> tuple[int, int, int]:
+def _qkv_sizes(config: InferenceConfig) -> tuple[int, int, int]:
     """The output sizes of Q, K and V in the model (K/V heads replicated)."""
     heads, kv_heads = attention_head_counts(config)
     head_dim = head_dim_of(config)
     return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
 
 
-def placement(projection: str, config: Any) -> Placement:
+def placement(projection: str, config: InferenceConfig) -> Placement:
     """How this rank holds the projection ``projection`` (a module name or its last part)."""
     short = projection.rpartition(".")[2]
     lora_config = config.neuron_config.lora_config
@@ -168,12 +171,12 @@ def placement(projection: str, config: Any) -> Placement:
     )
 
 
-def whole(projection: str, config: Any) -> Placement:
+def whole(projection: str, config: InferenceConfig) -> Placement:
     """How the whole (unsplit) stacked weights of ``projection`` are laid out."""
     return attrs.evolve(placement(projection, config), tp_degree=1, rank=0)
 
 
-def in_model_layout(matrices: Matrices, adapter_id: str, config: Any) -> Matrices:
+def in_model_layout(matrices: Matrices, adapter_id: str, config: InferenceConfig) -> Matrices:
     """An adapter's matrices (``adapter_matrices``) for the model's projections: K/V heads
     replicated and query heads padded like the base weights, q/k/v fused when the model fuses
     them."""
@@ -200,7 +203,7 @@ def in_model_layout(matrices: Matrices, adapter_id: str, config: Any) -> Matrice
     return laid_out
 
 
-def _fuse_qkv(matrices: Matrices, adapter_id: str, config: Any) -> Matrices:
+def _fuse_qkv(matrices: Matrices, adapter_id: str, config: InferenceConfig) -> Matrices:
     rank = config.neuron_config.lora_config.max_lora_rank
     sizes = _qkv_sizes(config)
     fused = dict(matrices)
@@ -227,7 +230,9 @@ def _fuse_qkv(matrices: Matrices, adapter_id: str, config: Any) -> Matrices:
     return fused
 
 
-def add_adapter_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, Any]:
+def add_adapter_weights(
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
+) -> dict[str, Any]:
     """The converter: for every target projection ``P`` of the checkpoint, ``P.lora_a``
     [slots, rank, in], ``P.lora_b`` [slots, out, rank] and ``P.lora_scale`` [slots] (whole:
     each rank's part is cut when it loads them), the start-up adapters in their slots; slot 0,

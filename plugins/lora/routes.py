@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxdplug.plugin_api import NxdPlugError
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronConfig
 
 KEYWORD = "adapter_ids"
 STORE = "nxdplug.plugins.lora.store"
@@ -26,7 +29,7 @@ def load_lora_adapter(engine: Any, body: Mapping[str, Any]) -> dict[str, Any]:
     return {"object": "lora_adapter", "id": name, "status": "loaded"}
 
 
-def allowed_path(given: str, neuron_config: Any) -> Path:
+def allowed_path(given: str, neuron_config: NeuronConfig) -> Path:
     """``given`` with every link and ``..`` resolved, if that lies in one of the folders the
     server allows (``allowed_lora_paths``); the resolved path is the one read, so a link
     changed after this check cannot lead elsewhere."""

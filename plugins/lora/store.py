@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,11 +29,14 @@ from nxdplug.plugins.lora.adapters import (
 )
 from nxdplug.plugins.lora.layout import Placement, in_model_layout, placement, write_slot
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, NeuronBaseForCausalLM
+
 LORA_WEIGHTS = (".lora_a", ".lora_b", ".lora_scale")
 
 
 class AdapterStore:
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: InferenceConfig) -> None:
         lora_config = config.neuron_config.lora_config
         self.config = config
         self.dynamic = lora_config.enable_dynamic_multi_lora
@@ -147,7 +150,7 @@ class AdapterStore:
         return adapter, matrices
 
 
-def adapter_store(application: Any) -> AdapterStore:
+def adapter_store(application: NeuronBaseForCausalLM) -> AdapterStore:
     """The adapter store of an application whose config enables multi-LoRA."""
     builder = application.context.step_input_builders.get("adapter-ids")
     if builder is None:
@@ -158,12 +161,12 @@ def adapter_store(application: Any) -> AdapterStore:
     return builder.store
 
 
-def load_adapter(application: Any, adapter_id: str, path: str | Path) -> None:
+def load_adapter(application: NeuronBaseForCausalLM, adapter_id: str, path: str | Path) -> None:
     """Add a PEFT adapter to a running application (dynamic multi-LoRA); it takes a slot when
     a request first names it. Nothing is recompiled."""
     adapter_store(application).register(adapter_id, Path(path))
 
 
-def unload_adapter(application: Any, adapter_id: str) -> None:
+def unload_adapter(application: NeuronBaseForCausalLM, adapter_id: str) -> None:
     """Remove an adapter from a running application; requests may no longer name it."""
     adapter_store(application).unregister(adapter_id)

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from nxdplug.plugin_api import CheckpointError, load_tensor_file
 from nxdplug.plugins.medusa.hooks import DEFAULT_LAYERS, LAYERS_SETTING
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 HEADS_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_heads.pt")
 HEADS_ATTRIBUTE = "medusa_head"
@@ -56,7 +59,7 @@ def medusa_heads(
     )
 
 
-def num_layers(config: Any) -> int:
+def num_layers(config: InferenceConfig) -> int:
     """ResBlocks per head (``medusa_num_layers``, 1 as in Medusa-1 releases and NxD Inference)."""
     return getattr(config.neuron_config, LAYERS_SETTING, DEFAULT_LAYERS)
 
@@ -91,7 +94,7 @@ def _read_heads_file(folder: Path) -> tuple[dict[tuple[int, str], torch.Tensor],
     )
 
 
-def add_medusa_heads(state_dict: dict[str, Any], config: Any) -> dict[str, Any]:
+def add_medusa_heads(state_dict: dict[str, Any], config: InferenceConfig) -> dict[str, Any]:
     """The state dict with the first ``num_medusa_heads`` heads as ``medusa_head.{i}.*``, cast
     to ``torch_dtype`` (the heads run in the model's dtype; released heads are fp16)."""
     neuron_config = config.neuron_config

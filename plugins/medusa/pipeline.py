@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -13,12 +13,15 @@ from nxdplug.plugins.medusa.hooks import DEFAULT_LAYERS, LAYERS_SETTING
 from nxdplug.plugins.medusa.submodels import MedusaContextWrapper, MedusaTreeWrapper
 from nxdplug.plugins.medusa.tree import MedusaTree, tree_problems
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import PipelineContext
+
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def validate(context: Any) -> list[str]:
+def validate(context: PipelineContext) -> list[str]:
     """The Medusa settings, all problems at once."""
     config, neuron_config = context.config, context.neuron_config
     problems = [
@@ -38,7 +41,7 @@ def validate(context: Any) -> list[str]:
     return problems
 
 
-def add_heads(model: nn.Module, context: Any) -> None:
+def add_heads(model: nn.Module, context: PipelineContext) -> None:
     """Give the model its heads (``model.medusa_head``), filled from the state dict."""
     config = context.config
     heads = medusa_heads(
@@ -50,7 +53,7 @@ def add_heads(model: nn.Module, context: Any) -> None:
     setattr(model, HEADS_ATTRIBUTE, heads)
 
 
-def add_submodels(context: Any) -> Iterable[ModelWrapper]:
+def add_submodels(context: PipelineContext) -> Iterable[ModelWrapper]:
     """A context encoding that also runs the heads, and the tree verifier."""
     tree = MedusaTree(context.neuron_config.medusa_tree)
     return [

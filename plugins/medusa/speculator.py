@@ -22,7 +22,7 @@ Rows keep their own lengths; finished rows leave the batch (the wrapper pads it)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,11 +38,14 @@ from nxdplug.plugin_api import (
 )
 from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_MODEL_TAG
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronBaseForCausalLM
+
 
 class MedusaSpeculator:
     """The ``medusa`` speculation mode (greedy)."""
 
-    def __init__(self, application: Any) -> None:
+    def __init__(self, application: NeuronBaseForCausalLM) -> None:
         self.application = application
         self.context = application.submodel(MEDUSA_CONTEXT_TAG)
         self.verifier = application.submodel(MEDUSA_MODEL_TAG)

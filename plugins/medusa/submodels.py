@@ -16,13 +16,16 @@ ids leave it rather than ``heads x vocab`` logits per token.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nxdplug.plugin_api import ModelWrapper, StepInputs, last_token_states, tree_attention
 from nxdplug.plugins.medusa.tree import MedusaTree
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 MEDUSA_CONTEXT_TAG = "medusa_context_encoding_model"
 
@@ -64,7 +67,9 @@ class MedusaContextWrapper(ModelWrapper):
 
     takes_step_inputs = False
 
-    def __init__(self, config: Any, model_cls: type[nn.Module], tree: MedusaTree) -> None:
+    def __init__(
+        self, config: InferenceConfig, model_cls: type[nn.Module], tree: MedusaTree
+    ) -> None:
         super().__init__(config, model_cls, tag=MEDUSA_CONTEXT_TAG, is_context_encoding=True)
         self.tree = tree
 
@@ -77,7 +82,9 @@ class MedusaTreeWrapper(ModelWrapper):
 
     takes_step_inputs = False
 
-    def __init__(self, config: Any, model_cls: type[nn.Module], tree: MedusaTree) -> None:
+    def __init__(
+        self, config: InferenceConfig, model_cls: type[nn.Module], tree: MedusaTree
+    ) -> None:
         # tokens_per_step 0: only the speculator calls it (application.forward never routes here).
         super().__init__(
             config,

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nxdplug.plugin_api import ConfigError, ExpertMLPs, current_phase, rank_layout
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, MoENeuronConfig, PipelineContext
 
 PHASES = ("context_encoding", "token_generation")
 EXPERT_WEIGHT = re.compile(
@@ -25,7 +28,7 @@ EXPERT_WEIGHT = re.compile(
 )
 
 
-def phase_degrees(neuron_config: Any) -> dict[str, tuple[int, int]]:
+def phase_degrees(neuron_config: MoENeuronConfig) -> dict[str, tuple[int, int]]:
     """(tp, ep) degrees of the experts in each phase."""
     hybrid = neuron_config.hybrid_sharding_config
     return {
@@ -34,7 +37,7 @@ def phase_degrees(neuron_config: Any) -> dict[str, tuple[int, int]]:
     }
 
 
-def validate(context: Any) -> Iterator[str]:
+def validate(context: PipelineContext) -> Iterator[str]:
     neuron_config, config = context.neuron_config, context.config
     tp_degree = neuron_config.tp_degree
     if (neuron_config.moe_tp_degree, neuron_config.moe_ep_degree) != (1, 1):
@@ -56,7 +59,7 @@ def validate(context: Any) -> Iterator[str]:
             yield from _split_problems(config, short, tp, ep)
 
 
-def _split_problems(config: Any, short: str, tp: int, ep: int) -> Iterator[str]:
+def _split_problems(config: InferenceConfig, short: str, tp: int, ep: int) -> Iterator[str]:
     experts = getattr(config, "num_local_experts", None)
     inner = getattr(config, "intermediate_size", None)
     if experts is not None and experts % ep:
@@ -69,7 +72,7 @@ class PhaseLayoutExperts(nn.Module):
     """Routed experts with one :class:`ExpertMLPs` per phase layout: ``context_encoding`` for
     prompts, ``token_generation`` for every other phase (decode, speculation)."""
 
-    def __init__(self, experts: ExpertMLPs, neuron_config: Any) -> None:
+    def __init__(self, experts: ExpertMLPs, neuron_config: MoENeuronConfig) -> None:
         super().__init__()
         for phase, (tp, ep) in phase_degrees(neuron_config).items():
             degrees = rank_layout(tp, ep)
@@ -95,7 +98,7 @@ class PhaseLayoutExperts(nn.Module):
         return experts(hidden, affinities, expert_index)
 
 
-def lay_out_experts_per_phase(model: nn.Module, context: Any) -> None:
+def lay_out_experts_per_phase(model: nn.Module, context: PipelineContext) -> None:
     """The ``transform_model`` callback: every MoE block's experts laid out per phase."""
     blocks = [m for m in model.modules() if isinstance(getattr(m, "expert_mlps", None), ExpertMLPs)]
     if not blocks:
@@ -107,7 +110,7 @@ def lay_out_experts_per_phase(model: nn.Module, context: Any) -> None:
 
 
 def copy_expert_weights_per_phase(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """``...expert_mlps.W`` becomes ``...expert_mlps.<phase>.W`` for both phases (the same
     tensor: each rank's shards are cut from it per layout when the weights load)."""

@@ -14,10 +14,13 @@ import importlib
 import importlib.metadata
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 INSTALL_HINT = (
     "torch-neuronx is not installed; on a Trainium or Inferentia instance run "
@@ -59,7 +62,7 @@ class NeuronBackend:
             return INSTALL_HINT
         return None
 
-    def versions(self, config: Any) -> dict[str, str]:
+    def versions(self, config: InferenceConfig) -> dict[str, str]:
         found = {}
         for package in ("torch-neuronx", "neuronx-cc"):
             try:

@@ -8,17 +8,20 @@ backend reports the switches as without effect (the neuron backend owns them).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronConfig, PipelineContext
 
-def validate(context: Any) -> list[str]:
+
+def validate(context: PipelineContext) -> list[str]:
     """The ``validate`` callback of the ``nki-kernels`` feature."""
     return list(kernel_dependency_problems(context.neuron_config))
 
 
-def kernel_dependency_problems(nc: Any) -> Iterator[str]:
+def kernel_dependency_problems(nc: NeuronConfig) -> Iterator[str]:
     """What each kernel needs of the rest of the config."""
     bf16 = nc.torch_dtype == torch.bfloat16
     dtype = str(nc.torch_dtype).removeprefix("torch.")

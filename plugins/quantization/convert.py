@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,11 +32,14 @@ from nxdplug.plugins.quantization.targets import (
     is_quantized_module,
 )
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, NeuronConfig
+
 log = logging.getLogger(__name__)
 
 
 def fit_quantized_weights(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """Reshape scales to the layers' ``[1]`` or ``[out]``, tile int8 weights for the int8
     matmul (:func:`.kernel.tile_rows`) and check every quantized weight.
@@ -86,7 +89,7 @@ def fit_quantized_weights(
 
 
 def quantized_weights(
-    state_dict: dict[str, torch.Tensor], neuron_config: Any
+    state_dict: dict[str, torch.Tensor], neuron_config: NeuronConfig
 ) -> Iterator[tuple[str, str, torch.Tensor, torch.Tensor | None]]:
     """``(key, module, weight, scale or None)`` of each weight a quantized module holds."""
     skip = neuron_config.modules_to_not_convert
@@ -96,7 +99,7 @@ def quantized_weights(
             yield key, module, weight, state_dict.get(f"{key}{SCALE_SUFFIX}")
 
 
-def refuse_misfits(problems: list[str], neuron_config: Any) -> None:
+def refuse_misfits(problems: list[str], neuron_config: NeuronConfig) -> None:
     if problems:
         raise CheckpointError(
             f"the quantized checkpoint {neuron_config.quantized_checkpoints_path} does not fit "
@@ -104,7 +107,9 @@ def refuse_misfits(problems: list[str], neuron_config: Any) -> None:
         )
 
 
-def fit_int4_weights(state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+def fit_int4_weights(
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
+) -> dict[str, torch.Tensor]:
     """Packed int4 weights (int32 [out, in / 8]) and their scales ([out, in / group]) to the
     int4 layers' layout (:mod:`.int4`). A checkpoint of another tool may have signed zero
     points beside them (``weight_zero_point`` [out, in / group], as GPTQ and AWQ write

@@ -8,12 +8,15 @@ checkpoints load here.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from nxdplug.plugins.quantization.int4 import pack_int4, quantize_int4
 from nxdplug.plugins.quantization.targets import SCALE_SUFFIX, is_quantized_module
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, NeuronConfig
 
 QUANTIZED_DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
@@ -66,7 +69,7 @@ class SymmetricQuantizer:
     per_channel: ClassVar[bool]
 
     def quantize_state_dict(
-        self, state_dict: dict[str, torch.Tensor], config: Any
+        self, state_dict: dict[str, torch.Tensor], config: InferenceConfig
     ) -> dict[str, torch.Tensor]:
         dtype = QUANTIZED_DTYPES[self.dtype_name]
         skip = config.neuron_config.modules_to_not_convert
@@ -83,7 +86,7 @@ class SymmetricQuantizer:
 
 
 def _with_untied_head(
-    state_dict: dict[str, torch.Tensor], config: Any, skip: list[str] | None
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig, skip: list[str] | None
 ) -> dict[str, torch.Tensor]:
     """With tied embeddings, an explicit ``lm_head.weight``, so that the head can be quantized
     while the embedding table stays in full precision."""
@@ -104,7 +107,7 @@ def _with_untied_head(
 DEFAULT_INT4_BLOCK_SIZE = 128
 
 
-def int4_group(neuron_config: Any, in_features: int) -> int:
+def int4_group(neuron_config: NeuronConfig, in_features: int) -> int:
     """Input features per int4 scale: the row for per_channel_symmetric, else
     ``quantization_block_size``."""
     if neuron_config.quantization_type == "per_channel_symmetric":
@@ -119,7 +122,7 @@ class Int4Quantizer:
     float32 [out, in / group]."""
 
     def quantize_state_dict(
-        self, state_dict: dict[str, torch.Tensor], config: Any
+        self, state_dict: dict[str, torch.Tensor], config: InferenceConfig
     ) -> dict[str, torch.Tensor]:
         neuron_config = config.neuron_config
         skip = neuron_config.modules_to_not_convert

@@ -5,19 +5,22 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from importlib.util import find_spec
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nxdplug.plugin_api import QuantizationMethod, requested_backend
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, NeuronConfig, PipelineContext
 
 SPECIAL_SCALAR_ENV = "XLA_HANDLE_SPECIAL_SCALAR"
 
 
-def validate(context: Any) -> list[str]:
+def validate(context: PipelineContext) -> list[str]:
     """The ``validate`` callback of the weight-quantization feature."""
     return list(quantization_problems(context.config))
 
 
-def method_problems(neuron_config: Any) -> Iterator[str]:
+def method_problems(neuron_config: NeuronConfig) -> Iterator[str]:
     """``quantization_dtype`` and ``quantization_type`` against the registered methods (a
     third-party method's dtype is as good as a built-in one)."""
     from nxdplug.plugin_api import did_you_mean, get_registry
@@ -45,7 +48,7 @@ def method_problems(neuron_config: Any) -> Iterator[str]:
         )
 
 
-def int4_problems(neuron_config: Any) -> Iterator[str]:
+def int4_problems(neuron_config: NeuronConfig) -> Iterator[str]:
     """int4's block settings, and what it does not combine with yet."""
     block_size = getattr(neuron_config, "quantization_block_size", None)
     axis = getattr(neuron_config, "quantization_block_axis", None)
@@ -68,7 +71,7 @@ def int4_problems(neuron_config: Any) -> Iterator[str]:
         yield "int4 weights with multi-LoRA: not implemented yet; use int8 weights with LoRA"
 
 
-def quantization_problems(config: Any) -> Iterator[str]:
+def quantization_problems(config: InferenceConfig) -> Iterator[str]:
     """What stops a quantized config from loading. The checkpoint itself is not looked for:
     the guide builds the application before ``save_quantized_state_dict`` writes it, so a
     missing one is reported when the weights are read."""
@@ -101,7 +104,7 @@ def quantization_problems(config: Any) -> Iterator[str]:
         )
 
 
-def _targets_neuron(neuron_config: Any) -> bool:
+def _targets_neuron(neuron_config: NeuronConfig) -> bool:
     requested = requested_backend(neuron_config)
     if requested is not None:
         return requested == "neuron"

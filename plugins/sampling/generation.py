@@ -8,13 +8,16 @@ config's settings, and ``generate()`` arguments asking for other ones are refuse
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig
 
 from nxdplug.plugin_api import NotSupportedError, SamplingParams, get_registry
 from nxdplug.plugins.sampling.on_device import samples, sampling_params_tensor
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import PipelineContext
 
 # GenerationConfig settings that on-device sampling takes as sampling_params.
 SAMPLING_SETTINGS = ("do_sample", "top_k", "top_p", "temperature")
@@ -53,7 +56,7 @@ class DeviceSampling:
 
 
 def device_token_source(
-    context: Any,
+    context: PipelineContext,
     generation_config: GenerationConfig,
     batch_size: int,
     step_keywords: dict[str, Any],
@@ -89,7 +92,7 @@ def device_token_source(
     return DeviceSampling(step_keywords, rows, greedy)
 
 
-def _sampling_rows(context: Any, config: GenerationConfig, batch: int) -> torch.Tensor:
+def _sampling_rows(context: PipelineContext, config: GenerationConfig, batch: int) -> torch.Tensor:
     """The GenerationConfig's settings as ``sampling_params``, one row per request."""
     if not config.do_sample:
         return sampling_params_tensor(batch, 1, 1.0, 1.0, context.device)

@@ -5,16 +5,19 @@ with (without)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import PipelineContext
 
 
 class RequestSampling:
     """The on-device-sampling feature's ``request_sampling``, built with the application's
     pipeline context."""
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: PipelineContext) -> None:
         neuron_config = context.neuron_config
         self.device = context.device
         self.config = neuron_config.on_device_sampling_config

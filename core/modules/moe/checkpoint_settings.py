@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nxdplug.config import MoENeuronConfig
 
+if TYPE_CHECKING:
+    from nxdplug.config import NeuronConfig
 
-def moe_neuron_config_problems(neuron_config: Any, model: str, config_cls: str) -> list[str]:
+
+def moe_neuron_config_problems(
+    neuron_config: NeuronConfig, model: str, config_cls: str
+) -> list[str]:
     """A MoE model needs a MoENeuronConfig whose router takes a softmax."""
     if not isinstance(neuron_config, MoENeuronConfig):
         return [

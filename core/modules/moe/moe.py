@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -15,6 +15,9 @@ from nxdplug.modules.moe.expert_mlps import ExpertMLPs
 from nxdplug.modules.moe.parallel import moe_degrees
 from nxdplug.modules.moe.routing import RouterTopK
 from nxdplug.modules.moe.shared_experts import SharedExperts
+
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig, MoENeuronConfig
 
 
 def fused_tkg_settings(tkg_config: MoEFusedTKGConfig | None) -> list[str]:
@@ -85,7 +88,9 @@ def without_router_outputs(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torc
     return out[0] if isinstance(out, tuple) else out
 
 
-def routed_experts_config(config: Any, *, bias: bool = False) -> RoutedExpertsMLPOpsConfig:
+def routed_experts_config(
+    config: InferenceConfig, *, bias: bool = False
+) -> RoutedExpertsMLPOpsConfig:
     """The routed experts' settings: shapes from the model config (HF names), numerics from
     its MoENeuronConfig."""
     neuron_config = config.neuron_config
@@ -112,7 +117,7 @@ def routed_experts_config(config: Any, *, bias: bool = False) -> RoutedExpertsML
 
 
 def initialize_moe_module(
-    config: Any,
+    config: InferenceConfig,
     rmsnorm: nn.Module | None = None,
     init_tkg_module: bool = False,
     apply_act_fn_over_topk: bool = False,
@@ -172,7 +177,7 @@ def initialize_moe_module(
     ).eval()
 
 
-def fused_tkg_config(neuron_config: Any) -> MoEFusedTKGConfig:
+def fused_tkg_config(neuron_config: MoENeuronConfig) -> MoEFusedTKGConfig:
     """NxD Inference's MoEFusedTKGConfig of a MoENeuronConfig: ``quantized`` and its
     ``moe_fused_nki_kernel_enabled``, ``router_topk_nki_kernel_enabled``,
     ``expert_mlp_nki_kernel_enabled`` and ``shared_mlp_nki_kernel_enabled`` keywords."""

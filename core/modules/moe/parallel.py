@@ -3,13 +3,16 @@ tensor parallelism (each expert's intermediate dim split), over all the launched
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 
 from nxdplug.config.moe import parallel_degree_problems
 from nxdplug.errors import ConfigError
 from nxdplug.modules.parallel_linear import TP, tp_rank, tp_world_size
+
+if TYPE_CHECKING:
+    from nxdplug.config import MoENeuronConfig
 
 
 @attrs.frozen
@@ -43,7 +46,7 @@ def rank_layout(tp_degree: int, ep_degree: int) -> MoEDegrees:
     return MoEDegrees(tp_degree=tp_degree, ep_degree=ep_degree, rank=tp_rank())
 
 
-def moe_degrees(neuron_config: Any) -> MoEDegrees:
+def moe_degrees(neuron_config: MoENeuronConfig) -> MoEDegrees:
     """The expert layout of this rank. With both degrees left at 1 and several ranks, each
     expert is split over all of them (tensor parallelism, as for the dense MLP)."""
     problems = parallel_degree_problems(neuron_config)

@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from nxdplug.nxdi.demo.flags import COMMAND, add_run_flags, config_values, hints_given
 from nxdplug.plugin_api import (
@@ -27,6 +27,9 @@ from nxdplug.plugin_api import (
     selection_summary,
     without_speculation,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, NeuronBaseForCausalLM, NeuronConfig
 
 TASK_TYPES = ("causal-lm",)
 
@@ -85,7 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args([COMMAND, *(sys.argv[1:] if argv is None else argv)])
 
 
-def create_neuron_config(model_cls: Any, args: argparse.Namespace) -> Any:
+def create_neuron_config(
+    model_cls: type[NeuronBaseForCausalLM], args: argparse.Namespace
+) -> NeuronConfig:
     """NxD Inference's ``inference_demo.create_neuron_config``: the model class's NeuronConfig
     of the parsed flags, the features' sub-configs included."""
     return model_cls.get_neuron_config_cls()(**neuron_config_options(args))
@@ -184,7 +189,7 @@ def neuron_config_options(args: argparse.Namespace) -> dict[str, Any]:
     return options | from_plugins
 
 
-def _check_flag_values(args: argparse.Namespace, neuron_config: Any) -> None:
+def _check_flag_values(args: argparse.Namespace, neuron_config: NeuronConfig) -> None:
     """The flags nxdplug supports for the values that match what it does, and no other."""
     tp = neuron_config.tp_degree
     equal = {
@@ -208,7 +213,7 @@ def _check_flag_values(args: argparse.Namespace, neuron_config: Any) -> None:
         raise DemoUsageError("--input-start-offsets takes one offset, or one per prompt")
 
 
-def _dry_run(config: Any) -> int:
+def _dry_run(config: InferenceConfig) -> int:
     """What ``--compile-dry-run`` does here: resolve the plugins and report every problem."""
     from nxdplug.plugin_api import config_problems, select_plugins
 
@@ -220,7 +225,9 @@ def _dry_run(config: Any) -> int:
     return 1 if problems else 0
 
 
-def _draft_application(args: argparse.Namespace, config: Any) -> Any:
+def _draft_application(
+    args: argparse.Namespace, config: InferenceConfig
+) -> NeuronBaseForCausalLM | None:
     """The draft model of draft-model speculation (a separate application, as inference_demo
     builds it), or None: fused speculation (EAGLE) builds its draft into the target."""
     from nxdplug.plugin_api import from_pretrained, load_pretrained_config

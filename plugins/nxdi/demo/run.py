@@ -10,17 +10,24 @@ import ast
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nxdplug.nxdi.demo.flags import COMMAND
 from nxdplug.plugin_api import NxdPlugError, generate_keywords, load_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+
+    from nxdplug.plugin_api import NeuronBaseForCausalLM, NeuronConfig
+
 GENERATION_CONFIG_FLAGS = ("do_sample", "top_k", "pad_token_id", "dynamic", "top_p", "temperature")
 
 
-def run_loaded(args: argparse.Namespace, model: Any, draft: Any) -> int:
+def run_loaded(
+    args: argparse.Namespace, model: NeuronBaseForCausalLM, draft: NeuronBaseForCausalLM | None
+) -> int:
     """Check accuracy, generate and print the outputs, benchmark; 1 when logit matching
     failed (after the outputs are printed, as inference_demo)."""
     from nxdplug.plugin_api import HuggingFaceGenerationAdapter, LogitMatchingValidationError
@@ -78,7 +85,7 @@ def _without_draft(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**(vars(args) | {"draft_model_path": None}))
 
 
-def _generation_config(args: argparse.Namespace, model: Any) -> Any:
+def _generation_config(args: argparse.Namespace, model: NeuronBaseForCausalLM) -> GenerationConfig:
     """The checkpoint's GenerationConfig with the sampling flags, as inference_demo makes it."""
     from nxdplug.plugin_api import model_generation_config
 
@@ -91,7 +98,11 @@ def _generation_config(args: argparse.Namespace, model: Any) -> Any:
 
 
 def _check_accuracy(
-    args: argparse.Namespace, model: Any, tokenizer: Any, generation_config: Any, draft: Any
+    args: argparse.Namespace,
+    model: NeuronBaseForCausalLM,
+    tokenizer: Any,
+    generation_config: GenerationConfig,
+    draft: NeuronBaseForCausalLM | None,
 ) -> None:
     """inference_demo's check of the first prompt (once per batch row): a token mismatch is an
     error; a logit mismatch raises LogitMatchingValidationError for the caller."""
@@ -149,7 +160,7 @@ def _tol_map(text: str | None) -> Any:
 
 
 def _encode(
-    args: argparse.Namespace, tokenizer: Any, prompts: list[str], neuron_config: Any
+    args: argparse.Namespace, tokenizer: Any, prompts: list[str], neuron_config: NeuronConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts' ids and attention mask: cut to max_context_length with
     --allow-input-truncation, shifted right by --input-start-offsets."""
@@ -177,7 +188,7 @@ def capture_hook(indices: list[int], folder: Path | None) -> Callable[[Any, list
     folder = folder or Path()
     state = {"pass": 0}
 
-    def hook(model: Any, inputs: list) -> None:
+    def hook(model: NeuronBaseForCausalLM, inputs: list) -> None:
         state["pass"] = state["pass"] + 1 if model.kv_cache_populated else 0
         if state["pass"] in indices:
             folder.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig
@@ -33,6 +33,9 @@ from nxdplug.plugin_api import (
     prepare_sampling_params,
 )
 from nxdplug.plugins.benchmark.measurements import measure_nxdplug, percentile, random_prompt_ids
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import NeuronBaseForCausalLM, NeuronConfig
 
 BENCHMARK_REPORT_PATH = "./benchmark_report.json"
 END_TO_END_MODEL = "e2e_model"
@@ -63,8 +66,8 @@ def generate_report(
 
 
 def benchmark_sampling(
-    model: Any,
-    draft_model: Any = None,
+    model: NeuronBaseForCausalLM,
+    draft_model: NeuronBaseForCausalLM | None = None,
     generation_config: GenerationConfig | None = None,
     target: str | None = None,
     image: Any = False,
@@ -128,7 +131,7 @@ def benchmark_sampling(
     return report
 
 
-def _lengths(neuron_config: Any) -> tuple[int, int]:
+def _lengths(neuron_config: NeuronConfig) -> tuple[int, int]:
     """NxD Inference's benchmark prompt length, and the new tokens that fit after it."""
     prompt_length = neuron_config.max_context_length
     if prompt_length >= neuron_config.max_length:
@@ -137,7 +140,9 @@ def _lengths(neuron_config: Any) -> tuple[int, int]:
     return prompt_length, min(neuron_config.max_new_tokens or room, room)
 
 
-def _step_keywords(model: Any, generation_config: GenerationConfig | None) -> dict[str, Any]:
+def _step_keywords(
+    model: NeuronBaseForCausalLM, generation_config: GenerationConfig | None
+) -> dict[str, Any]:
     """``sampling_params`` for a model whose on-device sampler takes them per row."""
     sampling_config = model.neuron_config.on_device_sampling_config
     if sampling_config is None or not sampling_config.dynamic:

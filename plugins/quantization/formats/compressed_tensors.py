@@ -20,7 +20,7 @@ multiplies in full precision. 4-bit floats (NVFP4, MXFP4) are refused.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from nxdplug.plugins.quantization.formats.common import (
 )
 from nxdplug.plugins.quantization.int4 import unpack_int4
 from nxdplug.plugins.quantization.targets import is_quantized_module
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 TOOL = "compressed-tensors"
 PACKED = "weight_packed"
@@ -139,7 +142,9 @@ class CompressedTensorsReader:
         ignored = [e for e in self.config.get("ignore") or () if not e.startswith("re:")]
         return sorted({e.removeprefix("model.") for e in ignored} | {"lm_head"})
 
-    def convert(self, state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self, state_dict: dict[str, torch.Tensor], config: InferenceConfig
+    ) -> dict[str, torch.Tensor]:
         skip = config.neuron_config.modules_to_not_convert
         native = config.neuron_config.quantized and self.native is not None
         converted, parts = module_parts(state_dict, WEIGHT_PARTS)

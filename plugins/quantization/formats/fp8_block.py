@@ -11,7 +11,7 @@ used.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from nxdplug.plugins.quantization.formats.common import (
     log_dequantized,
     module_name,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 SCALE = "weight_scale_inv"
 ACTIVATION_SCALE = "activation_scale"
@@ -36,7 +39,9 @@ class Fp8BlockReader:
     def settings(self) -> dict[str, Any]:
         return {}
 
-    def convert(self, state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self, state_dict: dict[str, torch.Tensor], config: InferenceConfig
+    ) -> dict[str, torch.Tensor]:
         converted = dict(state_dict)
         modules = [key.removesuffix(f".{SCALE}") for key in state_dict if key.endswith(SCALE)]
         for module in modules:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -35,6 +35,9 @@ from nxdplug.plugins.quantization.formats.common import (
 )
 from nxdplug.plugins.quantization.int4 import OFFSET, pack_int4
 from nxdplug.plugins.quantization.targets import is_quantized_module
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 BITS = 4
 PER_WORD = 32 // BITS
@@ -115,7 +118,9 @@ class PackedInt4Reader(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """``(Q [in, out], Z [groups, out] or None, S [groups, out])``, Q and Z unsigned."""
 
-    def convert(self, state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self, state_dict: dict[str, torch.Tensor], config: InferenceConfig
+    ) -> dict[str, torch.Tensor]:
         skip = config.neuron_config.modules_to_not_convert
         native = config.neuron_config.quantized and self.native_settings() is not None
         converted, parts = module_parts(state_dict, self.parts)

@@ -11,11 +11,14 @@ power of two is a float32), said in the log.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nxdplug.plugins.quantization.formats.common import log_dequantized, module_name
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 BLOCKS, SCALES = "_blocks", "_scales"
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -42,7 +45,9 @@ class Mxfp4Reader:
     def settings(self) -> dict[str, Any]:
         return {}
 
-    def convert(self, state_dict: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self, state_dict: dict[str, torch.Tensor], config: InferenceConfig
+    ) -> dict[str, torch.Tensor]:
         converted = dict(state_dict)
         names = [key.removesuffix(BLOCKS) for key in state_dict if key.endswith(BLOCKS)]
         for name in names:

@@ -8,9 +8,12 @@ state-dict steps (fused QKV, GQA replication) and attention module work with.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
 
 # (pattern, replacement) applied in turn to every key.
 RENAMES: tuple[tuple[re.Pattern[str], str], ...] = (
@@ -47,7 +50,7 @@ def renamed(key: str) -> str:
 
 
 def convert_hf_gptneox_state_dict(
-    state_dict: dict[str, torch.Tensor], config: Any
+    state_dict: dict[str, torch.Tensor], config: InferenceConfig
 ) -> dict[str, torch.Tensor]:
     """Rename, split ``query_key_value``, drop computed buffers, fill a tied ``lm_head``."""
     converted: dict[str, torch.Tensor] = {}

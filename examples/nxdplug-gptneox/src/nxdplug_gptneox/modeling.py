@@ -7,7 +7,7 @@ with ``use_parallel_residual``, attention and MLP both reading the layer's input
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,11 +29,14 @@ from nxdplug.plugin_api import (
     tp_world_size,
 )
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig
+
 # HF's default when a config gives neither rope_parameters' factor nor rotary_pct.
 DEFAULT_ROTARY_FRACTION = 0.25
 
 
-def rotary_ndims(config: Any) -> int:
+def rotary_ndims(config: InferenceConfig) -> int:
     """How many leading dims of each head rotary positions turn.
 
     transformers 5 keeps the fraction as ``rope_parameters["partial_rotary_factor"]``; older
@@ -69,7 +72,7 @@ class GPTNeoXInferenceConfig(InferenceConfig):
 class GPTNeoXMLP(nn.Module):
     """dense_4h_to_h(act(dense_h_to_4h(x))), both with biases."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: InferenceConfig) -> None:
         super().__init__()
         tp = {"tp_degree": tp_world_size(), "rank": tp_rank()}
         hidden, intermediate = config.hidden_size, config.intermediate_size
@@ -91,7 +94,7 @@ class GPTNeoXDecoderLayer(nn.Module):
     """Parallel residual: x + attn(ln1(x)) + mlp(ln2(x)). Sequential: h = x + attn(ln1(x)),
     then h + mlp(ln2(h))."""
 
-    def __init__(self, config: Any, layer_idx: int) -> None:
+    def __init__(self, config: InferenceConfig, layer_idx: int) -> None:
         super().__init__()
         self.use_parallel_residual = bool(config.use_parallel_residual)
         self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -116,7 +119,7 @@ class GPTNeoXDecoderLayer(nn.Module):
 
 
 class NeuronGPTNeoXModel(NeuronBaseModel):
-    def init_model(self, config: Any) -> None:
+    def init_model(self, config: InferenceConfig) -> None:
         tp = {"tp_degree": tp_world_size(), "rank": tp_rank()}
         self.embed_tokens = ParallelEmbedding(config.vocab_size, config.hidden_size, **tp)
         self.layers = nn.ModuleList(
