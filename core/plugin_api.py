@@ -1,7 +1,7 @@
 """Everything a plugin may import from nxdplug, in one module (as ``pytest`` over ``_pytest``).
 
 Plugins, built-in and third-party, import nxdplug's objects from here and from nowhere else in
-the core (``tests/test_core_boundary.py`` holds the built-in ones to it), so that the core's
+the core (``tests/core/test_core_boundary.py`` holds the built-in ones to it), so that the core's
 modules can move without breaking them. The ``TYPE_CHECKING`` imports below are the list, for
 type checkers and for this module alike: each name is imported from its module on first use, so
 a plugin's hooks module that takes its records from here imports no torch.

@@ -19,7 +19,7 @@ def run_and_load(script: str, folder: Path, *arguments: str, **environment: str)
     return what it saved."""
     env = dict(os.environ, **environment)
     env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(Path(__file__).parent), env.get("PYTHONPATH")])
+        filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")])
     )
     saved = folder / "saved.pt"
     result = subprocess.run(

@@ -110,7 +110,7 @@ def lower_prepacked_linear() -> None:
     Inductor's own lowering of ``mkldnn::_linear_pointwise`` accepts only constant (frozen)
     weights, so the op gets a lowering of its own that builds the same IR node for a weight
     input. These are inductor internals (``mkldnn_ir``): pinned by the torch version the
-    project tests with, and by ``tests/test_prepacked_linear.py``.
+    project tests with, and by ``tests/plugins/inductor_backend/test_prepacked_linear.py``.
     """
     from torch._inductor import ir, mkldnn_ir
     from torch._inductor.lowering import fallback_handler, register_lowering, view
