@@ -160,6 +160,7 @@ if TYPE_CHECKING:
     from nxdplug.runtime.step import StepInputs, current_phase, current_step
     from nxdplug.runtime.tensor_parallel import end_rank_process
     from nxdplug.runtime.token_tree import TokenTree, tree_attention
+    from nxdplug.slots import claim_slot
     from nxdplug.types import (
         CliExtension,
         CompileBackend,

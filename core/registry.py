@@ -121,6 +121,14 @@ class Registry:
         self.get(kind, name)
         return next(item.plugin for item in self._provided(kind) if item.record.name == name)
 
+    def describe(self, record: PluginRecord) -> str:
+        """How messages name ``record``: its kind, name and the plugin that provides it."""
+        for kind in self.manager.record_kinds.values():
+            for item in self._provided(kind.name):
+                if item.record is record:
+                    return f"{kind.label} {record.name!r} of plugin {self._origin(item.plugin)}"
+        return f"{type(record).__name__} {record.name!r} (registered by no plugin)"
+
     def provided_by(self, plugin: str) -> dict[str, list[str]]:
         """What ``plugin`` provides, per kind (no conflict check: this is for listings)."""
         result: dict[str, list[str]] = {}
