@@ -18,7 +18,7 @@ import attrs
 
 from nxdplug.errors import PluginError, UnknownNameError
 from nxdplug.manager import NxdPlugPluginManager, get_plugin_manager
-from nxdplug.types import PluginRecord, RecordKind
+from nxdplug.types import ModelArchitecture, PluginRecord, RecordKind
 
 
 @attrs.frozen
@@ -138,7 +138,9 @@ class Registry:
                 result[kind] = names
         return result
 
-    def find_architecture(self, hf_architectures: Iterable[str], model_type: str | None) -> Any:
+    def find_architecture(
+        self, hf_architectures: Iterable[str], model_type: str | None
+    ) -> ModelArchitecture:
         """The model plugin serving an HF config's ``architectures`` (first) or ``model_type``."""
         architectures = list(hf_architectures)
         records = self.records("model_architectures")

@@ -12,8 +12,10 @@ import torch
 from nxdplug import NeuronConfig, from_pretrained, hookimpl
 from nxdplug.compile.backend import weights_former
 from nxdplug.config import InferenceConfig, load_pretrained_config
+from nxdplug.contracts import with_defaults
 from nxdplug.engine.request_inputs import RequestInputs
 from nxdplug.engine.requests import RequestError
+from nxdplug.engine.runner import StepRunner
 from nxdplug.errors import PluginError
 from nxdplug.pipeline import PipelineContext, select_plugins
 from nxdplug.plugin_api import claim_slot
@@ -254,3 +256,24 @@ def test_two_plugins_claiming_the_output_stage_are_refused_naming_both(
     message = str(refused.value)
     assert "'first-output'" in message and "'second-output'" in message
     assert "output_stage" in message
+
+
+class OneRank:
+    def run(self, step: Any) -> Any:
+        return step
+
+
+class Broadcasting(OneRank):
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, tuple]] = []
+
+    def call_on_followers(self, function: str, args: tuple) -> None:
+        self.sent.append((function, args))
+
+
+def test_a_runner_of_one_rank_has_no_followers_to_call() -> None:
+    with_defaults(OneRank(), StepRunner).call_on_followers("pkg.mod:load", ("a",))
+    broadcaster = Broadcasting()
+    with_defaults(broadcaster, StepRunner).call_on_followers("pkg.mod:load", ("a",))
+    assert broadcaster.sent == [("pkg.mod:load", ("a",))]
+    assert with_defaults(OneRank(), StepRunner).run("step") == "step"
