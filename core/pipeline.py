@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import torch
 from torch import nn
 
+from nxdplug.contracts import optional, with_defaults
 from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.modules.process_groups import TP, add_group, group_size
 from nxdplug.registry import Registry, get_registry
@@ -37,13 +38,17 @@ from nxdplug.types import (
 if TYPE_CHECKING:
     from transformers import GenerationConfig
 
+    from nxdplug.config import InferenceConfig, NeuronConfig
     from nxdplug.engine.token_choice import GraphSampling
     from nxdplug.generation.hf_adapter import TokenSource
+    from nxdplug.modules.kv_cache import CacheLayout
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
+    from nxdplug.runtime.model_wrapper import ModelWrapper
 
 BACKEND_ENV = "NXDPLUG_BACKEND"
 
 
-def requested_backend(neuron_config: Any) -> str | None:
+def requested_backend(neuron_config: NeuronConfig) -> str | None:
     """The backend a user asked for: NeuronConfig.compile_backend, then NXDPLUG_BACKEND."""
     return getattr(neuron_config, "compile_backend", None) or os.environ.get(BACKEND_ENV) or None
 
@@ -95,7 +100,9 @@ class PluginSelection:
         """The selected features that give the callback ``field``."""
         return tuple(f for f in self.features if getattr(f, field) is not None)
 
-    def with_backend(self, backend: CompileBackend, registry: Registry | None = None) -> Any:
+    def with_backend(
+        self, backend: CompileBackend, registry: Registry | None = None
+    ) -> PluginSelection:
         """This selection compiled with ``backend`` instead of the one the config asked for."""
         registry = registry or get_registry()
         plugins = self.plugins - {registry.provider("compile_backends", self.compile_backend.name)}
@@ -103,7 +110,7 @@ class PluginSelection:
         return attrs.evolve(self, compile_backend=backend, plugins=plugins)
 
 
-def _architecture(config: Any, registry: Registry) -> ModelArchitecture | None:
+def _architecture(config: InferenceConfig, registry: Registry) -> ModelArchitecture | None:
     architectures = getattr(config, "architectures", None) or ()
     model_type = getattr(config, "model_type", None)
     if not architectures and model_type is None:
@@ -111,7 +118,7 @@ def _architecture(config: Any, registry: Registry) -> ModelArchitecture | None:
     return registry.find_architecture(architectures, model_type)
 
 
-def _single_choice(records: Iterable[Any], neuron_config: Any, label: str) -> Any | None:
+def _single_choice(records: Iterable[Any], neuron_config: NeuronConfig, label: str) -> Any | None:
     chosen = [record for record in records if record.is_enabled_by(neuron_config)]
     if len(chosen) > 1:
         names = ", ".join(f"{r.name!r} (enabled by {', '.join(r.enabled_by)})" for r in chosen)
@@ -137,7 +144,7 @@ def _refuse_two_answers(selection: PluginSelection) -> None:
         raise ConfigError(problems)
 
 
-def select_plugins(config: Any, registry: Registry | None = None) -> PluginSelection:
+def select_plugins(config: InferenceConfig, registry: Registry | None = None) -> PluginSelection:
     """The plugins ``config`` enables; raises when a named or implied choice does not exist."""
     registry = registry or get_registry()
     neuron_config = config.neuron_config
@@ -209,7 +216,7 @@ def _feature_problems(selection: PluginSelection, registry: Registry) -> list[st
 
 
 def _unimplemented_attribute_problems(
-    selection: PluginSelection, neuron_config: Any, registry: Registry
+    selection: PluginSelection, neuron_config: NeuronConfig, registry: Registry
 ) -> list[str]:
     declared = {
         attribute
@@ -232,7 +239,7 @@ def _unimplemented_attribute_problems(
     return problems
 
 
-def _backend_problems(selection: PluginSelection, neuron_config: Any) -> list[str]:
+def _backend_problems(selection: PluginSelection, neuron_config: NeuronConfig) -> list[str]:
     backend = selection.compile_backend
     if backend.tp_degrees is not None and neuron_config.tp_degree not in backend.tp_degrees:
         return [
@@ -243,7 +250,7 @@ def _backend_problems(selection: PluginSelection, neuron_config: Any) -> list[st
 
 
 def settings_without_effect(
-    selection: PluginSelection, neuron_config: Any, registry: Registry
+    selection: PluginSelection, neuron_config: NeuronConfig, registry: Registry
 ) -> dict[str, str]:
     """The settings other backends own (``CompileBackend.owned_settings``) that
     ``neuron_config`` sets to other than their defaults, which the selected backend ignores,
@@ -268,7 +275,7 @@ STRICT_CONFIG_ENV = "NXDPLUG_STRICT_CONFIG"
 
 
 def _settings_without_effect_problems(
-    selection: PluginSelection, neuron_config: Any, registry: Registry
+    selection: PluginSelection, neuron_config: NeuronConfig, registry: Registry
 ) -> list[str]:
     """The settings the selected backend ignores, reported once as a warning; with
     ``NXDPLUG_STRICT_CONFIG=1``, as problems of the config."""
@@ -286,6 +293,52 @@ def _settings_without_effect_problems(
     return []
 
 
+class StepInputBuilder(Protocol):
+    """The host side of a step-input plugin; built once per application with its config.
+
+    ``example``, ``build`` and ``reset`` are required; the rest are optional (a builder has
+    them only if it needs them; the core takes the bodies below as the answers otherwise).
+    ``StepInput.builder`` is checked against this when the record is loaded.
+    """
+
+    def __init__(self, config: InferenceConfig) -> None: ...
+
+    def example(self, batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Tensors of the graph's shapes ([batch_size, ...]) for tracing, by input name."""
+
+    def build(
+        self, batch_size: int, keywords: Mapping[str, Any], device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """This step's tensors, by input name, from the caller's keywords (those the record
+        declares; absent ones are missing from ``keywords``). Refuse what cannot be honoured."""
+
+    def reset(self) -> None:
+        """A new generation starts (reseed a generator, ...)."""
+
+    @optional
+    def bind(self, application: NeuronBaseForCausalLM) -> None:
+        """The application's model is loaded (eager or compiled): a builder that acts on it
+        (writing adapter weights into their slots) takes it here, each time."""
+
+    @optional
+    def row_problem(self, keyword: str, value: Any) -> str | None:
+        """Why the serving engine cannot serve one request's ``value`` of ``keyword`` (an
+        adapter nobody registered); the request is refused with it, before it waits."""
+        return None
+
+    @optional
+    def rows_fit(self, keyword: str, values: Sequence[Any]) -> bool:
+        """Whether rows with these values of ``keyword`` can run in one step (no more distinct
+        adapters than slots); a request waits until it fits beside the running ones."""
+        return True
+
+    @optional
+    def served_names(self) -> Mapping[str, Mapping[str, Any]]:
+        """Names a server offers as models beside the base model, each with the step keywords
+        of a request that names it (an adapter by its id)."""
+        return {}
+
+
 _ACTIVE_CONTEXT: ContextVar[PipelineContext | None] = ContextVar("nxdplug_pipeline", default=None)
 
 
@@ -299,14 +352,14 @@ class PipelineContext:
     application's life.
     """
 
-    config: Any
+    config: InferenceConfig
     selection: PluginSelection
     model_cls: type[nn.Module] | None = None
-    _builders: dict[str, Any] | None = attrs.field(default=None, init=False)
+    _builders: dict[str, StepInputBuilder] | None = attrs.field(default=None, init=False)
     _running_on: torch.device | None = attrs.field(default=None, init=False)
 
     @property
-    def neuron_config(self) -> Any:
+    def neuron_config(self) -> NeuronConfig:
         return self.config.neuron_config
 
     @property
@@ -336,7 +389,7 @@ class PipelineContext:
         for transform in self._callbacks("transform_model"):
             transform(model, self)
 
-    def extra_submodels(self) -> list[Any]:
+    def extra_submodels(self) -> list[ModelWrapper]:
         """The ModelWrappers the selected records add."""
         return [w for add in self._callbacks("add_submodels") for w in add(self)]
 
@@ -381,7 +434,7 @@ class PipelineContext:
             partition = record.load("partition")(group_size(TP), self.config)
             add_group(record.name, partition)
 
-    def kv_cache(self, layout: Any) -> nn.Module:
+    def kv_cache(self, layout: CacheLayout) -> nn.Module:
         """A KV-cache manager of the selected strategy for ``layout``."""
         return self.selection.kv_cache_strategy.load("implementation")(layout)
 
@@ -395,7 +448,7 @@ class PipelineContext:
         )
 
     @property
-    def step_input_builders(self) -> dict[str, Any]:
+    def step_input_builders(self) -> dict[str, StepInputBuilder]:
         """The builders of the selected step inputs, by record name (made once)."""
         if self._builders is None:
             self._builders = {
@@ -403,7 +456,7 @@ class PipelineContext:
             }
         return self._builders
 
-    def step_input_builder(self, record: StepInput) -> Any:
+    def step_input_builder(self, record: StepInput) -> StepInputBuilder:
         """The application's builder of a selected step input."""
         return self.step_input_builders[record.name]
 
@@ -411,13 +464,11 @@ class PipelineContext:
         """The forward() / generate() keywords the selected step inputs take."""
         return frozenset(k for s in self.selection.step_inputs for k in s.keywords)
 
-    def bind(self, application: Any) -> None:
-        """The application's model is loaded (eager or compiled): builders that act on it (a
-        ``bind(application)`` method) get it."""
+    def bind(self, application: NeuronBaseForCausalLM) -> None:
+        """The application's model is loaded (eager or compiled): builders that act on it
+        (:meth:`StepInputBuilder.bind`) get it."""
         for builder in self.step_input_builders.values():
-            bind = getattr(builder, "bind", None)
-            if bind is not None:
-                bind(application)
+            with_defaults(builder, StepInputBuilder).bind(application)
 
     def reset(self) -> None:
         """A new generation starts: every step-input builder resets."""
@@ -434,7 +485,7 @@ class PipelineContext:
             _ACTIVE_CONTEXT.reset(token)
 
 
-def current_context(config: Any) -> PipelineContext:
+def current_context(config: InferenceConfig) -> PipelineContext:
     """The active context of ``config`` (while an application builds its model), or a new one.
 
     Model classes keep NxD Inference's constructor, ``(config)``; this is how one built by an
@@ -447,7 +498,7 @@ def current_context(config: Any) -> PipelineContext:
 
 
 def _problems_and_selection(
-    config: Any, registry: Registry
+    config: InferenceConfig, registry: Registry
 ) -> tuple[list[str], PluginSelection | None]:
     from nxdplug.config.validation import core_config_problems, unknown_attribute_problems
 
@@ -468,12 +519,12 @@ def _problems_and_selection(
     return problems, selection
 
 
-def config_problems(config: Any, registry: Registry | None = None) -> list[str]:
+def config_problems(config: InferenceConfig, registry: Registry | None = None) -> list[str]:
     """Every problem of ``config``: core rules, unknown attributes, plugin sets, plugin checks."""
     return _problems_and_selection(config, registry or get_registry())[0]
 
 
-def validate(config: Any, source: str | None = None) -> PluginSelection:
+def validate(config: InferenceConfig, source: str | None = None) -> PluginSelection:
     """Check ``config`` and return its plugin set; raise one ConfigError listing all problems."""
     problems, selection = _problems_and_selection(config, get_registry())
     if problems or selection is None:

@@ -163,6 +163,7 @@ if TYPE_CHECKING:
         greedy_acceptance,
         rejection_acceptance,
     )
+    from nxdplug.slots import claim_slot
     from nxdplug.types import (
         CliExtension,
         CompileBackend,

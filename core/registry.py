@@ -18,7 +18,7 @@ import attrs
 
 from nxdplug.errors import PluginError, UnknownNameError
 from nxdplug.manager import NxdPlugPluginManager, get_plugin_manager
-from nxdplug.types import PluginRecord, RecordKind
+from nxdplug.types import ModelArchitecture, PluginRecord, RecordKind
 
 
 @attrs.frozen
@@ -121,6 +121,14 @@ class Registry:
         self.get(kind, name)
         return next(item.plugin for item in self._provided(kind) if item.record.name == name)
 
+    def describe(self, record: PluginRecord) -> str:
+        """How messages name ``record``: its kind, name and the plugin that provides it."""
+        for kind in self.manager.record_kinds.values():
+            for item in self._provided(kind.name):
+                if item.record is record:
+                    return f"{kind.label} {record.name!r} of plugin {self._origin(item.plugin)}"
+        return f"{type(record).__name__} {record.name!r} (registered by no plugin)"
+
     def provided_by(self, plugin: str) -> dict[str, list[str]]:
         """What ``plugin`` provides, per kind (no conflict check: this is for listings)."""
         result: dict[str, list[str]] = {}
@@ -130,7 +138,9 @@ class Registry:
                 result[kind] = names
         return result
 
-    def find_architecture(self, hf_architectures: Iterable[str], model_type: str | None) -> Any:
+    def find_architecture(
+        self, hf_architectures: Iterable[str], model_type: str | None
+    ) -> ModelArchitecture:
         """The model plugin serving an HF config's ``architectures`` (first) or ``model_type``."""
         architectures = list(hf_architectures)
         records = self.records("model_architectures")

@@ -2,18 +2,24 @@
 
 Every record is a small frozen attrs class with a validated ``name``. Code is referenced lazily
 as ``"package.module:attribute"`` strings, so building and listing records imports nothing heavy;
-:meth:`PluginRecord.load` imports a reference when the component is actually used.
+:meth:`PluginRecord.load` imports a reference when the component is actually used, and checks
+it against the protocol its field names (``follows``, see :mod:`nxdplug.contracts`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from nxdplug.contracts import contract_problems
+from nxdplug.errors import PluginError
 from nxdplug.lazy import is_ref, resolve_ref
+
+if TYPE_CHECKING:
+    from nxdplug.config import NeuronConfig
 
 _NAME = re.compile(r"^[a-z][a-z0-9_.\-]*$")
 
@@ -40,10 +46,12 @@ def _str_tuple(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def ref_field(**kwargs: Any) -> Any:
+def ref_field(*, follows: str | None = None, **kwargs: Any) -> Any:
     """An attrs field holding a ``"package.module:attribute"`` reference (records of plugins
-    that add their own hooks use it too)."""
-    return attrs.field(validator=_check_ref, **kwargs)
+    that add their own hooks use it too). ``follows`` references the protocol (or base class)
+    the object must follow; it is checked when the record is loaded, not when listed."""
+    metadata = {} if follows is None else {"follows": follows}
+    return attrs.field(validator=_check_ref, metadata=metadata, **kwargs)
 
 
 def _names_field() -> Any:
@@ -58,8 +66,20 @@ class PluginRecord:
     description: str = ""
 
     def load(self, field_name: str) -> Any:
-        """Import and return the object a reference field points to."""
-        return resolve_ref(getattr(self, field_name))
+        """Import and return the object a reference field points to; raise PluginError,
+        naming the plugin, when it does not follow the protocol the field names."""
+        reference = getattr(self, field_name)
+        loaded = resolve_ref(reference)
+        follows = attrs.fields_dict(type(self))[field_name].metadata.get("follows")
+        problems = [] if follows is None else contract_problems(loaded, resolve_ref(follows))
+        if problems:
+            from nxdplug.registry import get_registry  # the registry imports the records
+
+            raise PluginError(
+                f"{get_registry().describe(self)}: its {field_name} {reference} does not "
+                f"follow {follows}: it {'; it '.join(problems)}"
+            )
+        return loaded
 
 
 @attrs.frozen(kw_only=True)
@@ -168,7 +188,7 @@ class QuantizationMethod(PluginRecord):
     implementation: str = ref_field()
 
     @staticmethod
-    def name_for(neuron_config: Any) -> str:
+    def name_for(neuron_config: NeuronConfig) -> str:
         """The name of the method a NeuronConfig's ``quantization_dtype`` and
         ``quantization_type`` select (``int8``, ``per_channel_symmetric``: ``int8-per_channel``).
         """
@@ -191,14 +211,14 @@ class QuantizedCheckpointFormat(PluginRecord):
     """
 
     quant_methods: tuple[str, ...] = _names_field()
-    reader: str = ref_field()
+    reader: str = ref_field(follows="nxdplug.config.checkpoint_format:CheckpointFormatReader")
 
 
 @attrs.frozen(kw_only=True)
 class Sampler(PluginRecord):
     """Turns next-token logits into tokens; ``implementation`` is a class taking no arguments."""
 
-    implementation: str = ref_field()
+    implementation: str = ref_field(follows="nxdplug.runtime.sampling:TokenSampler")
 
 
 @attrs.frozen(kw_only=True)
@@ -208,8 +228,11 @@ class KVCacheStrategy(SelectableRecord):
     through which the serving engine reserves room in it; by default a whole line (batch row)
     per request."""
 
-    implementation: str = ref_field()
-    cache_space: str = ref_field(default="nxdplug.engine.cache_space:CacheLines")
+    implementation: str = ref_field(follows="nxdplug.modules.kv_cache:KVCacheManager")
+    cache_space: str = ref_field(
+        default="nxdplug.engine.cache_space:CacheLines",
+        follows="nxdplug.engine.cache_space:CacheSpace",
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -229,10 +252,14 @@ class SpeculationMode(SelectableRecord):
     --speculative-config`` applies them).
     """
 
-    implementation: str = ref_field()
+    implementation: str = ref_field(follows="nxdplug.runtime.speculation:Speculator")
     engine_methods: tuple[str, ...] = _names_field()
-    engine_proposer: str | None = ref_field(default=None)
-    engine_fused: str | None = ref_field(default=None)
+    engine_proposer: str | None = ref_field(
+        default=None, follows="nxdplug.engine.speculative:Proposer"
+    )
+    engine_fused: str | None = ref_field(
+        default=None, follows="nxdplug.engine.speculative:FusedSpeculator"
+    )
     engine_settings: str | None = ref_field(default=None)
 
 
@@ -241,14 +268,14 @@ class StepInput(SelectableRecord):
     """Per-row inputs a feature adds to the graphs of the core's phases.
 
     ``builder`` is a class built with the InferenceConfig that follows
-    :class:`nxdplug.modules.step.StepInputBuilder`: each step it makes the tensors named in
+    :class:`nxdplug.pipeline.StepInputBuilder`: each step it makes the tensors named in
     ``inputs`` ([batch, ...], one row per sequence; the core pads rows and buckets) from the
     ``forward()`` / ``generate()`` keywords named in ``keywords``. The graphs find them in
     ``StepInputs.extra`` by name. ``phases`` lists the sub-model tags that take them (empty:
     every sub-model that takes the core's step, ``ModelWrapper.takes_step_inputs``).
     """
 
-    builder: str = ref_field()
+    builder: str = ref_field(follows="nxdplug.pipeline:StepInputBuilder")
     inputs: tuple[str, ...] = _names_field()
     keywords: tuple[str, ...] = _names_field()
     phases: tuple[str, ...] = _names_field()
@@ -281,7 +308,7 @@ class CliExtension(SelectableRecord):
     saying why, when they would make the config invalid.
     """
 
-    implementation: str = ref_field()
+    implementation: str = ref_field(follows="nxdplug.cli.extensions:CommandLineExtension")
     commands: tuple[str, ...] = attrs.field(default=("run", "benchmark"), converter=_str_tuple)
     default_settings: str | None = ref_field(default=None)
 
@@ -297,7 +324,7 @@ class StructuredOutputBackend(PluginRecord):
     orders the choice when several are installed (the highest wins).
     """
 
-    implementation: str = ref_field()
+    implementation: str = ref_field(follows="nxdplug.engine.structured_output:ConstraintCompiler")
     kinds: tuple[str, ...] = _names_field()
     priority: int = 0
 
@@ -345,7 +372,7 @@ class CompileBackend(PluginRecord):
     to other than their defaults are reported once as having no effect.
     """
 
-    implementation: str = ref_field()
+    implementation: str = ref_field(follows="nxdplug.compile.backend:Backend")
     priority: int = 0
     device: str = "cpu"
     tp_degrees: tuple[int, ...] | None = attrs.field(

@@ -13,7 +13,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal, Protocol
 
 import attrs
 import torch
@@ -25,6 +25,7 @@ from nxdplug.checkpoint.safetensors_reader import (
     iter_safetensors,
     read_header,
 )
+from nxdplug.contracts import with_defaults
 from nxdplug.errors import CheckpointError
 
 Format = Literal["safetensors", "pickle"]
@@ -130,14 +131,22 @@ def is_castable(dtype: torch.dtype) -> bool:
     return dtype in COMPUTE_FLOATS
 
 
+class DtypeKeeping(Protocol):
+    """What loading asks of a module about its tensors' dtypes."""
+
+    keeps_dtype: ClassVar[tuple[str, ...]] = ()
+    """The parameters and buffers that keep the dtype the module gives them whatever the
+    model's torch_dtype (a quantized layer's float32 scales, as HF's
+    ``_keep_in_fp32_modules`` keeps modules); none by default."""
+
+
 def dtype_keeping_names(module: nn.Module) -> set[str]:
-    """The parameters and buffers that keep the dtype their module gives them whatever the
-    model's torch_dtype: each module names its own in a ``keeps_dtype`` attribute (a
-    quantized layer's float32 scales, as HF's ``_keep_in_fp32_modules`` keeps modules)."""
+    """The parameters and buffers of ``module`` and its children that keep their dtype
+    (:attr:`DtypeKeeping.keeps_dtype`), by their names in ``module``."""
     return {
         f"{prefix}.{name}" if prefix else name
         for prefix, child in module.named_modules()
-        for name in getattr(child, "keeps_dtype", ())
+        for name in with_defaults(child, DtypeKeeping).keeps_dtype
     }
 
 

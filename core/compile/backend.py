@@ -6,22 +6,27 @@ file, and load such a file back as a callable with the same signature. Weights a
 graph inputs, so every graph of a model shares one copy of each, and weights can be swapped
 without recompiling. A backend whose graphs take some weights in a layout of their own (the
 inductor backend's prepacked linear weights) converts them once, for all its graphs, in an
-optional ``form_graph_weights`` method.
+optional ``form_graph_weights`` method. ``CompileBackend.implementation`` is checked against
+:class:`Backend` when the record is loaded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
+from nxdplug.contracts import optional, with_defaults
 from nxdplug.errors import NotSupportedError
 from nxdplug.pipeline import requested_backend
 from nxdplug.registry import get_registry
 from nxdplug.types import CompileBackend
+
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig, NeuronConfig
 
 
 class Backend(Protocol):
@@ -32,7 +37,7 @@ class Backend(Protocol):
     def unavailable_reason(self) -> str | None:
         """None when the backend can run here; otherwise what is missing and how to get it."""
 
-    def versions(self, config: Any) -> dict[str, str]:
+    def versions(self, config: InferenceConfig) -> dict[str, str]:
         """Versions (and target device) that shape the artefacts of ``config``'s graphs (an
         InferenceConfig), for the manifest hash."""
 
@@ -55,24 +60,25 @@ class Backend(Protocol):
     def load_graph(self, path: Path, *, weights_in_graph: bool) -> Callable[..., torch.Tensor]:
         """The compiled callable stored at ``path``, taking ``(weights, caches, *inputs)``."""
 
+    @optional
+    def form_graph_weights(self, weights: list[torch.Tensor]) -> set[int]:
+        """Put the stored weights, in place, in the form the backend's loaded graphs take
+        them, and return the indices it replaced (by default none: the weights as stored). A
+        replaced weight is the graphs' own form (prepacked, stacked with others), which
+        in-place writes into the stored weight cannot reach."""
+        return set()
+
 
 def weights_former(backend: Backend) -> Callable[[list[torch.Tensor]], set[int]]:
-    """The backend's ``form_graph_weights(weights)``: puts the stored weights, in place, in the
-    form the backend's loaded graphs take them, and returns the indices it replaced (optional:
-    without it, the weights as stored). A replaced weight is the graphs' own form (prepacked,
-    stacked with others), which in-place writes into the stored weight cannot reach."""
-    return getattr(backend, "form_graph_weights", _as_stored)
-
-
-def _as_stored(weights: list[torch.Tensor]) -> set[int]:
-    return set()
+    """The backend's :meth:`Backend.form_graph_weights`, or its default."""
+    return with_defaults(backend, Backend).form_graph_weights
 
 
 def instantiate(record: CompileBackend) -> Backend:
     return record.load("implementation")()
 
 
-def choose_backend(neuron_config: Any) -> tuple[CompileBackend, Backend]:
+def choose_backend(neuron_config: NeuronConfig) -> tuple[CompileBackend, Backend]:
     """The backend ``compile()`` uses.
 
     A requested backend is used or refused, never replaced by another; otherwise the available

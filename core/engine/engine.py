@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from nxdplug.contracts import with_defaults
 from nxdplug.engine.cache_space import CacheSpace
 from nxdplug.engine.detokenizer import IncrementalText
 from nxdplug.engine.request_inputs import RequestInputs
@@ -43,6 +44,7 @@ from nxdplug.engine.requests import (
     RequestOutput,
     SamplingSettings,
 )
+from nxdplug.engine.runner import StepRunner
 from nxdplug.engine.speculative import SpeculativeConfig, engine_speculation
 from nxdplug.engine.structured_output import Constraints, TokenConstraint
 from nxdplug.engine.token_choice import Chosen, TokenChoice
@@ -86,7 +88,7 @@ class Engine:
         *,
         max_waiting: int = 1024,
         eos_token_ids: Iterable[int] | None = None,
-        runner: Any = None,
+        runner: StepRunner | None = None,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
         draft_model: Any = None,
     ) -> None:
@@ -302,9 +304,7 @@ class Engine:
         the model holds between two steps (an adapter loaded at run time), from the thread that
         steps the engine."""
         result = resolve_ref(function)(self.application, *args)
-        call_on_followers = getattr(self.runner, "call_on_followers", None)
-        if call_on_followers is not None:
-            call_on_followers(function, args)
+        with_defaults(self.runner, StepRunner).call_on_followers(function, args)
         return result
 
     def abort(self, request_id: str) -> None:

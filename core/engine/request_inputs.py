@@ -3,31 +3,32 @@
 A request may carry keywords of the enabled step-input plugins (``Engine.add_request(...,
 step_keywords={keyword: value})``), one value each. Every call of a step hands the
 plugin the list of its rows' values, None for a row without one, as ``generate()`` hands it one
-value per row. A plugin's builder (:class:`~nxdplug.modules.step.StepInputBuilder`) may also
-answer the engine's questions, through methods it has only if it needs them:
-
-- ``row_problem(keyword, value) -> str | None``: why one request's value cannot be served (an
-  adapter nobody registered); the request is refused with it, before it waits;
-- ``rows_fit(keyword, values) -> bool``: whether rows with these values can run in one step
-  (no more distinct adapters than slots); a request waits until it fits beside the running ones;
-- ``served_names() -> Mapping[str, Mapping[str, Any]]``: names a server offers as models beside
-  the base model, each with the step keywords of a request that names it (an adapter by its id).
+value per row. A plugin's builder (:class:`~nxdplug.pipeline.StepInputBuilder`) may also
+answer the engine's questions through its optional members (``row_problem``: a value the
+request is refused for; ``rows_fit``: whether rows can run in one step, else the request waits;
+``served_names``: names a server offers as models); without them, every value is served, any
+rows fit, and no name is offered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from nxdplug.contracts import with_defaults
 from nxdplug.engine.requests import Request, RequestError
+from nxdplug.pipeline import StepInputBuilder
+
+if TYPE_CHECKING:
+    from nxdplug.pipeline import PipelineContext
 
 
 class RequestInputs:
     """The enabled step-input plugins' keywords, as the engine's requests carry them."""
 
-    def __init__(self, context: Any) -> None:
-        self.builders: dict[str, Any] = {
-            keyword: context.step_input_builder(record)
+    def __init__(self, context: PipelineContext) -> None:
+        self.builders: dict[str, StepInputBuilder] = {
+            keyword: with_defaults(context.step_input_builder(record), StepInputBuilder)
             for record in context.selection.step_inputs
             for keyword in record.keywords
         }
@@ -43,24 +44,20 @@ class RequestInputs:
                     f"{keyword}: no enabled plugin takes it per request (taken: {taken})",
                     field=keyword,
                 )
-            row_problem = getattr(builder, "row_problem", None)
-            problem = None if row_problem is None else row_problem(keyword, value)
-            rows_fit = getattr(builder, "rows_fit", None)
-            if problem is None and rows_fit is not None and not rows_fit(keyword, [value]):
+            problem = builder.row_problem(keyword, value)
+            if problem is None and not builder.rows_fit(keyword, [value]):
                 problem = f"{keyword}={value!r} cannot run even alone"
             if problem is not None:
                 raise RequestError(problem, field=keyword)
 
     def fits(self, running: Sequence[Request], candidate: Request) -> bool:
         """Whether ``candidate`` can run in the steps of the ``running`` requests."""
-        for keyword in candidate.step_keywords:
-            rows_fit = getattr(self.builders[keyword], "rows_fit", None)
-            if rows_fit is None:
-                continue
-            values = [r.step_keywords.get(keyword) for r in (*running, candidate)]
-            if not rows_fit(keyword, values):
-                return False
-        return True
+        return all(
+            self.builders[keyword].rows_fit(
+                keyword, [r.step_keywords.get(keyword) for r in (*running, candidate)]
+            )
+            for keyword in candidate.step_keywords
+        )
 
     def step_keywords(self, rows: Sequence[Request]) -> dict[str, list[Any]]:
         """One call's keywords: for each keyword any of ``rows`` carries, every row's value."""
@@ -70,8 +67,6 @@ class RequestInputs:
     def served_names(self) -> dict[str, dict[str, Any]]:
         """The model names the plugins offer beside the base model, each with its keywords."""
         names: dict[str, dict[str, Any]] = {}
-        for builder in dict.fromkeys(self.builders.values()):
-            served = getattr(builder, "served_names", None)
-            if served is not None:
-                names |= {name: dict(keywords) for name, keywords in served().items()}
+        for builder in self.builders.values():
+            names |= {name: dict(keywords) for name, keywords in builder.served_names().items()}
         return names

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,9 @@ from nxdplug.modules.parallel_linear import (
     tp_world_size,
 )
 from nxdplug.modules.rotary import apply_rotary
+
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig
 
 
 def head_dim_of(config: Any) -> int:
@@ -113,8 +116,9 @@ class CacheAttention(Protocol):
     ones: ``(attention, q, k, v, mask, cache) -> [batch, heads, queries, head_dim]``.
 
     By default (:func:`attend_over_local_cache`) each rank caches every position of its K/V
-    heads; a plugin that lays the cache out otherwise (positions split over ranks) sets an
-    attention module's ``cache_attention`` in its ``transform_model``.
+    heads; a plugin that lays the cache out otherwise (positions split over ranks) claims an
+    attention module's ``cache_attention`` slot (:func:`nxdplug.slots.claim_slot`) in its
+    ``transform_model``; a second plugin claiming it is refused.
     """
 
     def __call__(
@@ -163,7 +167,7 @@ class NeuronAttentionBase(nn.Module):
 
     def __init__(
         self,
-        config: Any,
+        config: InferenceConfig,
         layer_idx: int,
         *,
         qkv_bias: bool = False,

@@ -11,16 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
 from nxdplug.errors import NxdPlugError
-
-if TYPE_CHECKING:
-    from nxdplug.config import InferenceConfig
 
 CORE_FIELDS = ("input_ids", "attention_mask", "position_ids", "seq_ids")
 
@@ -173,25 +170,3 @@ def current_phase() -> Phase:
             "sub-model (ModelWrapper) runs"
         )
     return phase
-
-
-class StepInputBuilder(Protocol):
-    """The host side of a step-input plugin; built once per application with its config.
-
-    A builder that acts on the loaded model (writing adapter weights into their slots) may
-    also have ``bind(application)``, called each time the application's model is loaded.
-    """
-
-    def __init__(self, config: InferenceConfig) -> None: ...
-
-    def example(self, batch_size: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """Tensors of the graph's shapes ([batch_size, ...]) for tracing, by input name."""
-
-    def build(
-        self, batch_size: int, keywords: Mapping[str, Any], device: torch.device
-    ) -> dict[str, torch.Tensor]:
-        """This step's tensors, by input name, from the caller's keywords (those the record
-        declares; absent ones are missing from ``keywords``). Refuse what cannot be honoured."""
-
-    def reset(self) -> None:
-        """A new generation starts (reseed a generator, ...)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from typing import NoReturn, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -75,6 +75,15 @@ def is_first_rank() -> bool:
     return tp_rank() == 0
 
 
+@runtime_checkable
+class ShardedModule(Protocol):
+    """A module whose parameters are this rank's shard of its checkpoint tensors (the parallel
+    linear layers, experts, a plugin's layers)."""
+
+    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's shard of ``full``: the module's own tensors, by parameter name."""
+
+
 def this_ranks_shard(
     model: nn.Module, state_dict: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -84,12 +93,12 @@ def this_ranks_shard(
         return state_dict
     sharded = dict(state_dict)
     for prefix, module in model.named_modules():
-        shard = getattr(module, "shard_state_dict", None)
-        if shard is None:
+        if not isinstance(module, ShardedModule):
             continue
         keys = {name: f"{prefix}.{name}" for name, _ in module.named_parameters(recurse=False)}
         full = {name: state_dict[key] for name, key in keys.items() if key in state_dict}
-        sharded.update({keys[name]: tensor for name, tensor in shard(full).items()})
+        shard = module.shard_state_dict(full)
+        sharded.update({keys[name]: tensor for name, tensor in shard.items()})
     return sharded
 
 

@@ -7,11 +7,12 @@ per step; nothing inside branches on the data.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from torch import nn
 
+from nxdplug.contracts import with_defaults
 from nxdplug.errors import ConfigError
 from nxdplug.modules.attention import attention_head_counts, attention_mask_4d, head_dim_of
 from nxdplug.modules.kv_cache import (
@@ -31,6 +32,9 @@ from nxdplug.modules.sequence_parallel import (
 from nxdplug.modules.step import StepInputs, current_phase, running
 from nxdplug.pipeline import current_context
 
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig
+
 
 def is_context_encoding(step: StepInputs) -> bool:
     """Whether a step encodes a whole prompt: several tokens that fill the mask's width (a
@@ -47,17 +51,26 @@ def last_token_states(hidden: torch.Tensor, attention_mask: torch.Tensor) -> tor
 
 
 class LogitsOutput(nn.Module):
-    """What a phase returns by default: the float32 logits. A plugin replaces the model's
-    ``output_stage`` to return something else from the same logits (sampled tokens)."""
+    """What a phase returns by default: the float32 logits. The model's ``output_stage`` is a
+    slot: a plugin claims it (:func:`nxdplug.slots.claim_slot`) to return something else from
+    the same logits (sampled tokens); a second plugin claiming it is refused."""
 
     def forward(self, logits: torch.Tensor, step: StepInputs) -> torch.Tensor:
         return logits
 
 
+class DecoderLayer(Protocol):
+    """What the model asks of a model family's decoder layer besides running it."""
+
+    takes_sequence_slice: ClassVar[bool] = False
+    """Whether it takes this rank's slice of the sequence (its blocks gather the sequence and
+    scatter their output, :mod:`nxdplug.modules.sequence_parallel`); False by default."""
+
+
 class NeuronBaseModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head, with a KV cache from a plugin."""
 
-    def __init__(self, config: Any, optimize_inference: bool = True) -> None:
+    def __init__(self, config: InferenceConfig, optimize_inference: bool = True) -> None:
         super().__init__()
         self.config = config
         self.neuron_config = config.neuron_config
@@ -70,7 +83,7 @@ class NeuronBaseModel(nn.Module):
         if optimize_inference:
             self.init_inference_optimization(config)
 
-    def setup_attr_for_model(self, config: Any) -> None:
+    def setup_attr_for_model(self, config: InferenceConfig) -> None:
         """Attributes the modules read; subclasses may extend."""
         neuron_config = config.neuron_config
         self.tp_degree = neuron_config.tp_degree
@@ -80,7 +93,7 @@ class NeuronBaseModel(nn.Module):
         self.max_batch_size = neuron_config.max_batch_size
         self.buckets = neuron_config.token_generation_buckets or [neuron_config.seq_len]
 
-    def init_model(self, config: Any) -> None:
+    def init_model(self, config: InferenceConfig) -> None:
         """Create ``embed_tokens``, ``layers``, ``norm``, ``lm_head`` and ``rotary_emb``."""
         raise NotImplementedError(f"{type(self).__name__} must implement init_model(config)")
 
@@ -101,7 +114,7 @@ class NeuronBaseModel(nn.Module):
         """Every KV cache of the model: its own, and any a plugin added (a fused draft's)."""
         return kv_cache_managers(self)
 
-    def init_inference_optimization(self, config: Any) -> None:
+    def init_inference_optimization(self, config: InferenceConfig) -> None:
         """The KV cache of the strategy the config selects (``static`` unless a plugin's
         attribute switches another on)."""
         self.kv_mgr = current_context(config).kv_cache(self.cache_layout())
@@ -156,15 +169,13 @@ class NeuronBaseModel(nn.Module):
 
     def check_sequence_parallel(self) -> None:
         """Refuse ``sequence_parallel_enabled`` for a model whose layers do not take this
-        rank's slice of the sequence: a layer class that does says so with a class attribute
-        ``takes_sequence_slice = True`` (its blocks gather the sequence and scatter their
-        output, :mod:`nxdplug.modules.sequence_parallel`)."""
+        rank's slice of the sequence (:attr:`DecoderLayer.takes_sequence_slice`)."""
         if not self.neuron_config.sequence_parallel_enabled:
             return
         others = {
             type(layer).__name__
             for layer in self.layers
-            if not getattr(layer, "takes_sequence_slice", False)
+            if not with_defaults(layer, DecoderLayer).takes_sequence_slice
         }
         if others:
             raise ConfigError(

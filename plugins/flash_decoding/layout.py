@@ -5,21 +5,30 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 from torch import nn
 
-from nxdplug.plugin_api import ConfigError, NeuronAttentionBase, group_rank, group_size
+from nxdplug.plugin_api import (
+    ConfigError,
+    NeuronAttentionBase,
+    claim_slot,
+    group_rank,
+    group_size,
+)
 from nxdplug.plugins.flash_decoding.attention import GROUP, SequenceSplitAttention, held_length
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, PipelineContext
 
-def _head_counts(config: Any) -> tuple[int, int]:
+
+def _head_counts(config: InferenceConfig) -> tuple[int, int]:
     heads = config.num_attention_heads
     return heads, getattr(config, "num_key_value_heads", None) or heads
 
 
-def validate(context: Any) -> Iterator[str]:
+def validate(context: PipelineContext) -> Iterator[str]:
     tp_degree = context.neuron_config.tp_degree
     heads, kv_heads = _head_counts(context.config)
     if tp_degree <= kv_heads or tp_degree % kv_heads:
@@ -41,7 +50,7 @@ def validate(context: Any) -> Iterator[str]:
         )
 
 
-def ranks_sharing_a_kv_head(world_size: int, config: Any) -> list[range]:
+def ranks_sharing_a_kv_head(world_size: int, config: InferenceConfig) -> list[range]:
     """Consecutive blocks of ``tp_degree / num_key_value_heads`` ranks: the ranks whose query
     heads use the same K/V head (one block of one rank each without a launch)."""
     _, kv_heads = _head_counts(config)
@@ -49,7 +58,7 @@ def ranks_sharing_a_kv_head(world_size: int, config: Any) -> list[range]:
     return [range(start, start + size) for start in range(0, world_size, size)]
 
 
-def split_cache_over_kv_groups(model: nn.Module, context: Any) -> None:
+def split_cache_over_kv_groups(model: nn.Module, context: PipelineContext) -> None:
     """Give ``model`` a KV cache of this rank's share of the positions (plus a spare slot that
     takes the writes of positions other ranks hold) and its attention layers the
     :class:`SequenceSplitAttention` over it. In one process nothing changes, and a warning
@@ -76,7 +85,8 @@ def split_cache_over_kv_groups(model: nn.Module, context: Any) -> None:
             )
     layout = model.kv_mgr.layout
     held = held_length(layout.max_length, size)
-    model.kv_mgr = context.kv_cache(attrs.evolve(layout, max_length=held + 1))
+    kv_mgr = context.kv_cache(attrs.evolve(layout, max_length=held + 1))
+    claim_slot(model, "kv_mgr", kv_mgr, claimant="flash-decoding")
     split = SequenceSplitAttention(rank=group_rank(GROUP), size=size, spare_slot=held)
     for layer in layers:
-        layer.cache_attention = split
+        claim_slot(layer, "cache_attention", split, claimant="flash-decoding")

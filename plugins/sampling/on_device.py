@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from nxdplug.plugin_api import NxdPlugError, StepInputs
+from nxdplug.plugin_api import NxdPlugError, StepInputs, claim_slot
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, OnDeviceSamplingConfig, PipelineContext
 
 DETERMINISTIC_SEED = 0
 _SMALLEST_NOISE = torch.finfo(torch.float32).tiny  # keeps -log(-log(u)) finite at u = 0
@@ -44,7 +47,7 @@ IGNORED_PARAMS_WARNING = (
 )
 
 
-def samples(sampling_config: Any) -> bool:
+def samples(sampling_config: OnDeviceSamplingConfig) -> bool:
     """Whether the graph draws tokens (else it takes the argmax): ``do_sample``, or ``dynamic``,
     whose per-row ``sampling_params`` choose between greedy (``top_k`` 1) and sampling."""
     return bool(sampling_config.do_sample or sampling_config.dynamic)
@@ -122,7 +125,7 @@ def sampling_params_problems(
 class OnDeviceSampler(nn.Module):
     """The draw itself, inside the graph: [batch, vocab] logits -> [batch] token ids."""
 
-    def __init__(self, sampling_config: Any) -> None:
+    def __init__(self, sampling_config: OnDeviceSamplingConfig) -> None:
         super().__init__()
         self.do_sample = samples(sampling_config)
         self.global_topk = sampling_config.global_topk
@@ -156,7 +159,7 @@ class SamplingInputs:
     or the config's settings) and ``sampling_noise`` [batch, global_topk] from the sampler's
     own generator."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: InferenceConfig) -> None:
         sampling_config = config.neuron_config.on_device_sampling_config
         self.do_sample = samples(sampling_config)
         self.dynamic = sampling_config.dynamic
@@ -220,7 +223,9 @@ class SamplingInputs:
         return params
 
 
-def on_device_sampling_problems(sampling_config: Any, vocab_size: Any) -> list[str]:
+def on_device_sampling_problems(
+    sampling_config: OnDeviceSamplingConfig, vocab_size: Any
+) -> list[str]:
     """The config checks of this feature (top_p, temperature and global_topk >= 1 are core's
     rules, see ``nxdplug.config.validation``)."""
     top_k, global_topk = sampling_config.top_k, sampling_config.global_topk
@@ -247,7 +252,7 @@ def _is_whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def validate_on_device_sampling(context: Any) -> list[str]:
+def validate_on_device_sampling(context: PipelineContext) -> list[str]:
     """The ``validate`` callback of the on-device-sampling feature."""
     config = context.config
     return on_device_sampling_problems(
@@ -255,8 +260,9 @@ def validate_on_device_sampling(context: Any) -> list[str]:
     )
 
 
-def install_sampler(model: nn.Module, context: Any) -> None:
+def install_sampler(model: nn.Module, context: PipelineContext) -> None:
     """The ``transform_model`` callback: the model returns sampled tokens."""
     neuron_config = context.neuron_config
     sampler = OnDeviceSampler(neuron_config.on_device_sampling_config)
-    model.output_stage = SampledTokens(sampler, neuron_config.output_logits)
+    output = SampledTokens(sampler, neuron_config.output_logits)
+    claim_slot(model, "output_stage", output, claimant="on-device-sampling")

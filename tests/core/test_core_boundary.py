@@ -249,7 +249,17 @@ def test_the_core_share_does_not_grow_back() -> None:
 # The core's packages from the bottom up: a module imports only from its own layer and below
 # (TYPE_CHECKING imports aside). Issue #46 item 4.
 LAYERS = (
-    ("__init__", "errors", "lazy", "types", "hookspecs", "manager", "registry"),
+    (
+        "__init__",
+        "errors",
+        "lazy",
+        "contracts",
+        "slots",
+        "types",
+        "hookspecs",
+        "manager",
+        "registry",
+    ),
     ("checkpoint",),
     ("config",),
     ("modules",),

@@ -18,6 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained, hookimpl
 from nxdplug.errors import ConfigError, NotSupportedError
 from nxdplug.modules.step import StepInputs
+from nxdplug.plugin_api import claim_slot
 from nxdplug.testing import temporary_plugin
 from nxdplug.types import Feature, StepInput
 
@@ -61,7 +62,7 @@ class BanThenOutput(nn.Module):
 
 
 def ban_in_output(model: nn.Module, context: Any) -> None:
-    model.output_stage = BanThenOutput(model.output_stage)
+    claim_slot(model, "output_stage", BanThenOutput(model.output_stage), claimant="banned-tokens")
 
 
 class BannedTokensPlugin:
