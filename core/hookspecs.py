@@ -25,6 +25,7 @@ from nxdplug.types import (
     KVCacheStrategy,
     ModelArchitecture,
     ParallelGroup,
+    PhaseOutput,
     QuantizationMethod,
     QuantizedCheckpointFormat,
     RecordKind,
@@ -305,6 +306,24 @@ class DecodingSpecs:
                 )
         """
 
+    @hookspec
+    def nxdplug_phase_outputs(self) -> Iterable[PhaseOutput]:
+        """Register a per-request output that a feature's context-encoding phase computes
+        (the phase itself comes from the feature's ``add_submodels``, ``selected_by`` the
+        record's name).
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_phase_outputs():
+                yield PhaseOutput(
+                    name="prompt_entropy",
+                    implementation="my_pkg.entropy:PromptEntropy",
+                    outputs=("prompt_entropy",),
+                    missing="load the model with NeuronConfig(score_entropy=True)",
+                )
+        """
+
 
 class ExtensionSpecs:
     """Hooks that plugins add for their own plugins (pytest's ``pytest_addhooks``)."""
@@ -378,4 +397,5 @@ RECORD_KINDS = (
         StructuredOutputBackend,
         "structured-output backend",
     ),
+    RecordKind("phase_outputs", "nxdplug_phase_outputs", PhaseOutput, "phase output"),
 )
