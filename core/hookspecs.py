@@ -289,7 +289,8 @@ class CommandLineSpecs:
 
 
 class DecodingSpecs:
-    """What plugins add to how the serving engine chooses a request's tokens."""
+    """What plugins add to the serving engine's requests: how their tokens are chosen, and
+    outputs of their own."""
 
     @hookspec
     def nxdplug_structured_output_backends(self) -> Iterable[StructuredOutputBackend]:
