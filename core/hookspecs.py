@@ -25,6 +25,7 @@ from nxdplug.types import (
     KVCacheStrategy,
     ModelArchitecture,
     ParallelGroup,
+    PhaseOutput,
     QuantizationMethod,
     QuantizedCheckpointFormat,
     RecordKind,
@@ -288,7 +289,8 @@ class CommandLineSpecs:
 
 
 class DecodingSpecs:
-    """What plugins add to how the serving engine chooses a request's tokens."""
+    """What plugins add to the serving engine's requests: how their tokens are chosen, and
+    outputs of their own."""
 
     @hookspec
     def nxdplug_structured_output_backends(self) -> Iterable[StructuredOutputBackend]:
@@ -302,6 +304,24 @@ class DecodingSpecs:
                     name="my-grammars",
                     implementation="my_pkg.grammars:MyCompiler",
                     kinds=("json", "regex"),
+                )
+        """
+
+    @hookspec
+    def nxdplug_phase_outputs(self) -> Iterable[PhaseOutput]:
+        """Register a per-request output that a feature's context-encoding phase computes
+        (the phase itself comes from the feature's ``add_submodels``, ``selected_by`` the
+        record's name).
+
+        .. code-block:: python
+
+            @nxdplug.hookimpl
+            def nxdplug_phase_outputs():
+                yield PhaseOutput(
+                    name="prompt_entropy",
+                    implementation="my_pkg.entropy:PromptEntropy",
+                    outputs=("prompt_entropy",),
+                    missing="load the model with NeuronConfig(score_entropy=True)",
                 )
         """
 
@@ -378,4 +398,5 @@ RECORD_KINDS = (
         StructuredOutputBackend,
         "structured-output backend",
     ),
+    RecordKind("phase_outputs", "nxdplug_phase_outputs", PhaseOutput, "phase output"),
 )

@@ -82,7 +82,7 @@ if TYPE_CHECKING:
     )
     from nxdplug.engine.cache_space import CacheSpace, CacheUsage
     from nxdplug.engine.ranks import StepBroadcaster, follow_steps
-    from nxdplug.engine.requests import MAX_TOP_LOGPROBS, PromptLogprob, Request
+    from nxdplug.engine.requests import MAX_TOP_LOGPROBS, Request
     from nxdplug.engine.speculative import Proposer, SpeculationMetrics, SpeculativeConfig
     from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdPlugError
     from nxdplug.generation.accuracy import check_accuracy, shift_right
@@ -146,11 +146,7 @@ if TYPE_CHECKING:
         ExtendWrapper,
         ModelWrapper,
     )
-    from nxdplug.runtime.outputs import (
-        PROMPT_LOGPROBS,
-        PROMPT_TOP_LOGPROBS,
-        CausalLMOutputWithTokens,
-    )
+    from nxdplug.runtime.outputs import CausalLMOutputWithTokens
     from nxdplug.runtime.sampling import SamplingParams
     from nxdplug.runtime.sampling_params import prepare_sampling_params
     from nxdplug.runtime.scheduled_step import ScheduledStep, compact_left, positions_from_mask
@@ -172,6 +168,7 @@ if TYPE_CHECKING:
         KVCacheStrategy,
         ModelArchitecture,
         ParallelGroup,
+        PhaseOutput,
         PluginRecord,
         QuantizationMethod,
         QuantizedCheckpointFormat,

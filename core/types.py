@@ -330,6 +330,26 @@ class StructuredOutputBackend(PluginRecord):
 
 
 @attrs.frozen(kw_only=True)
+class PhaseOutput(PluginRecord):
+    """A per-request output that a feature's own context-encoding phase computes as it encodes
+    a prompt, beside the core's logits.
+
+    ``name`` is at once the request setting that asks for it (``SamplingSettings(name=...)``;
+    None: not asked), the ``forward()`` keyword that routes a prompt to the phase (the phase's
+    ``ModelWrapper.selected_by``) and the ``RequestOutput`` attribute that carries it on a
+    request's first output. ``outputs`` name the tensors the phase adds to what ``forward()``
+    returns (``CausalLMOutputWithTokens.with_outputs``). ``implementation`` is a class built
+    with no arguments that follows :class:`nxdplug.engine.phase_outputs.RowOutput`: it checks
+    a request's value and turns the request's row of those tensors into its output.
+    ``missing`` tells a caller asking a model without the phase how to get one.
+    """
+
+    implementation: str = ref_field()
+    outputs: tuple[str, ...] = _names_field()
+    missing: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class Feature(SelectableRecord):
     """A feature a config switches on, with what it needs and what it cannot be combined with.
 

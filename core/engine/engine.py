@@ -32,13 +32,13 @@ import torch
 from nxdplug.contracts import with_defaults
 from nxdplug.engine.cache_space import CacheSpace
 from nxdplug.engine.detokenizer import IncrementalText
+from nxdplug.engine.phase_outputs import PhaseOutputs
 from nxdplug.engine.request_inputs import RequestInputs
 from nxdplug.engine.requests import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
     EngineFullError,
-    PromptLogprob,
     Request,
     RequestError,
     RequestOutput,
@@ -51,7 +51,7 @@ from nxdplug.engine.token_choice import Chosen, TokenChoice
 from nxdplug.errors import ConfigError, NxdPlugError
 from nxdplug.lazy import resolve_ref
 from nxdplug.runtime.model_wrapper import ExtendWrapper
-from nxdplug.runtime.outputs import NO_SCORING_PHASE, PROMPT_LOGPROBS, CausalLMOutputWithTokens
+from nxdplug.runtime.outputs import CausalLMOutputWithTokens
 from nxdplug.runtime.scheduled_step import ScheduledStep
 from nxdplug.runtime.step_ahead import HostOverlap
 
@@ -136,6 +136,7 @@ class Engine:
         )
         self.choice = TokenChoice(application.context, self.eos_token_ids)
         self.inputs = RequestInputs(application.context)
+        self.phase_outputs = PhaseOutputs(application)
         self.async_mode = bool(neuron_config.async_mode)
         self._overlap = HostOverlap(self.async_mode)
         # async mode: the last decode step's requests and result, not yet handled by the host
@@ -218,6 +219,7 @@ class Engine:
         """Refuse a request the model cannot serve (RequestError, with the field)."""
         for field, problem in request.settings.problems():
             raise RequestError(f"{field} {problem}", field=field)
+        self.phase_outputs.check(request.settings)
         prompt = len(request.prompt_ids)
         if prompt == 0:
             raise RequestError("the prompt is empty; give at least one token", field="prompt")
@@ -252,11 +254,7 @@ class Engine:
             self._check_fused(request, self._fused.positions_past_end)
         if request.settings.stop and self.tokenizer is None:
             raise RequestError("stop strings need the engine's tokenizer", field="stop")
-        if (
-            request.settings.prompt_logprobs is not None
-            and PROMPT_LOGPROBS not in self.application.selecting_keywords()
-        ):
-            raise RequestError(NO_SCORING_PHASE, field="prompt_logprobs")
+        self.phase_outputs.check_served(request.settings)
         self.choice.check(request.settings)
         self.inputs.check(request.step_keywords)
         if request.settings.structured_output is not None:
@@ -264,7 +262,7 @@ class Engine:
 
     def _check_fused(self, request: Request, past_end: int) -> None:
         """What a fused speculator needs of a request: room for its last call's writes, and
-        its own prompt phase (which does not score prompts)."""
+        its own prompt phase (which computes no plugin's phase outputs)."""
         needed = len(request.prompt_ids) + request.settings.max_tokens + past_end
         if needed > self.max_positions:
             raise RequestError(
@@ -274,12 +272,7 @@ class Engine:
                 f"{self.max_positions - past_end - len(request.prompt_ids)} tokens",
                 field="max_tokens",
             )
-        if request.settings.prompt_logprobs is not None:
-            raise RequestError(
-                f"prompt_logprobs are not given with {self.speculation.config.method!r} "
-                "speculation: its own prompt phase encodes the prompt",
-                field="prompt_logprobs",
-            )
+        self.phase_outputs.refuse_with_speculation(request.settings, self.speculation.config.method)
 
     def _constraint(self, kind: str, spec: str) -> TokenConstraint:
         """A request's structured output, compiled; a RequestError saying why it cannot be."""
@@ -371,15 +364,21 @@ class Engine:
         requests that ran and the outputs of those whose encoding ended (their next token)."""
         outputs: list[RequestOutput] = []
         ran: set[Request] = set()
-        scored = [r for r in requests if _scores_prompt(r)]
-        for start in range(0, len(scored), self.ctx_rows):
-            batch = scored[start : start + self.ctx_rows]
-            outputs += self._accept(batch, self._encode_scored(batch))
-            ran |= set(batch)
+        by_phase: dict[str, list[Request]] = {}
+        for request in requests:
+            name = self.phase_outputs.selected(request)
+            if name is not None:
+                by_phase.setdefault(name, []).append(request)
+        selected = [r for rows in by_phase.values() for r in rows]
+        for name, rows in by_phase.items():
+            for start in range(0, len(rows), self.ctx_rows):
+                batch = rows[start : start + self.ctx_rows]
+                outputs += self._accept(batch, self._encode_selected(batch, name))
+                ran |= set(batch)
         budget = self._encoding_budget()
         while True:
             chunks = self._next_chunks(
-                [r for r in requests if r.encoding and r not in scored], budget
+                [r for r in requests if r.encoding and r not in selected], budget
             )
             if not chunks:
                 return ran, outputs
@@ -616,7 +615,7 @@ class Engine:
                     request.token_ids,
                     request.settings.max_tokens - len(request.output_ids),
                     salt=self._salt(request),
-                    reuse=not _scores_prompt(request),
+                    reuse=self.phase_outputs.selected(request) is None,
                 )
                 if line is None:
                     break
@@ -643,10 +642,10 @@ class Engine:
         keywords = tuple(sorted((k, repr(v)) for k, v in request.step_keywords.items()))
         return (keywords, request.cache_salt)
 
-    def _encode_scored(self, batch: list[Request]) -> Chosen:
-        """Encode the prompts of ``batch`` by the phase that scores them too (prompt
-        logprobs), into their lines."""
-        keywords = self._step_keywords(batch) | {PROMPT_LOGPROBS: True}
+    def _encode_selected(self, batch: list[Request], name: str) -> Chosen:
+        """Encode the prompts of ``batch`` into their lines by the phase that the phase output
+        ``name`` selects, and keep each request's output of it."""
+        keywords = self._step_keywords(batch) | {name: True}
         prompts = [r.prompt_ids for r in batch]
         lines = [r.line for r in batch]
         step = ScheduledStep.from_rows(prompts, [0] * len(batch), lines, keywords, self.device)
@@ -654,7 +653,7 @@ class Engine:
         for row, request in enumerate(batch):
             request.computed = request.to_encode
             self.lines.commit(request.line, request.token_ids)
-            request.prompt_scores = prompt_scores(outputs, row, request)
+            self.phase_outputs.take(name, outputs, row, request)
         return self._choose(batch, outputs)
 
     def _decode_calls(
@@ -772,7 +771,7 @@ class Engine:
 
     def _output(self, request: Request, text: str) -> RequestOutput:
         tokens, logprobs, top = request.new_tokens()
-        scores, request.prompt_scores = request.prompt_scores, None
+        extras, request.phase_outputs = request.phase_outputs, {}
         return RequestOutput(
             request_id=request.request_id,
             token_ids=tuple(tokens),
@@ -783,8 +782,8 @@ class Engine:
             finish_reason=request.finish_reason,
             prompt_tokens=len(request.prompt_ids),
             completion_tokens=len(request.output_ids),
-            prompt_logprobs=scores,
             cached_tokens=request.cached_tokens,
+            extras=extras,
         )
 
 
@@ -792,12 +791,6 @@ def _usable_proposals(request: Request) -> int:
     """The most proposed tokens a verification can give ``request``: one fewer than it has
     left (the verification adds a token of the target's own)."""
     return max(request.settings.max_tokens - len(request.output_ids) - 1, 0)
-
-
-def _scores_prompt(request: Request) -> bool:
-    """Whether the request's prompt is encoded by the phase that scores it (asked for, and
-    not encoded before a preemption)."""
-    return request.settings.prompt_logprobs is not None and not request.output_ids
 
 
 def _rows_of_output(outputs: Any, rows: list[int]) -> Any:
@@ -809,21 +802,6 @@ def _rows_of_output(outputs: Any, rows: list[int]) -> Any:
         logits=None if outputs.logits is None else outputs.logits[index],
         tokens=None if outputs.tokens is None else outputs.tokens[index],
     )
-
-
-def prompt_scores(outputs: Any, row: int, request: Request) -> tuple[PromptLogprob | None, ...]:
-    """Row ``row``'s prompt scores from a scoring phase's outputs, with as many alternatives
-    as the request asks for."""
-    length, alternatives = len(request.prompt_ids), request.settings.prompt_logprobs or 0
-    logprobs = outputs.prompt_logprobs[row, :length].tolist()
-    ranks = outputs.prompt_ranks[row, :length].tolist()
-    top_logprobs = outputs.prompt_top_logprobs[row, :length, :alternatives].tolist()
-    top_ids = outputs.prompt_top_ids[row, :length, :alternatives].tolist()
-    scores: list[PromptLogprob | None] = [None]
-    for j in range(1, length):
-        top = tuple(zip(top_ids[j], top_logprobs[j], strict=True))
-        scores.append(PromptLogprob(request.prompt_ids[j], logprobs[j], ranks[j], top))
-    return tuple(scores)
 
 
 def model_eos_token_ids(application: Any) -> list[int]:

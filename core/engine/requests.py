@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -12,7 +12,7 @@ import torch
 
 from nxdplug.engine.structured_output import KINDS
 from nxdplug.errors import NxdPlugError
-from nxdplug.runtime.outputs import PROMPT_TOP_LOGPROBS
+from nxdplug.registry import get_registry
 
 # OpenAI's finish reasons: a stop condition (EOS, a stop token or string), the token budget, or
 # the caller gave up (a cancelled request, a client gone).
@@ -20,9 +20,8 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 
-# The most alternatives a position's log-probabilities list (OpenAI's top_logprobs bound), for
-# the chosen tokens and for the prompt's (which a scoring phase lists that many of).
-MAX_TOP_LOGPROBS = PROMPT_TOP_LOGPROBS
+# The most alternatives a position's log-probabilities list (OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
 
 
 class RequestError(NxdPlugError, ValueError):
@@ -38,8 +37,38 @@ class EngineFullError(NxdPlugError):
     """More requests wait than the engine's queue limit; a server answers 503."""
 
 
-@attrs.frozen
-class SamplingSettings:
+Extras = tuple[tuple[str, Any], ...]
+
+
+def _extras(given: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> Extras:
+    """Plugin-added values, in name order, without the unset (None) ones; a tuple keeps the
+    frozen record hashable."""
+    return tuple(sorted((k, v) for k, v in dict(given).items() if v is not None))
+
+
+class PluginAdded:
+    """Settings or outputs that plugins add to a request's (the names of the installed
+    :class:`~nxdplug.types.PhaseOutput` records), held in ``extras`` and read as attributes;
+    such a name that was not given reads None."""
+
+    __slots__ = ()
+    extras: Extras
+
+    def extra(self, name: str) -> Any:
+        """The value plugin-added ``name`` holds; None when it was not given."""
+        return dict(self.extras).get(name)
+
+    def __getattr__(self, name: str) -> Any:
+        missing = AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name == "extras" or name.startswith("_"):
+            raise missing  # not set yet (being built or unpickled): no plugin-added name
+        if name in dict(self.extras) or name in get_registry().names("phase_outputs"):
+            return self.extra(name)
+        raise missing
+
+
+@attrs.frozen(init=False)
+class SamplingSettings(PluginAdded):
     """How one request is decoded, with OpenAI's meanings.
 
     ``temperature`` 0 (or ``top_k`` 1) is greedy; ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0
@@ -49,9 +78,7 @@ class SamplingSettings:
     text before them; ``stop_token_ids`` and the model's EOS (unless ``ignore_eos``) end it after
     the token, and ``min_tokens`` keeps those tokens from being chosen until that many tokens
     are out (vLLM's meaning). ``logprobs``: return the log-probability of each chosen token, and
-    of the ``top_logprobs`` likeliest tokens at each position. ``prompt_logprobs`` (vLLM's): the
-    log-probability of each prompt token and of that many likeliest tokens at its position
-    (None: off), from a model that scores prompts (``enable_prompt_logprobs``).
+    of the ``top_logprobs`` likeliest tokens at each position.
     ``structured_output``: ``(kind, spec)``, the output held to a JSON schema, a regular
     expression, a list of choices or a grammar (see :mod:`~nxdplug.engine.structured_output`).
     ``skip_special_tokens`` (vLLM's): the text leaves special tokens out; either way a special
@@ -63,6 +90,9 @@ class SamplingSettings:
     meaning; 1 is off); ``frequency_penalty`` times a token's count in the output, and
     ``presence_penalty`` once for a token the output holds, are subtracted (OpenAI's meaning).
     Log-probabilities are those of the model's own logits, before any adjustment.
+
+    Further keywords are settings that plugins add (``extras``; see :class:`PluginAdded`); the
+    engine refuses one that no installed plugin adds, or whose plugin refuses its value.
     """
 
     max_tokens: int = 16
@@ -83,11 +113,18 @@ class SamplingSettings:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(
         default=(), converter=lambda pairs: tuple(tuple(pair) for pair in pairs)
     )
-    prompt_logprobs: int | None = None
     structured_output: tuple[str, str] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple)
     )
     skip_special_tokens: bool = True
+    extras: Extras = attrs.field(default=(), converter=_extras)
+
+    def __init__(self, *args: Any, **settings: Any) -> None:
+        own = attrs.fields_dict(type(self))
+        added = {k: v for k, v in settings.items() if k not in own}
+        given = {k: v for k, v in settings.items() if k in own}
+        given["extras"] = dict(given.get("extras", ())) | added
+        self.__attrs_init__(*args, **given)
 
     @property
     def greedy(self) -> bool:
@@ -130,15 +167,6 @@ class SamplingSettings:
             )
         elif self.top_logprobs and not self.logprobs:
             found.append(("top_logprobs", "needs logprobs"))
-        if self.prompt_logprobs is not None and not (
-            _is_whole(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
-        ):
-            found.append(
-                (
-                    "prompt_logprobs",
-                    f"must be in [0, {MAX_TOP_LOGPROBS}] or null, got {self.prompt_logprobs!r}",
-                )
-            )
         given = self.structured_output
         if given is not None and not (
             len(given) == 2 and given[0] in KINDS and isinstance(given[1], str)
@@ -177,25 +205,13 @@ def _is_number(value: object) -> bool:
 
 
 @attrs.frozen
-class PromptLogprob:
-    """One prompt token's score: its log-probability after the tokens before it, its rank
-    among the vocabulary (1: the likeliest) and the likeliest ``(token, logprob)`` pairs at its
-    position."""
-
-    token: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...]
-
-
-@attrs.frozen
-class RequestOutput:
+class RequestOutput(PluginAdded):
     """What one step added to a request: new tokens, the text they complete, and whether the
     request ended (``finish_reason`` then says why). ``text`` holds back characters that may
     still become a stop string or an incomplete UTF-8 sequence; the last output releases them.
     ``top_logprobs``, when asked: the likeliest ``(token, logprob)`` pairs at each new token's
-    position. ``prompt_logprobs``, when asked, on a request's first output only: each prompt
-    token's score, None for the first token (nothing predicts it)."""
+    position. ``extras``: the phase outputs the request asked for (see :class:`PluginAdded`),
+    on its first output only."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -206,9 +222,9 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
-    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
     # The prompt's leading tokens found in the prefix cache (OpenAI's cached_tokens).
     cached_tokens: int = 0
+    extras: Extras = attrs.field(default=(), converter=_extras)
 
 
 @attrs.define(eq=False)
@@ -229,8 +245,8 @@ class Request:
     generator: torch.Generator | None = None
     emitted_tokens: int = 0
     step_keywords: dict[str, Any] = attrs.field(factory=dict)
-    # The prompt's scores until its first output hands them out.
-    prompt_scores: tuple[PromptLogprob | None, ...] | None = None
+    # The phase outputs its prompt's encoding computed, until its first output hands them out.
+    phase_outputs: dict[str, Any] = attrs.field(factory=dict)
     # Its structured output's state (compiled when it arrives), stepped with each token.
     constraint: Any = None
     # Requests admitted ahead of it while it could not run (see Engine._admit).

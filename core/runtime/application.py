@@ -50,12 +50,7 @@ from nxdplug.runtime.model_wrapper import (
     ExtendWrapper,
     ModelWrapper,
 )
-from nxdplug.runtime.outputs import (
-    NO_SCORING_PHASE,
-    PROMPT_LOGPROBS,
-    CausalLMOutputWithTokens,
-    join_outputs,
-)
+from nxdplug.runtime.outputs import CausalLMOutputWithTokens, join_outputs
 from nxdplug.runtime.scheduled_step import ScheduledStep, positions_from_mask
 from nxdplug.runtime.speculation import AcceptanceStats
 from nxdplug.types import ModelArchitecture, QuantizationMethod
@@ -409,8 +404,9 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         ``sampling_params``, ``adapter_ids`` and any further keyword are per-row inputs of
         step-input plugins (``sampling_params`` [batch, 3] of on-device sampling, ...): each is
         handed to the enabled plugin that takes it, and refused when none does.
-        ``prompt_logprobs=True`` encodes the prompt with the phase that also scores it (a
-        plugin's, ``enable_prompt_logprobs``), filling the outputs' ``prompt_*`` fields.
+        A phase output's name (a :class:`~nxdplug.types.PhaseOutput` record's) set True
+        encodes the prompt with the plugin's phase that computes it, whose outputs the returned
+        object holds beside the logits.
         """
         unsupported = {
             "inputs_embeds": inputs_embeds,
@@ -519,15 +515,16 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
 
     def selecting_keywords(self) -> frozenset[str]:
         """The forward() keywords that route a prompt to a plugin's context-encoding phase
-        (``prompt_logprobs`` when a plugin scores prompts)."""
+        (the names of the phase outputs this model computes)."""
         return frozenset(w.selected_by for w in self.models if w.selected_by)
 
     def _phase_selected_by(self, keywords: dict[str, Any]) -> ModelWrapper | None:
-        """Take the selecting keywords out of ``keywords``; the phase a true one selects."""
+        """Take the selecting keywords out of ``keywords``; the phase a true one selects. A
+        phase output this model has no phase for is refused, saying how to get one."""
         chosen = [w for w in self.models if w.selected_by and keywords.pop(w.selected_by, False)]
-        if keywords.get(PROMPT_LOGPROBS):
-            raise NotSupportedError(f"forward({PROMPT_LOGPROBS}=True): {NO_SCORING_PHASE}")
-        keywords.pop(PROMPT_LOGPROBS, None)
+        for record in get_registry().records("phase_outputs"):
+            if keywords.pop(record.name, False):
+                raise NotSupportedError(f"forward({record.name}=True): {record.missing}")
         if len(chosen) > 1:
             names = ", ".join(w.selected_by or "" for w in chosen)
             raise NxdPlugError(f"forward() was given {names}: at most one of them at a time")

@@ -8,7 +8,7 @@ sees only the fixed shapes of one bucket, so each bucket can be traced once.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,6 +16,11 @@ from torch import nn
 from nxdplug.errors import NxdPlugError
 from nxdplug.modules.step import Phase, StepInputs, in_phase
 from nxdplug.runtime.outputs import CausalLMOutputWithTokens
+
+if TYPE_CHECKING:
+    from nxdplug.config import InferenceConfig
+    from nxdplug.pipeline import PipelineContext
+    from nxdplug.types import StepInput
 
 CONTEXT_ENCODING_MODEL_TAG = "context_encoding_model"
 TOKEN_GENERATION_MODEL_TAG = "token_generation_model"
@@ -33,12 +38,12 @@ class ModelWrapper(nn.Module):
     # phase with inputs of its own may say no (it still gets those naming its tag).
     takes_step_inputs = True
     # A forward() keyword that routes a prompt here instead of to the core's context encoding
-    # (a plugin's context-encoding phase with outputs of its own, e.g. ``prompt_logprobs``).
+    # (a plugin's context-encoding phase with outputs of its own: a PhaseOutput record's name).
     selected_by: str | None = None
 
     def __init__(
         self,
-        config: Any,
+        config: InferenceConfig,
         model_cls: type[nn.Module],
         tag: str = "",
         compiler_args: str | None = None,
@@ -72,12 +77,12 @@ class ModelWrapper(nn.Module):
                 else self.neuron_config.tkg_batch_size
             )
         self.batch_size = batch_size
-        self.context: Any = None
-        self.step_inputs: tuple[Any, ...] = ()
+        self.context: PipelineContext | None = None
+        self.step_inputs: tuple[StepInput, ...] = ()
         # Whether the model runs graphs of one bucket's shapes (compiled) or any shape (eager).
         self.fixed_widths = True
 
-    def attach(self, context: Any) -> None:
+    def attach(self, context: PipelineContext) -> None:
         """Join an application's pipeline context: the step inputs the enabled plugins add to
         this phase (what its graphs take after the core's four)."""
         self.context = context
@@ -428,7 +433,7 @@ class ExtendWrapper(ModelWrapper):
 
     def __init__(
         self,
-        config: Any,
+        config: InferenceConfig,
         model_cls: type[nn.Module],
         new_tokens: int,
         widths: list[int] | None = None,

@@ -1,23 +1,16 @@
-"""What ``NeuronBaseForCausalLM.forward`` returns, and the contract of a scoring phase."""
+"""What ``NeuronBaseForCausalLM.forward`` returns, with the outputs a plugin's phase adds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-# The forward() keyword that asks for the prompt's log-probabilities (vLLM's prompt_logprobs):
-# it routes the prompt to the context-encoding phase a plugin selects by it
-# (``ModelWrapper.selected_by``), which fills the ``prompt_*`` outputs below.
-PROMPT_LOGPROBS = "prompt_logprobs"
-# What to do when asked for prompt log-probabilities by a model without a scoring phase.
-NO_SCORING_PHASE = (
-    "prompt log-probabilities need a model that scores prompts: load it with "
-    "NeuronConfig(enable_prompt_logprobs=True) (nxdplug serve --enable-prompt-logprobs)"
-)
-# The alternatives a scoring phase lists at each prompt position (OpenAI's top_logprobs bound).
-PROMPT_TOP_LOGPROBS = 20
+from nxdplug.errors import PluginError
+from nxdplug.registry import get_registry
 
 
 @dataclass
@@ -28,29 +21,49 @@ class CausalLMOutputWithTokens(CausalLMOutputWithPast):
     unless ``output_logits`` is set. ``tokens`` [batch, 1]: the token the model sampled for
     each row, with on-device sampling; None otherwise.
 
-    With ``forward(prompt_logprobs=True)``, for each row's prompt from its first real token
-    (right-padded to the width encoded: the context bucket, or for an eager model the prompt
-    rounded up to 32 tokens): ``prompt_logprobs`` [batch, bucket] the float32
-    log-probability of each prompt token given the ones before it (NaN at the first token,
-    which nothing predicts), ``prompt_ranks`` [batch, bucket] its rank among the vocabulary
-    (1: the likeliest), and ``prompt_top_logprobs`` / ``prompt_top_ids`` [batch, bucket,
-    PROMPT_TOP_LOGPROBS] the likeliest tokens at each position, predicting the next one.
+    A plugin's phase may return outputs of its own (those a
+    :class:`~nxdplug.types.PhaseOutput` record names in ``outputs``): they are keys beside the
+    fields, read as ``outputs.name`` or ``outputs["name"]``; after a call that did not compute
+    them, such a name reads None.
     """
 
     tokens: torch.LongTensor | None = None
-    prompt_logprobs: torch.FloatTensor | None = None
-    prompt_ranks: torch.LongTensor | None = None
-    prompt_top_logprobs: torch.FloatTensor | None = None
-    prompt_top_ids: torch.LongTensor | None = None
+
+    @classmethod
+    def with_outputs(
+        cls,
+        logits: torch.Tensor | None,
+        added: Mapping[str, torch.Tensor],
+        tokens: torch.Tensor | None = None,
+    ) -> CausalLMOutputWithTokens:
+        """The logits (or tokens) with the tensors a plugin's phase adds, by name."""
+        clashes = sorted({f.name for f in fields(cls)} & set(added))
+        if clashes:
+            raise PluginError(f"a phase's added outputs take the names of fields: {clashes}")
+        outputs = cls(logits=logits, tokens=tokens)
+        for name, value in added.items():
+            outputs[name] = value
+        return outputs
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith("_") and name in added_output_names():
+            return None
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def added_output_names() -> frozenset[str]:
+    """The outputs the installed plugins' phases add (their PhaseOutput records')."""
+    records = get_registry().records("phase_outputs")
+    return frozenset(name for record in records for name in record.outputs)
 
 
 def join_outputs(parts: list[CausalLMOutputWithTokens]) -> CausalLMOutputWithTokens:
     """The outputs of consecutive row groups of one step, as one output."""
-    fields = ("logits", "tokens")
+    names = ("logits", "tokens")
     joined = {
         name: None
         if getattr(parts[0], name) is None
         else torch.cat([getattr(p, name) for p in parts])
-        for name in fields
+        for name in names
     }
     return CausalLMOutputWithTokens(**joined)

@@ -28,7 +28,7 @@ class ScheduledStep:
     - ``seq_ids`` [rows]: the cache line of each row;
     - ``keywords``: the step-input plugins' per-row values (``sampling_params``,
       ``adapter_ids``, a block cache's ``block_tables``, ...) and the keywords that select a
-      phase (``prompt_logprobs=True``).
+      phase (a plugin's phase output, ``name=True``).
     """
 
     input_ids: torch.Tensor

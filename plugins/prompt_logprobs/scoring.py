@@ -1,27 +1,35 @@
 """The scoring phase: the prompt encoded into the cache as the core's context encoding does,
 and its logits at every position turned into log-probabilities in the graph, so that only
-``[rows, bucket, PROMPT_TOP_LOGPROBS]`` leaves it rather than ``bucket x vocab`` logits.
+``[rows, bucket, MAX_TOP_LOGPROBS]`` leaves it rather than ``bucket x vocab`` logits.
 
-Position j of each output is about prompt token j: its log-probability after tokens 0..j-1,
-its rank, and the likeliest tokens there. Nothing predicts token 0: NaN, rank 0.
+``forward(prompt_logprobs=True)`` returns, beside each row's last-token logits, for each row's
+prompt from its first real token (right-padded to the width encoded: the context bucket, or for
+an eager model the prompt rounded up to 32 tokens): ``prompt_logprobs`` [batch, bucket] the
+float32 log-probability of each prompt token given the ones before it (NaN at the first token,
+which nothing predicts), ``prompt_ranks`` [batch, bucket] its rank among the vocabulary (1: the
+likeliest; 0 at the first token), and ``prompt_top_logprobs`` / ``prompt_top_ids`` [batch,
+bucket, MAX_TOP_LOGPROBS] the likeliest tokens at each position, predicting the next one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nxdplug.plugin_api import (
-    PROMPT_LOGPROBS,
-    PROMPT_TOP_LOGPROBS,
+    MAX_TOP_LOGPROBS,
     CausalLMOutputWithTokens,
     ModelWrapper,
     StepInputs,
     last_token_states,
 )
+from nxdplug.plugins.prompt_logprobs.hooks import OUTPUTS, PROMPT_LOGPROBS
+
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, PipelineContext
 
 PROMPT_SCORING_TAG = "prompt_scoring_model"
 
@@ -40,7 +48,7 @@ class PromptScorer(nn.Module):
         following = step.input_ids[:, 1:, None]
         chosen = logprobs.gather(-1, following)
         ranks = (logprobs > chosen).sum(dim=-1) + 1
-        top = logprobs.topk(min(PROMPT_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
+        top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)
         first = torch.full_like(chosen[:, :1, 0], float("nan"))
         return (
             last_token_states(logits, step.attention_mask),
@@ -57,7 +65,7 @@ class PromptScoringWrapper(ModelWrapper):
 
     selected_by = PROMPT_LOGPROBS
 
-    def __init__(self, config: Any, model_cls: type[nn.Module]) -> None:
+    def __init__(self, config: InferenceConfig, model_cls: type[nn.Module]) -> None:
         super().__init__(config, model_cls, tag=PROMPT_SCORING_TAG, is_context_encoding=True)
 
     def phase_module(self, model: nn.Module) -> nn.Module:
@@ -66,17 +74,13 @@ class PromptScoringWrapper(ModelWrapper):
     def output_of(
         self, outputs: torch.Tensor | tuple[torch.Tensor, ...]
     ) -> CausalLMOutputWithTokens:
-        logits, logprobs, ranks, top_logprobs, top_ids = outputs
-        return CausalLMOutputWithTokens(
-            logits=logits,
-            prompt_logprobs=logprobs,
-            prompt_ranks=ranks,
-            prompt_top_logprobs=top_logprobs,
-            prompt_top_ids=top_ids,
+        logits, *scores = outputs
+        return CausalLMOutputWithTokens.with_outputs(
+            logits, dict(zip(OUTPUTS, scores, strict=True))
         )
 
 
-def validate(context: Any) -> Iterable[str]:
+def validate(context: PipelineContext) -> Iterable[str]:
     if context.neuron_config.on_device_sampling_config is not None:
         yield (
             "enable_prompt_logprobs: prompts are scored from the logits, which a model that "
@@ -84,5 +88,5 @@ def validate(context: Any) -> Iterable[str]:
         )
 
 
-def add_submodels(context: Any) -> Iterable[ModelWrapper]:
+def add_submodels(context: PipelineContext) -> Iterable[ModelWrapper]:
     yield PromptScoringWrapper(context.config, context.model_cls)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 from pydantic import BaseModel, ConfigDict
 
-from nxdplug.plugin_api import PromptLogprob, RequestOutput
+from nxdplug.plugin_api import RequestOutput
+from nxdplug.plugins.prompt_logprobs.hooks import PROMPT_LOGPROBS
+
+if TYPE_CHECKING:
+    from nxdplug.plugins.prompt_logprobs.scores import PromptLogprob
 
 
 class PromptTokensDetails(BaseModel):
@@ -215,7 +219,7 @@ def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
         text="".join(o.text for o in outputs),
         logprobs=logprobs,
         top_logprobs=top,
-        prompt_logprobs=outputs[0].prompt_logprobs,
+        extras=outputs[0].extras,
     )
 
 
@@ -235,9 +239,10 @@ def completion_choice(
     if echo is not None:
         prompt_text, prompt_ids, alternatives = echo
         text = prompt_text + text
-        if logprobs is not None and output.prompt_logprobs is not None:
+        scores = output.extra(PROMPT_LOGPROBS)
+        if logprobs is not None and scores is not None:
             scored = prompt_completion_logprobs(
-                output.prompt_logprobs, prompt_ids, tokenizer, offset, alternatives or 0
+                scores, prompt_ids, tokenizer, offset, alternatives or 0
             )
             logprobs = scored.then(logprobs)
     return CompletionChoice(
@@ -275,10 +280,11 @@ def vllm_prompt_logprobs(
 ) -> PromptLogprobs | None:
     """vLLM's ``prompt_logprobs``: at each position the prompt's token and the
     ``alternatives`` likeliest, by token id; None when not asked."""
-    if alternatives is None or output.prompt_logprobs is None:
+    scores = output.extra(PROMPT_LOGPROBS)
+    if alternatives is None or scores is None:
         return None
     positions: PromptLogprobs = []
-    for score in output.prompt_logprobs:
+    for score in scores:
         if score is None:
             positions.append(None)
             continue

@@ -25,7 +25,8 @@ OUTSIDE_CORE = ("nxdplug.plugins", "nxdplug.contrib_models")
 # Feature names: a core identifier or string word holding one of these is a feature's logic
 # leaking into core, unless the reference documents the name.
 FEATURE_WORDS = re.compile(
-    r"medusa|eagle|lora|quant|fp8|float8|f8e4m3|f8e5m2|int8|moe|expert|on_device|on-device",
+    r"medusa|eagle|lora|quant|fp8|float8|f8e4m3|f8e5m2|int8|moe|expert|on_device|on-device"
+    r"|prompt_?logprob|prompt_rank|prompt_top",
     re.IGNORECASE,
 )
 # Building blocks the reference names as reusable modules of the core (NxD's RouterTopK,
@@ -223,6 +224,27 @@ def build_medusa_tree(is_medusa):  # a medusa comment
     assert feature_words([sample], allowed) == [
         "sample.py:4 build_medusa_tree",
         "sample.py:5 eagle",
+    ]
+
+
+@needs_reference
+def test_prompt_log_probabilities_are_a_plugins_words(tmp_path: Path) -> None:
+    """Prompt log-probabilities live in their plugin (issue #46 item 5): the reference names
+    none of their words, so the core code that once served them would be caught."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        'PROMPT_LOGPROBS = "prompt_logprobs"\n'
+        "asked = request.settings.prompt_logprobs\n"
+        "score = PromptLogprob(outputs.prompt_ranks, outputs.prompt_top_ids)\n"
+    )
+    allowed = documented_names() | extension_point_names()
+    assert feature_words([sample], allowed) == [
+        "sample.py:1 PROMPT_LOGPROBS",
+        "sample.py:1 prompt_logprobs",
+        "sample.py:2 prompt_logprobs",
+        "sample.py:3 PromptLogprob",
+        "sample.py:3 prompt_ranks",
+        "sample.py:3 prompt_top_ids",
     ]
 
 

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from nxdplug import NeuronConfig, OnDeviceSamplingConfig, from_pretrained
 from nxdplug.engine import Engine, RequestError, SamplingSettings
 from nxdplug.errors import ConfigError, NotSupportedError
+from nxdplug.testing import fresh_plugin_manager
 from tests.core.runtime.test_application import left_padded
 
 LENGTHS = (6, 11, 3, 9)
@@ -172,3 +173,39 @@ def test_bad_values_and_settings_are_refused(checkpoint, prompts) -> None:
     sampling = {"on_device_sampling_config": OnDeviceSamplingConfig(dynamic=True)}
     with pytest.raises(ConfigError, match=r"enable_prompt_logprobs: prompts are scored"):
         from_pretrained(checkpoint, NeuronConfig(**(SETTINGS | sampling)))
+
+
+def test_unscored_requests_and_calls_read_none(checkpoint, prompts) -> None:
+    """The plugin's names read None where nothing was asked: a setting, a request's output and
+    forward()'s outputs; other names stay unknown attributes."""
+    app = from_pretrained(checkpoint, NeuronConfig(**SETTINGS))
+    app.to_cpu()
+    assert SamplingSettings().prompt_logprobs is None
+    assert SamplingSettings(prompt_logprobs=None) == SamplingSettings()
+    out = app(input_ids=torch.tensor([prompts[0]]))
+    assert out.prompt_logprobs is None and out.prompt_top_ids is None
+    assert "prompt_logprobs" not in out
+    with pytest.raises(AttributeError):
+        _ = out.prompt_entropy
+    engine = Engine(app, eos_token_ids=[])
+    (outputs,) = serve(engine, [(prompts[0], SamplingSettings(1, 0))])
+    assert outputs[0].prompt_logprobs is None
+    with pytest.raises(AttributeError):
+        _ = outputs[0].prompt_entropy
+    with pytest.raises(RequestError, match=r"max_tokenz: no sampling setting") as refused:
+        engine.add_request(prompts[0], SamplingSettings(max_tokenz=3))
+    assert refused.value.field == "max_tokenz"
+
+
+def test_with_the_plugin_disabled_the_error_names_it(checkpoint, prompts) -> None:
+    with fresh_plugin_manager(deny=frozenset({"prompt_logprobs"})):
+        settings = {k: v for k, v in SETTINGS.items() if k != "enable_prompt_logprobs"}
+        app = from_pretrained(checkpoint, NeuronConfig(**settings))
+        app.to_cpu()
+        engine = Engine(app, eos_token_ids=[])
+        with pytest.raises(RequestError, match=r"NXDPLUG_DENY_PLUGINS disable: prompt_logprobs"):
+            engine.add_request(prompts[0], SamplingSettings(4, 0, prompt_logprobs=1))
+        (outputs,) = serve(engine, [(prompts[0], SamplingSettings(1, 0))])
+        assert outputs[0].extra("prompt_logprobs") is None
+        with pytest.raises(NotSupportedError, match=r"prompt_logprobs: no installed plugin"):
+            app(input_ids=torch.tensor([prompts[0]]), prompt_logprobs=True)
