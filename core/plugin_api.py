@@ -117,9 +117,13 @@ if TYPE_CHECKING:
     from nxdplug.modules.norms import RMSNorm
     from nxdplug.modules.parallel_linear import (
         ColumnParallelLinear,
+        OutputDelta,
         ParallelEmbedding,
         RowParallelLinear,
+        ShardedLinear,
+        WeightMethod,
         all_gather,
+        set_weight_method,
         shard_tensor,
         tp_rank,
         tp_world_size,

@@ -17,14 +17,17 @@ synchronous ``dist.all_reduce``.)
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
-from nxdplug.errors import ConfigError
+from nxdplug.errors import ConfigError, PluginError
 from nxdplug.modules.process_groups import TP, current_layout, group_rank, group_size
+
+TensorDict = dict[str, Tensor]
 
 
 def tp_world_size() -> int:
@@ -120,22 +123,77 @@ def _init_uniform(tensor: torch.Tensor | None, fan_in: int) -> None:
         nn.init.uniform_(tensor, -bound, bound)
 
 
+class WeightMethod:
+    """How a linear layer holds its weight (vLLM's ``quant_method``); this base is the default,
+    the float ``weight``. Another form's ``create_weights`` puts its (unloaded) parameters on
+    the layer, under the checkpoint's names; the method object itself holds no tensors."""
+
+    def create_weights(self, layer: ShardedLinear) -> None:
+        pass
+
+    def apply(self, layer: ShardedLinear, x: Tensor, bias: Tensor | None) -> Tensor:
+        """``x @ W.T + bias`` on this rank's shard."""
+        return F.linear(x, layer.weight, bias)
+
+    def shard_state_dict(self, layer: ShardedLinear, full: TensorDict) -> TensorDict:
+        """This rank's part of the full weight tensors, by the layer's rule for row order."""
+        return layer.shard_weights(full)
+
+
+class OutputDelta(Protocol):
+    """A term added to a linear layer's product (LoRA's ``x @ A.T @ B.T``) on this rank's
+    part, before a row-parallel layer's all-reduce; ``shard_state_dict`` gives this rank's part
+    of the full tensors of its ``parameter_names``, which are the layer's parameters."""
+
+    parameter_names: tuple[str, ...]
+
+    def compute(self, layer: ShardedLinear, x: Tensor) -> Tensor: ...
+    def shard_state_dict(self, layer: ShardedLinear, full: TensorDict) -> TensorDict: ...
+
+
 class ShardedLinear(nn.Module):
-    """What the column- and row-parallel layers share: this rank's shard of ``weight`` (and
-    ``bias``), multiplied in :meth:`project`."""
+    """What the column- and row-parallel layers share: this rank's shard of the weight, held
+    and multiplied by ``weight_method``, the ``bias``, and the ``output_deltas`` added to the
+    product (a plugin appends its own)."""
 
     weight: nn.Parameter
     bias: nn.Parameter | None
 
-    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight to multiply inputs of ``dtype`` by; layers storing another form of the
-        weight (quantized, say) override this, or ``project``, not ``forward``."""
-        return self.weight
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight_method = WeightMethod()
+        self.weight_method_claimant: str | None = None  # who set another method
+        self.output_deltas: tuple[OutputDelta, ...] = ()
 
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` on this rank's shard; a layer with a kernel of its own for
-        its form of the weight overrides this."""
-        return F.linear(x, self.weight_for(x.dtype), bias)
+    def product(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        out = self.weight_method.apply(self, x, bias)
+        for delta in self.output_deltas:
+            out = out + delta.compute(self, x).to(out.dtype)
+        return out
+
+    def shard_state_dict(self, full: TensorDict) -> TensorDict:
+        """This rank's part of the full layer's tensors: each delta's by the delta, the rest by
+        the weight method."""
+        rest, shards = dict(full), {}
+        for delta in self.output_deltas:
+            owned = {name: rest.pop(name) for name in delta.parameter_names if name in rest}
+            shards |= delta.shard_state_dict(self, owned)
+        return self.weight_method.shard_state_dict(self, rest) | shards
+
+    def shard_weights(self, full: TensorDict) -> TensorDict:
+        raise NotImplementedError
+
+
+def set_weight_method(layer: ShardedLinear, method: WeightMethod, claimant: str) -> None:
+    """Give ``layer`` ``method`` on behalf of ``claimant`` (a plugin) and create its weights;
+    a layer holds its weight one way, so a second claim is refused, naming both."""
+    if layer.weight_method_claimant is not None:
+        raise PluginError(
+            f"{claimant} cannot set the weight method of a {type(layer).__name__} "
+            f"({layer.extra_repr()}): {layer.weight_method_claimant} set it already"
+        )
+    layer.weight_method, layer.weight_method_claimant = method, claimant
+    method.create_weights(layer)
 
 
 class ColumnParallelLinear(ShardedLinear):
@@ -178,7 +236,7 @@ class ColumnParallelLinear(ShardedLinear):
         _init_uniform(self.weight, in_features)
         _init_uniform(self.bias, in_features)
 
-    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def shard_weights(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's rows of the full layer's tensors (weight, bias, per-row scales), part by
         part for a fused projection; a one-row tensor (a per-tensor scale) stays whole."""
         return {
@@ -191,7 +249,7 @@ class ColumnParallelLinear(ShardedLinear):
         return torch.cat([shard_tensor(p, 0, self.tp_degree, self.rank) for p in parts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.project(x, self.bias)
+        out = self.product(x, self.bias)
         if self.gather_output and use_collectives(self.tp_degree, self.group):
             out = all_gather_last_dim(out, self.rank, self.tp_degree, self.group)
         return out
@@ -240,7 +298,7 @@ class RowParallelLinear(ShardedLinear):
         _init_uniform(self.weight, in_features)
         _init_uniform(self.bias, in_features)
 
-    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def shard_weights(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's columns of the full weight; the bias and scales (per output row, or one)
         are whole on every rank."""
         return {
@@ -248,16 +306,10 @@ class RowParallelLinear(ShardedLinear):
             for name, t in full.items()
         }
 
-    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's term of the output, ``x`` being its slice of the input features; the
-        terms are summed over the ranks. A layer adding a term of its own overrides this, so
-        that one all-reduce sums both."""
-        return self.project(x, None)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = x.narrow(-1, self.rank * self.local_in, self.local_in)
-        out = self.partial_sum(x)
+        out = self.product(x, None)  # with the deltas, so that one all-reduce sums them all
         if use_collectives(self.tp_degree, self.group):
             dtype = out.dtype
             out = all_reduce_sum(out.to(self.reduce_dtype or dtype), self.group).to(dtype)

@@ -12,24 +12,22 @@ gathered into a copy for two batched matmuls (measured: that copy and the matmul
 the adapters cost about a third more per step). Several tokens per row (prompts) use the
 batched matmuls, whose weights are reused across the tokens.
 
-A target projection becomes its LoRA twin (its class swapped in place, as
-``torch.nn.utils.parametrize`` does, so its weights and sharding stay as they are): a column
-parallel one adds the delta to its output slice, a row parallel one adds its partial delta to
-its partial sum, before the all-reduce (see :mod:`nxdplug.plugins.lora.layout` for which part of
-A and B each rank holds and uses).
+A target projection gets the stacked weights as parameters and a :class:`LoraDelta` among its
+output deltas (its weights and sharding stay as they are): a column parallel one adds the delta
+to its output slice, a row parallel one adds its partial delta to its partial sum, before the
+all-reduce (see :mod:`nxdplug.plugins.lora.layout` for which part of A and B each rank holds and
+uses).
 
-On a quantized base model (``quantized=True``) the projection is the weight-quantization
-plugin's 8-bit layer, and the twin is made on top of whatever class the projection has: the base
-term is the dequantized weight's, the adapters stay in full precision and their delta is added in
-the activations' dtype. Either plugin's transform may run first: each swaps the class in place
-and keeps what the other added.
+On a quantized base model (``quantized=True``) the projection's weight method is the
+weight-quantization plugin's: the base term is the quantized weight's, the adapters stay in full
+precision and their delta is added in the activations' dtype. Either plugin's transform may run
+first: one sets the weight method, the other adds a delta.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -38,7 +36,7 @@ from nxdplug.plugin_api import (
     ColumnParallelLinear,
     NotSupportedError,
     NxdPlugError,
-    RowParallelLinear,
+    ShardedLinear,
     current_step,
 )
 from nxdplug.plugins.lora.adapters import slot_count
@@ -51,39 +49,42 @@ from nxdplug.plugins.lora.layout import (
 )
 from nxdplug.plugins.lora.store import AdapterStore
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, PipelineContext
+
 LORA_WEIGHTS = ("lora_a", "lora_b", "lora_scale")
 
 
-class LoraProjection:
-    """What a target projection gains: stacked ``lora_a`` [slots, rank, in], ``lora_b``
-    ([slots, rank, out] or [slots, out, rank], see ``Placement.rank_major_b``) and
-    ``lora_scale`` [slots] (as this rank keeps them), and the delta."""
+class LoraDelta:
+    """A target projection's output delta: each row's adapter term from the stacked ``lora_a``
+    [slots, rank, in], ``lora_b`` ([slots, rank, out] or [slots, out, rank], see
+    ``Placement.rank_major_b``) and ``lora_scale`` [slots], parameters of the projection (as
+    this rank keeps them), laid out as ``placement`` says."""
 
-    lora_a: nn.Parameter
-    lora_b: nn.Parameter
-    lora_scale: nn.Parameter
-    lora_placement: Placement
+    parameter_names = LORA_WEIGHTS
 
-    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    def compute(self, layer: ShardedLinear, x: torch.Tensor) -> torch.Tensor:
         """Each row's adapter term for this rank's part of the projection."""
         chosen = current_step()["adapter_ids"]
-        where = self.lora_placement
-        a, b = where.used(self.lora_a[chosen], self.lora_b[chosen])
-        scale = self.lora_scale[chosen]
+        where = self.placement
+        a, b = where.used(layer.lora_a[chosen], layer.lora_b[chosen])
+        scale = layer.lora_scale[chosen]
         if where.rank_major_b and x.shape[1] == 1:
             return one_token_delta(x, a, b, scale, where.local_partitions)
         b_rank_major = b if where.rank_major_b else b.transpose(1, 2)
         return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b_rank_major) * scale[:, None, None]
 
-    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The base layer's shard, and the part of the whole LoRA weights this rank keeps."""
-        lora = {name: full[name] for name in LORA_WEIGHTS if name in full}
-        base = {name: t for name, t in full.items() if name not in lora}
-        if "lora_a" in lora:
-            lora["lora_a"], lora["lora_b"] = self.lora_placement.stored(
-                lora["lora_a"], lora["lora_b"]
-            )
-        return super().shard_state_dict(base) | lora
+    def shard_state_dict(
+        self, layer: ShardedLinear, full: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The part of the whole LoRA weights this rank keeps."""
+        if "lora_a" not in full:
+            return full
+        a, b = self.placement.stored(full["lora_a"], full["lora_b"])
+        return {**full, "lora_a": a, "lora_b": b}
 
 
 def one_token_delta(
@@ -111,59 +112,28 @@ def one_token_delta(
     return torch.cat(parts, dim=-1)[:, None, :]
 
 
-class LoraColumnParallelLinear(LoraProjection, ColumnParallelLinear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return out + self.lora_delta(x).to(out.dtype)
-
-
-class LoraRowParallelLinear(LoraProjection, RowParallelLinear):
-    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().partial_sum(x)
-        return out + self.lora_delta(x).to(out.dtype)
-
-
-LORA_TWINS: dict[type[nn.Module], type[nn.Module]] = {
-    ColumnParallelLinear: LoraColumnParallelLinear,
-    RowParallelLinear: LoraRowParallelLinear,
-}
-
-
-@functools.cache
-def lora_twin(cls: type[nn.Module]) -> type[nn.Module] | None:
-    """The LoRA class of a projection class: its twin above; for a subclass another feature
-    made (an 8-bit quantized projection), the twin on top of it, so that its base projection
-    (``weight_for``) is the subclass's; None for anything else or if it has LoRA already."""
-    if cls in LORA_TWINS:
-        return LORA_TWINS[cls]
-    if issubclass(cls, LoraProjection):
-        return None
-    for base, twin in LORA_TWINS.items():
-        if issubclass(cls, base):
-            return type(f"Lora{cls.__name__}", (twin, cls), {"__module__": __name__})
-    return None
-
-
-def add_lora_weights(model: nn.Module, context: Any) -> None:
-    """The ``transform_model`` callback: every target projection becomes its LoRA twin."""
+def add_lora_weights(model: nn.Module, context: PipelineContext) -> None:
+    """The ``transform_model`` callback: every target projection gets its adapters' delta."""
     config = context.config
     names = model_targets(config)
     count = slot_count(config)
     for name, module in model.named_modules():
         if is_model_target(name, names):
-            _become_lora_twin(name, module, placement(name, config), count, config)
+            add_lora_delta(name, module, placement(name, config), count, config)
 
 
-def _become_lora_twin(
-    name: str, module: nn.Module, where: Placement, count: int, config: Any
+def add_lora_delta(
+    name: str, module: nn.Module, where: Placement, count: int, config: InferenceConfig
 ) -> None:
-    twin = lora_twin(type(module))
-    if twin is None:
+    """Stacked, empty adapter weights on ``module`` and their delta added to its product."""
+    if not isinstance(module, ShardedLinear) or any(
+        isinstance(delta, LoraDelta) for delta in module.output_deltas
+    ):
         raise NotSupportedError(
-            f"{name} is a {type(module).__name__}; LoRA adapters apply to ColumnParallelLinear "
-            "and RowParallelLinear projections"
+            f"{name} is a {type(module).__name__}; LoRA adapters apply once to "
+            "ColumnParallelLinear and RowParallelLinear projections"
         )
-    column = issubclass(twin, LoraColumnParallelLinear)
+    column = isinstance(module, ColumnParallelLinear)
     layout = (module.tp_degree, module.rank, tuple(module.partitions) if column else ())
     if layout != (where.tp_degree, where.rank, where.partitions or layout[2]):
         raise NotSupportedError(
@@ -180,11 +150,10 @@ def _become_lora_twin(
         torch.zeros(count, rank, module.in_features),
         torch.zeros(where.stacked_b_shape(count, module.out_features, rank)),
     )
-    module.__class__ = twin
-    module.lora_placement = where
     module.lora_a = nn.Parameter(a)
     module.lora_b = nn.Parameter(b)
     module.lora_scale = nn.Parameter(torch.zeros(count))
+    module.output_deltas = (*module.output_deltas, LoraDelta(where))
 
 
 class AdapterSlots:
@@ -192,7 +161,7 @@ class AdapterSlots:
     model (or, as a tensor, the slots themselves: 0 for the base model). With dynamic
     multi-LoRA, ids not in a slot are brought in (see :mod:`nxdplug.plugins.lora.store`)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: InferenceConfig) -> None:
         self.store = AdapterStore(config)
 
     def bind(self, application: Any) -> None:

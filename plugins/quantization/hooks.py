@@ -3,8 +3,8 @@ output channel or blockwise (groups of input features), all symmetric.
 
 ``NeuronConfig(quantized=True, quantized_checkpoints_path=..., quantization_dtype=...,
 quantization_type=...)`` switches it on. ``save_quantized_state_dict`` writes the checkpoint
-with the method record ``<dtype>-<per_tensor|per_channel|blockwise>``; loading swaps the
-projections (:mod:`.targets` says which, less ``modules_to_not_convert``) for layers that keep
+with the method record ``<dtype>-<per_tensor|per_channel|blockwise>``; loading gives the
+projections (:mod:`.targets` says which, less ``modules_to_not_convert``) weight methods that keep
 the quantized weights in memory: on the CPU, int8 weights times up to 32 rows (decoding) go to
 the plugin's int8 matmul (:mod:`.kernel`), int4 weights to its int4 matmul (:mod:`.int4`, which
 dequantizes for long prompts itself); prompts, fp8 weights and other devices dequantize per

@@ -1,22 +1,22 @@
-"""Linear layers that keep their weight in 8 or 4 bits (multiplied as it is by a kernel for a few
-rows, dequantized for more), and the model transform that puts them in place of the
-full-precision projections.
+"""Weight methods that keep a parallel linear layer's weight in 8 or 4 bits (multiplied as it is
+by a kernel for a few rows, dequantized for more), and the model transform that gives them to
+the full-precision projections.
 
-The quantized ``weight`` and its ``weight_scale`` are parameters (``requires_grad=False``) under
-the checkpoint's own names, so checkpoint loading and the compiled graphs (which take every
-parameter as an input) handle them like any other weight. 8-bit scales stay float32; int4
-scales are in the kernel's layout and the model's dtype.
+The quantized ``weight`` and its ``weight_scale`` are parameters (``requires_grad=False``) of
+the layer itself, under the checkpoint's own names, so checkpoint loading and the compiled graphs
+(which take every parameter as an input) handle them like any other weight. 8-bit scales stay
+float32; int4 scales are in the kernel's layout and the model's dtype.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from nxdplug.plugin_api import ColumnParallelLinear, ConfigError, RowParallelLinear
+from nxdplug.plugin_api import ConfigError, ShardedLinear, WeightMethod, set_weight_method
 from nxdplug.plugins.quantization.int4 import (
     dequantize_int4,
     int4_kernels,
@@ -33,6 +33,9 @@ from nxdplug.plugins.quantization.targets import (
     names_module,
 )
 
+if TYPE_CHECKING:
+    from nxdplug.plugin_api import InferenceConfig, PipelineContext
+
 # Up to this many rows the int8 matmul beats dequantizing for a bf16 GEMM (measured on this
 # CPU, eager, 2048x768 weights: 28 against 295 us at 1 row, 110 against 320 at 8, 436 against
 # 671 at 32; its cost grows by about a GEMV a row, the GEMM's barely).
@@ -41,51 +44,50 @@ INT8_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 INT4_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-class QuantizedWeight:
-    """What the quantized layers add to their parallel linear base: the 8-bit weight, its scale
-    and the dequantization."""
+class QuantizedWeight(WeightMethod):
+    """The weight method of the 8-bit layers: the 8-bit ``weight`` ([out, in], int8 tiled for
+    the int8 matmul), its float32 ``weight_scale`` ([out] or [1]) and the dequantization. On a
+    row-parallel layer the scales are whole on every rank, since each holds all the rows."""
 
-    # The scales stay float32 in a bf16 model: rounded to bf16, they moved every output of a row
-    # by up to 2**-9.
-    keeps_dtype = ("weight_scale",)
-    weight: nn.Parameter
-    weight_scale: nn.Parameter
+    def __init__(self, dtype: torch.dtype, row_scales: bool) -> None:
+        self.dtype = dtype
+        self.row_scales = row_scales
 
-    def _hold_quantized(self, dtype: torch.dtype, row_scales: bool) -> None:
-        shape, device = self.weight.shape, self.weight.device
-        self.weight = nn.Parameter(
-            torch.empty(shape, dtype=dtype, device=device), requires_grad=False
+    def create_weights(self, layer: ShardedLinear) -> None:
+        shape, device = layer.weight.shape, layer.weight.device
+        layer.weight = nn.Parameter(
+            torch.empty(shape, dtype=self.dtype, device=device), requires_grad=False
         )
-        rows = shape[0] if row_scales else 1
-        if dtype == torch.int8:
+        rows = shape[0] if self.row_scales else 1
+        if self.dtype == torch.int8:
             # Registers the int8 matmul now: a compiled graph that calls it by name can only
             # be loaded once it is there.
             int8_matmul_op()
-        self.weight_scale = nn.Parameter(
+        layer.weight_scale = nn.Parameter(
             torch.ones(rows, dtype=torch.float32, device=device), requires_grad=False
         )
+        # The scales stay float32 in a bf16 model: rounded to bf16, they moved every output of a
+        # row by up to 2**-9.
+        layer.keeps_dtype = ("weight_scale",)
 
-    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
-        """The 8-bit weight dequantized for this call; the base layer's forward does the rest."""
-        return dequantize_weight(self.rows(), self.weight_scale, dtype)
+    def dense_weight(self, layer: ShardedLinear, dtype: torch.dtype) -> torch.Tensor:
+        """The 8-bit weight dequantized for this call."""
+        return dequantize_weight(rows(layer.weight), layer.weight_scale, dtype)
 
-    def rows(self) -> torch.Tensor:
-        """The 8-bit weight [out, in] in row order: int8 weights are held tiled for the int8
-        matmul (:func:`.kernel.tile_rows`, done by the checkpoint converter)."""
-        if self.weight.dtype == torch.int8:
-            return untile_rows(self.weight)
-        return self.weight
-
-    def shard_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def shard_state_dict(
+        self, layer: ShardedLinear, full: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
         """This rank's shard of the converted (tiled) tensors, tiled again: the rows or
         columns are cut in row order."""
         weight = full.get("weight")
         if weight is None or weight.dtype != torch.int8:
-            return super().shard_state_dict(full)
-        shard = super().shard_state_dict({**full, "weight": untile_rows(weight)})
-        return {**shard, "weight": tile_rows(shard["weight"])}
+            return layer.shard_weights(full)
+        part = layer.shard_weights({**full, "weight": untile_rows(weight)})
+        return {**part, "weight": tile_rows(part["weight"])}
 
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: ShardedLinear, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """A few rows (decoding) times an int8 weight on the CPU go to the plugin's int8 matmul
         (:mod:`.kernel`), which reads the 8-bit weight as it is, computes the products exactly
         in integers and scales each output by its row's float32 scale: the step reads half the
@@ -95,66 +97,75 @@ class QuantizedWeight:
         rows = x.numel() // x.shape[-1]
         int8_matmul = (
             int8_matmul_op()
-            if self.weight.dtype == torch.int8
+            if layer.weight.dtype == torch.int8
             and x.device.type == "cpu"
             and x.dtype in INT8_KERNEL_INPUT_DTYPES
             and rows <= INT8_KERNEL_MAX_ROWS
             else None
         )
         if int8_matmul is None:
-            return super().project(x, bias)
-        out = int8_matmul(x.reshape(rows, x.shape[-1]), self.weight, self.weight_scale)
+            return F.linear(x, self.dense_weight(layer, x.dtype), bias)
+        out = int8_matmul(x.reshape(rows, x.shape[-1]), layer.weight, layer.weight_scale)
         out = out.reshape(*x.shape[:-1], -1)
         return out if bias is None else out + bias
 
 
-class Int4Weight:
-    """What the int4 layers add to their parallel linear base: the weight packed in the int4
-    kernels' layout (uint8 [out, padded in / 2]), its scales (float16; float32 in a float32
-    model) and int8 zero points ([out, groups], tiled), and the two ways to multiply
+def rows(weight: torch.Tensor) -> torch.Tensor:
+    """An 8-bit weight [out, in] in row order: int8 weights are held tiled for the int8 matmul
+    (:func:`.kernel.tile_rows`, done by the checkpoint converter)."""
+    return untile_rows(weight) if weight.dtype == torch.int8 else weight
+
+
+class Int4Weight(WeightMethod):
+    """The weight method of the int4 layers: the weight packed in the int4 kernels' layout
+    (uint8 [out, padded in / 2]), its ``weight_scale`` (float16; float32 in a float32 model) and
+    int8 ``weight_zero_point`` ([out, groups], tiled), and the two ways to multiply
     (:mod:`.int4`)."""
 
-    keeps_dtype = ("weight_scale",)
-    weight: nn.Parameter
-    weight_scale: nn.Parameter
-    weight_zero_point: nn.Parameter
-    kernel_group: int
-    multiplied_features: int
+    def __init__(self, group: int, scale_dtype: torch.dtype) -> None:
+        self.group = group
+        self.scale_dtype = scale_dtype
+        # Set by create_weights, from the layer's input features.
+        self.kernel_group = 0
+        self.multiplied_features = 0
 
-    def _hold_int4(self, group: int, scale_dtype: torch.dtype) -> None:
-        out_features, in_features = self.weight.shape
+    def create_weights(self, layer: ShardedLinear) -> None:
+        out_features, in_features = layer.weight.shape
         # Registers the kernels now: a compiled graph that calls them by name can only be
         # loaded once they are there.
         int4_kernels()
-        self.kernel_group = kernel_group_size(group, in_features)
+        self.kernel_group = kernel_group_size(self.group, in_features)
         # The layout holds zero columns past the input features the layer multiplies.
         self.multiplied_features = in_features
         padded = padded_features(in_features)
-        device = self.weight.device
-        self.weight = nn.Parameter(
+        device = layer.weight.device
+        layer.weight = nn.Parameter(
             torch.empty(out_features, padded // 2, dtype=torch.uint8, device=device),
             requires_grad=False,
         )
         groups = (out_features, kernel_groups(self.kernel_group, padded))
-        self.weight_scale = nn.Parameter(
-            torch.ones(groups, dtype=scale_dtype, device=device), requires_grad=False
+        layer.weight_scale = nn.Parameter(
+            torch.ones(groups, dtype=self.scale_dtype, device=device), requires_grad=False
         )
-        self.weight_zero_point = nn.Parameter(
+        layer.weight_zero_point = nn.Parameter(
             torch.zeros(groups, dtype=torch.int8, device=device), requires_grad=False
         )
+        layer.keeps_dtype = ("weight_scale",)
 
-    def weight_for(self, dtype: torch.dtype) -> torch.Tensor:
-        """The int4 weight dequantized for this call (prompts); the base layer does the rest."""
+    def dense_weight(self, layer: ShardedLinear, dtype: torch.dtype) -> torch.Tensor:
+        """The int4 weight dequantized for this call (prompts on other devices)."""
         return dequantize_int4(
-            self.weight,
-            self.weight_scale,
-            self.weight_zero_point,
+            layer.weight,
+            layer.weight_scale,
+            layer.weight_zero_point,
             self.kernel_group,
             self.multiplied_features,
             dtype,
         )
 
-    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(
+        self, layer: ShardedLinear, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         """float32 and bfloat16 rows on the CPU go to the plugin's int4 matmul, which reads
         the packed weight as it is for up to a hundred-odd rows (decoding, a batch's steps,
         short prompts) and dequantizes it for a GEMM beyond (``int4_kernels.cpp`` says where
@@ -166,60 +177,23 @@ class Int4Weight:
             else None
         )
         if kernels is None:
-            return super().project(x, bias)
+            return F.linear(x, self.dense_weight(layer, x.dtype), bias)
         out = kernels.int4_matmul(
             x.reshape(rows, x.shape[-1]),
-            self.weight,
-            self.weight_scale,
-            self.weight_zero_point,
+            layer.weight,
+            layer.weight_scale,
+            layer.weight_zero_point,
             self.kernel_group,
         )
         out = out.reshape(*x.shape[:-1], -1)
         return out if bias is None else out + bias
 
 
-class QuantizedColumnParallelLinear(QuantizedWeight, ColumnParallelLinear):
-    """ColumnParallelLinear with an 8-bit weight; ``weight_scale`` is [out] or [1]."""
+# The claimant named when another plugin sets a layer's weight method too.
+CLAIMANT = "weight-quantization"
 
 
-class QuantizedRowParallelLinear(QuantizedWeight, RowParallelLinear):
-    """RowParallelLinear with an 8-bit weight; ``weight_scale`` ([out] or [1]) is whole on every
-    rank, since each rank holds all the output rows."""
-
-
-class Int4ColumnParallelLinear(Int4Weight, ColumnParallelLinear):
-    """ColumnParallelLinear with an int4 weight."""
-
-
-class Int4RowParallelLinear(Int4Weight, RowParallelLinear):
-    """RowParallelLinear with an int4 weight."""
-
-
-QUANTIZED_TWINS: dict[tuple[type[nn.Module], type], type[nn.Module]] = {
-    (ColumnParallelLinear, QuantizedWeight): QuantizedColumnParallelLinear,
-    (RowParallelLinear, QuantizedWeight): QuantizedRowParallelLinear,
-    (ColumnParallelLinear, Int4Weight): Int4ColumnParallelLinear,
-    (RowParallelLinear, Int4Weight): Int4RowParallelLinear,
-}
-
-
-@functools.cache
-def quantized_twin(cls: type[nn.Module], form: type = QuantizedWeight) -> type[nn.Module] | None:
-    """The class of a parallel linear class with its weight in ``form`` (QuantizedWeight:
-    8 bits; Int4Weight): its twin above; for a subclass that another feature made (a projection
-    with LoRA adapters), that class with the form added, so that what the subclass adds stays;
-    None for anything else or if quantized."""
-    if (cls, form) in QUANTIZED_TWINS:
-        return QUANTIZED_TWINS[cls, form]
-    if issubclass(cls, (QuantizedWeight, Int4Weight)) or not issubclass(
-        cls, (ColumnParallelLinear, RowParallelLinear)
-    ):
-        return None
-    prefix = "Quantized" if form is QuantizedWeight else "Int4"
-    return type(f"{prefix}{cls.__name__}", (form, cls), {"__module__": __name__})
-
-
-def quantize_linear_layers(model: nn.Module, config: Any) -> None:
+def quantize_linear_layers(model: nn.Module, config: InferenceConfig) -> None:
     """Put quantized layers in place of the projections the config quantizes, before the
     weights are loaded.
 
@@ -243,7 +217,7 @@ def quantize_linear_layers(model: nn.Module, config: Any) -> None:
             for entry in unknown
         )
     for name, module in modules.items():
-        if quantized_twin(type(module)) is None or not is_quantized_module(name, skip):
+        if not isinstance(module, ShardedLinear) or not is_quantized_module(name, skip):
             continue
         if int4:
             group = int4_group(neuron_config, module.in_features)
@@ -252,31 +226,30 @@ def quantize_linear_layers(model: nn.Module, config: Any) -> None:
             hold_quantized(module, dtype, has_row_scales(name, per_channel))
 
 
-def hold_quantized(layer: nn.Module, dtype: torch.dtype, row_scales: bool) -> nn.Module:
-    """``layer`` (a parallel linear) turned into its quantized twin, unloaded: an empty 8-bit
-    weight and a scale per output row (``row_scales``) or one. The class is swapped in place,
-    as torch.nn.utils.parametrize does: the layer keeps its shape, sharding and whatever
-    another feature added to it; only the weight changes."""
-    twin = quantized_twin(type(layer))
-    if twin is None:
-        raise TypeError(f"{type(layer).__name__} is not a parallel linear layer to quantize")
-    layer.__class__ = twin
-    layer._hold_quantized(dtype, row_scales)
+def hold_quantized(layer: ShardedLinear, dtype: torch.dtype, row_scales: bool) -> ShardedLinear:
+    """``layer`` (a parallel linear) with its weight held in 8 bits, unloaded: an empty 8-bit
+    weight and a scale per output row (``row_scales``) or one. The layer keeps its shape,
+    sharding and output deltas; only the weight changes."""
+    set_weight_method(_parallel_linear(layer), QuantizedWeight(dtype, row_scales), CLAIMANT)
     return layer
 
 
-def hold_int4(layer: nn.Module, group: int, scale_dtype: torch.dtype = torch.float16) -> nn.Module:
-    """``layer`` (a parallel linear) turned into its int4 twin, unloaded, with scales in
+def hold_int4(
+    layer: ShardedLinear, group: int, scale_dtype: torch.dtype = torch.float16
+) -> ShardedLinear:
+    """``layer`` (a parallel linear) with its weight held in int4, unloaded, with scales in
     ``scale_dtype`` for groups of ``group`` input features (as :func:`hold_quantized` does for
     8 bits)."""
-    twin = quantized_twin(type(layer), Int4Weight)
-    if twin is None:
-        raise TypeError(f"{type(layer).__name__} is not a parallel linear layer to quantize")
-    layer.__class__ = twin
-    layer._hold_int4(group, scale_dtype)
+    set_weight_method(_parallel_linear(layer), Int4Weight(group, scale_dtype), CLAIMANT)
     return layer
 
 
-def quantize_model(model: nn.Module, context: Any) -> None:
+def _parallel_linear(layer: nn.Module) -> ShardedLinear:
+    if not isinstance(layer, ShardedLinear):
+        raise TypeError(f"{type(layer).__name__} is not a parallel linear layer to quantize")
+    return layer
+
+
+def quantize_model(model: nn.Module, context: PipelineContext) -> None:
     """The ``transform_model`` callback: 8-bit layers in place of the projections."""
     quantize_linear_layers(model, context.config)

@@ -41,8 +41,9 @@ def weight_memory(model: nn.Module) -> WeightMemory:
             held += parameter.numel() * parameter.element_size()
             if name.endswith((SCALE_SUFFIX, ZERO_POINT_SUFFIX)):
                 continue
-            if name == "weight" and isinstance(module, Int4Weight):
-                dense += module.weight.shape[0] * module.multiplied_features
+            method = getattr(module, "weight_method", None)
+            if name == "weight" and isinstance(method, Int4Weight):
+                dense += module.weight.shape[0] * method.multiplied_features
             else:
                 dense += parameter.numel()
     return WeightMemory(held=held, float32=4 * dense, bfloat16=2 * dense)

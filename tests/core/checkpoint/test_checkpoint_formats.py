@@ -164,7 +164,7 @@ def test_compressed_tensors_schemes_load_as_stored_and_generate_as_transformers(
     )
     assert neuron_config.modules_to_not_convert == ["lm_head"]
     down = app.context_encoding_model.model.layers[0].mlp.down_proj
-    assert isinstance(down, Int4Weight if dtype == "int4" else QuantizedWeight)
+    assert isinstance(down.weight_method, Int4Weight if dtype == "int4" else QuantizedWeight)
     oracle = decompressed_twin(path, checkpoint, tmp_path) if scheme in HF_CANNOT_LOAD else path
     assert_generates_as(app, oracle)
 
@@ -318,7 +318,7 @@ def test_gptq_checkpoints_load_as_the_weights_they_stand_for(
     with caplog.at_level(logging.INFO, logger="nxdplug.quantization"):
         app = application(tmp_path / "gptq")
     down = app.context_encoding_model.model.layers[0].mlp.down_proj
-    assert isinstance(down, Int4Weight) == held == app.config.neuron_config.quantized
+    assert isinstance(down.weight_method, Int4Weight) == held == app.config.neuron_config.quantized
     # Activation-ordered groups are not held as stored: their weights are dequantized.
     assert ("dequantized to full precision at load" in caplog.text) == (not held)
     twin = derived_checkpoint(checkpoint, tmp_path / "twin", edit=lambda t: t.update(dense))
@@ -347,7 +347,8 @@ def test_awq_checkpoints_load_as_compressed_tensors_converts_them(checkpoint, tm
     declared |= {"version": "gemm"}
     dense = write_quantized_checkpoint(checkpoint, tmp_path / "awq", declared, awq_encoder(32))
     app = application(tmp_path / "awq")
-    assert isinstance(app.context_encoding_model.model.layers[0].mlp.down_proj, Int4Weight)
+    down = app.context_encoding_model.model.layers[0].mlp.down_proj
+    assert isinstance(down.weight_method, Int4Weight)
     # compressed-tensors' converter of AutoAWQ checkpoints reads the same weights.
     converter = AutoAWQConverter.from_autoawq_config(declared)
     scheme = converter._build_quant_config().config_groups["config_group_0"]

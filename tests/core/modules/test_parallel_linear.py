@@ -6,14 +6,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch import nn
 
-from nxdplug.errors import ConfigError
+from nxdplug.errors import ConfigError, PluginError
 from nxdplug.modules import parallel_linear
 from nxdplug.modules.parallel_linear import (
     ColumnParallelLinear,
     ParallelEmbedding,
     RowParallelLinear,
+    ShardedLinear,
+    WeightMethod,
+    set_weight_method,
     shard_tensor,
     tp_world_size,
 )
@@ -177,6 +181,74 @@ def test_layers_export_to_one_graph() -> None:
     exported = torch.export.export(model, (ids,))
 
     torch.testing.assert_close(exported.module()(ids), model(ids))
+
+
+# --- weight methods and output deltas -----------------------------------------------------------
+
+
+class TransposedWeight(WeightMethod):
+    """A weight held as [in, out] under the name ``weight_t``: another form of the weight."""
+
+    def create_weights(self, layer: ShardedLinear) -> None:
+        layer.weight_t = nn.Parameter(layer.weight.detach().T.contiguous())
+        del layer.weight
+
+    def apply(
+        self, layer: ShardedLinear, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return F.linear(x, layer.weight_t.T, bias)
+
+
+class ShiftDelta:
+    """Adds ``x.sum(-1) * shift`` to every output; ``shift`` [out] is sharded like the rows."""
+
+    parameter_names = ("shift",)
+
+    def compute(self, layer: ShardedLinear, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1, keepdim=True) * layer.shift
+
+    def shard_state_dict(
+        self, layer: ShardedLinear, full: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        out = layer.shift.shape[0]
+        return {"shift": full["shift"][layer.rank * out : (layer.rank + 1) * out]}
+
+
+def test_a_second_weight_method_is_refused_naming_both_claimants() -> None:
+    full, x = full_linear(), sample_input()
+    layer = column_shard(full, 1, 0)
+    set_weight_method(layer, TransposedWeight(), claimant="plugin-a")
+    assert "weight" not in layer.state_dict() and "weight_t" in layer.state_dict()
+    torch.testing.assert_close(layer(x), full(x), rtol=1e-12, atol=1e-12)
+
+    with pytest.raises(PluginError, match=r"plugin-b cannot .* plugin-a set it already"):
+        set_weight_method(layer, WeightMethod(), claimant="plugin-b")
+    assert type(layer.weight_method) is TransposedWeight  # the first claim stands
+
+
+@pytest.mark.parametrize("tp", (1, 2))
+def test_output_deltas_add_to_each_ranks_product(tp: int) -> None:
+    """On a column-parallel layer the delta adds to the rank's output slice; on a row-parallel
+    one to its partial sum, before the bias the sum gets once. Each delta shards its own
+    parameters."""
+    full, x = full_linear(), sample_input()
+    shift = torch.randn(OUT, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    expected_column = full(x) + x.sum(-1, keepdim=True) * shift
+
+    columns = []
+    for rank in range(tp):
+        layer = ColumnParallelLinear(IN, OUT, bias=True, tp_degree=tp, rank=rank)
+        layer.shift = nn.Parameter(torch.empty(OUT // tp, dtype=torch.float64))
+        layer.double().output_deltas = (ShiftDelta(),)
+        layer.load_state_dict(layer.shard_state_dict(full.state_dict() | {"shift": shift}))
+        columns.append(layer(x))
+    torch.testing.assert_close(torch.cat(columns, -1), expected_column, rtol=1e-12, atol=1e-12)
+
+    row = RowParallelLinear(IN, OUT, bias=True, dtype=torch.float64)
+    row.shift = nn.Parameter(shift.clone())
+    row.output_deltas = (ShiftDelta(),)
+    row.load_state_dict(row.shard_state_dict(full.state_dict() | {"shift": shift}))
+    torch.testing.assert_close(row(x), expected_column, rtol=1e-12, atol=1e-12)
 
 
 # --- two real processes over gloo -------------------------------------------------------------

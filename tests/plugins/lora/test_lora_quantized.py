@@ -10,10 +10,12 @@ model really is the quantized one.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from peft import PeftModel
 
 from nxdplug import (
@@ -29,13 +31,16 @@ from nxdplug.contrib_models.llama.modeling_llama import (
 from nxdplug.errors import ConfigError
 from nxdplug.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from nxdplug.pipeline import config_problems
-from nxdplug.plugins.lora.layers import (
-    LoraColumnParallelLinear,
-    LoraRowParallelLinear,
-    lora_twin,
+from nxdplug.plugins.lora.layers import LoraDelta, add_lora_delta
+from nxdplug.plugins.lora.layout import Placement
+from nxdplug.plugins.quantization.kernel import tile_rows
+from nxdplug.plugins.quantization.layers import QuantizedWeight, hold_quantized
+from nxdplug.plugins.quantization.methods import (
+    QUANTIZED_DTYPES,
+    dequantize_weight,
+    quantize_weight,
 )
-from nxdplug.plugins.quantization.layers import QuantizedWeight, quantized_twin
-from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight
+from nxdplug.runtime.step import StepInputs, running
 from nxdplug.testing import end_rank_process
 from tests.core.modules.test_tensor_parallel import become_launched_rank, free_port
 from tests.plugins.lora.test_lora import (
@@ -144,11 +149,9 @@ def test_mixed_batch_on_quantized_base_equals_peft_on_dequantized_weights(
     app = quantized_app(checkpoint, config)
     app.to_cpu()
     attention = app.loaded_model.layers[0].self_attn
-    for projection, lora in (
-        (attention.q_proj, LoraColumnParallelLinear),
-        (attention.o_proj, LoraRowParallelLinear),
-    ):
-        assert isinstance(projection, lora) and isinstance(projection, QuantizedWeight)
+    for projection in (attention.q_proj, attention.o_proj):
+        assert isinstance(projection.weight_method, QuantizedWeight)
+        assert [type(delta) for delta in projection.output_deltas] == [LoraDelta]
         assert projection.weight.dtype == QUANTIZED_DTYPES[dtype]
         assert projection.lora_a.dtype == torch.float32
 
@@ -174,7 +177,7 @@ def test_fused_qkv_on_quantized_base_equals_peft(adapters, tmp_path) -> None:
     )
     app = quantized_app(checkpoint, config)
     app.to_cpu()
-    assert isinstance(app.loaded_model.layers[0].self_attn.qkv_proj, QuantizedWeight)
+    assert isinstance(app.loaded_model.layers[0].self_attn.qkv_proj.weight_method, QuantizedWeight)
     assert torch.equal(generate(app), peft_tokens(dequantized_peft(checkpoint, paths, config)))
 
 
@@ -189,18 +192,48 @@ def test_compiled_graphs_on_quantized_base(adapters, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("linear", [ColumnParallelLinear, RowParallelLinear])
-def test_either_transform_may_run_first(linear) -> None:
-    """LoRA then quantization (the plugins' order today) or the other way: the same layer, the
-    8-bit weight's ``weight_for`` and the LoRA term's forward."""
-    column = linear is ColumnParallelLinear
-    lora = LoraColumnParallelLinear if column else LoraRowParallelLinear
-    adds_term = "forward" if column else "partial_sum"
-    for first, second in ((lora_twin, quantized_twin), (quantized_twin, lora_twin)):
-        made = second(first(linear))
-        assert issubclass(made, lora) and issubclass(made, QuantizedWeight)
-        assert made.weight_for is QuantizedWeight.weight_for
-        assert getattr(made, adds_term) is getattr(lora, adds_term)
-        assert lora_twin(made) is None and quantized_twin(made) is None  # nothing twice
+@pytest.mark.parametrize("lora_first", [True, False])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_lora_adds_its_delta_over_an_int8_weight(linear, lora_first, tokens) -> None:
+    """LoRA then quantization (the plugins' order today) or the other way, for a decoding step
+    (the int8 matmul's few rows) and a prompt (the dequantized weight's GEMM): the int8 base
+    product plus each row's adapter term, slot 0 adding nothing."""
+    generator = torch.Generator().manual_seed(0)
+    in_features, out_features, rank = 64, 12, 4
+    quantized, scale = quantize_weight(
+        torch.randn(out_features, in_features, generator=generator), torch.int8, True
+    )
+    a = torch.randn(3, rank, in_features, generator=generator).index_fill(0, torch.tensor(0), 0)
+    b = torch.randn(3, out_features, rank, generator=generator).index_fill(0, torch.tensor(0), 0)
+    lora_scale = torch.tensor([0.0, 0.5, 2.0])
+
+    layer = linear(in_features, out_features)
+    name = "q_proj" if linear is ColumnParallelLinear else "o_proj"
+    where = Placement(row_parallel=linear is RowParallelLinear)
+    lora = SimpleNamespace(max_lora_rank=rank)
+    config = SimpleNamespace(neuron_config=SimpleNamespace(lora_config=lora))
+    steps = [
+        lambda: add_lora_delta(name, layer, where, 3, config),
+        lambda: hold_quantized(layer, torch.int8, row_scales=True),
+    ]
+    for step in steps if lora_first else steps[::-1]:
+        step()
+    full = {"weight": tile_rows(quantized), "weight_scale": scale}
+    layer.load_state_dict(
+        layer.shard_state_dict(full | {"lora_a": a, "lora_b": b, "lora_scale": lora_scale})
+    )
+
+    x = torch.randn(3, tokens, in_features, generator=generator)
+    slots = torch.tensor([1, 0, 2])
+    step = StepInputs(*[torch.zeros(3, tokens)] * 3, slots, extra={"adapter_ids": slots})
+    with running(step):
+        out = layer(x)
+    base = F.linear(x, dequantize_weight(quantized, scale, torch.float32))
+    delta = (x @ a[slots].transpose(1, 2) @ b[slots].transpose(1, 2)) * lora_scale[
+        slots, None, None
+    ]
+    torch.testing.assert_close(out, base + delta, atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[1], layer.weight_method.apply(layer, x, None)[1])  # slot 0: + 0
 
 
 # (dtype, granularity, fused_qkv) of the two-rank runs: per-channel scales split with their

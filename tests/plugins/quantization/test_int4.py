@@ -89,13 +89,13 @@ def dequantized_twin(app, checkpoint: Path, folder: Path) -> Path:
     layers = {
         name: module
         for name, module in app.context_encoding_model.model.named_modules()
-        if isinstance(module, Int4Weight)
+        if isinstance(getattr(module, "weight_method", None), Int4Weight)
     }
 
     def edit(tensors: dict[str, torch.Tensor]) -> None:
         for name, layer in layers.items():
             key = f"{name}.weight" if name == "lm_head" else f"model.{name}.weight"
-            tensors[key] = layer.weight_for(torch.float32)
+            tensors[key] = layer.weight_method.dense_weight(layer, torch.float32)
 
     return derived_checkpoint(checkpoint, folder, edit=edit)
 

@@ -53,7 +53,7 @@ from nxdplug.modules.parallel_linear import ColumnParallelLinear, RowParallelLin
 from nxdplug.pipeline import config_problems
 from nxdplug.plugins.fused_qkv.convert import fuse_qkv_projections
 from nxdplug.plugins.quantization.kernel import tile_rows
-from nxdplug.plugins.quantization.layers import QuantizedRowParallelLinear, hold_quantized
+from nxdplug.plugins.quantization.layers import QuantizedWeight, hold_quantized, rows
 from nxdplug.plugins.quantization.memory import weight_memory
 from nxdplug.plugins.quantization.methods import dequantize_weight, quantize_weight
 from nxdplug.registry import get_registry
@@ -271,7 +271,7 @@ def test_checkpoint_and_memory_about_a_third_of_float32(int8_checkpoint) -> None
     assert 0.30 < memory.held / memory.float32 < 0.35
     assert 0.60 < memory.held / memory.bfloat16 < 0.70
     layer = app.loaded_model.layers[0].mlp.down_proj
-    assert isinstance(layer, QuantizedRowParallelLinear)
+    assert isinstance(layer, RowParallelLinear) and isinstance(layer.weight_method, QuantizedWeight)
     assert layer.weight.dtype == torch.int8 and not layer.weight.requires_grad
     assert layer.weight_scale.shape == (256,) and layer.weight_scale.dtype == torch.float32
     assert app.loaded_model.embed_tokens.weight.dtype == torch.float32
@@ -286,8 +286,8 @@ def test_a_bfloat16_model_keeps_the_float32_scales(int8_checkpoint) -> None:
     scale = next(t for n, t in stored.items() if n.endswith("layers.0.mlp.down_proj.weight_scale"))
     layer = app.loaded_model.layers[0].mlp.down_proj
     assert scale.dtype == torch.float32 and torch.equal(layer.weight_scale, scale)
-    expected = (layer.rows().float() * scale[:, None]).bfloat16()
-    assert torch.equal(layer.weight_for(torch.bfloat16), expected)
+    expected = (rows(layer.weight).float() * scale[:, None]).bfloat16()
+    assert torch.equal(layer.weight_method.dense_weight(layer, torch.bfloat16), expected)
     assert app.loaded_model.embed_tokens.weight.dtype == torch.bfloat16
 
 
