@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +24,11 @@ if TYPE_CHECKING:
     from nxdplug.config import InferenceConfig
 
 
-def head_dim_of(config: Any) -> int:
+def head_dim_of(config: InferenceConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def head_layout(config: Any) -> HeadLayout:
+def head_layout(config: InferenceConfig) -> HeadLayout:
     """The model's attention heads laid out for the configured tp_degree (GQA strategy chosen
     as NxD Inference chooses it, query heads padded to a multiple of tp_degree)."""
     tp_degree = config.neuron_config.tp_degree
@@ -40,7 +40,7 @@ def head_layout(config: Any) -> HeadLayout:
     )
 
 
-def attention_head_counts(config: Any) -> tuple[int, int]:
+def attention_head_counts(config: InferenceConfig) -> tuple[int, int]:
     """(query heads, K/V heads) the model builds: padded and replicated for tp_degree."""
     return head_layout(config).head_counts
 
@@ -102,7 +102,7 @@ def attention_mask_4d(
     return allowed[:, None, :, :]
 
 
-def qk_norms(config: Any, head_dim: int, enabled: bool) -> tuple[nn.Module, nn.Module]:
+def qk_norms(config: InferenceConfig, head_dim: int, enabled: bool) -> tuple[nn.Module, nn.Module]:
     """The per-head query and key norms: RMSNorms over ``head_dim`` (eps ``rms_norm_eps``, HF's
     1e-6 when the config has none), or identities when QK layer normalization is off."""
     if not enabled:

@@ -24,8 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nxdplug.errors import ConfigError, PluginError
+from nxdplug.errors import ConfigError
 from nxdplug.modules.process_groups import TP, current_layout, group_rank, group_size
+from nxdplug.slots import claim_slot
 
 TensorDict = dict[str, Tensor]
 
@@ -162,7 +163,6 @@ class ShardedLinear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight_method = WeightMethod()
-        self.weight_method_claimant: str | None = None  # who set another method
         self.output_deltas: tuple[OutputDelta, ...] = ()
 
     def product(self, x: Tensor, bias: Tensor | None) -> Tensor:
@@ -185,14 +185,9 @@ class ShardedLinear(nn.Module):
 
 
 def set_weight_method(layer: ShardedLinear, method: WeightMethod, claimant: str) -> None:
-    """Give ``layer`` ``method`` on behalf of ``claimant`` (a plugin) and create its weights;
-    a layer holds its weight one way, so a second claim is refused, naming both."""
-    if layer.weight_method_claimant is not None:
-        raise PluginError(
-            f"{claimant} cannot set the weight method of a {type(layer).__name__} "
-            f"({layer.extra_repr()}): {layer.weight_method_claimant} set it already"
-        )
-    layer.weight_method, layer.weight_method_claimant = method, claimant
+    """Give ``layer`` ``method`` on behalf of ``claimant`` (a plugin) and create its weights:
+    the layer's ``weight_method`` slot, so a second plugin's claim is refused, naming both."""
+    claim_slot(layer, "weight_method", method, claimant=claimant)
     method.create_weights(layer)
 
 

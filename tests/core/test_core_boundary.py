@@ -329,9 +329,7 @@ def test_core_packages_import_in_layer_order() -> None:
 
 
 # Contracts name the real classes (InferenceConfig, PipelineContext, the application), not Any:
-# issue #46 item 3. The bound is what is left while other changes type their own modules; the
-# lead lowers it after merging them, down to 0.
-UNTYPED_CONTRACTS_LEFT = 36
+# issue #46 item 3.
 UNTYPED_NAMES = {"config", "context", "app"}
 
 
@@ -355,7 +353,7 @@ def test_contracts_are_typed_with_real_classes() -> None:
     folders = [CORE, ROOT / "plugins", ROOT / "contrib_models"]
     found = untyped_contracts(sorted(p for folder in folders for p in folder.rglob("*.py")))
     listed = "\n".join(f"{path.relative_to(ROOT)}:{line} {name}" for path, line, name in found)
-    assert len(found) <= UNTYPED_CONTRACTS_LEFT, listed
+    assert found == [], listed
 
 
 def test_the_contract_count_sees_parameters_and_fields(tmp_path: Path) -> None:

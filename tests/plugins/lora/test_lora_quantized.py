@@ -30,6 +30,7 @@ from nxdplug.contrib_models.llama.modeling_llama import (
 )
 from nxdplug.errors import ConfigError
 from nxdplug.modules.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from nxdplug.modules.step import StepInputs, running
 from nxdplug.pipeline import config_problems
 from nxdplug.plugins.lora.layers import LoraDelta, add_lora_delta
 from nxdplug.plugins.lora.layout import Placement
@@ -40,7 +41,6 @@ from nxdplug.plugins.quantization.methods import (
     dequantize_weight,
     quantize_weight,
 )
-from nxdplug.runtime.step import StepInputs, running
 from nxdplug.testing import end_rank_process
 from tests.core.modules.test_tensor_parallel import become_launched_rank, free_port
 from tests.plugins.lora.test_lora import (
