@@ -989,7 +989,7 @@ class SlowBackend:
     @hookimpl
     def nxdplug_structured_output_backends(self):
         yield StructuredOutputBackend(
-            name="slow-guidance", implementation="test_serving:SlowCompiler", kinds=("regex",),
+            name="slow-guidance", implementation=f"{__name__}:SlowCompiler", kinds=("regex",),
             priority=10,
         )  # fmt: skip
 
