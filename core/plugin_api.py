@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from nxdplug.lazy import lazy_attribute_getter
 
 if TYPE_CHECKING:
+    from nxdplug.checkpoint.atomic_folders import staged_folder
     from nxdplug.checkpoint.generation_config import model_generation_config
     from nxdplug.checkpoint.state_dict import load_state_dict, load_tensor_file
     from nxdplug.cli.extensions import (
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         add_neuron_config_options,
         add_shared_option,
         neuron_config_kwargs,
+        parse_key_value,
         positive_int,
     )
     from nxdplug.cli.speculation import (
@@ -84,14 +86,33 @@ if TYPE_CHECKING:
     from nxdplug.engine.ranks import StepBroadcaster, follow_steps
     from nxdplug.engine.requests import MAX_TOP_LOGPROBS, Request
     from nxdplug.engine.speculative import Proposer, SpeculationMetrics, SpeculativeConfig
-    from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdPlugError
+    from nxdplug.errors import (
+        CheckpointError,
+        ConfigError,
+        NotSupportedError,
+        NxdPlugError,
+        PluginError,
+    )
     from nxdplug.generation.accuracy import check_accuracy, shift_right
     from nxdplug.generation.hf_adapter import HF_DEFAULTS, HuggingFaceGenerationAdapter
+    from nxdplug.generation.hf_matching import (
+        LOGIT_TOLERANCES,
+        AccuracyReport,
+        compare_with_hf,
+        hf_greedy,
+        left_padded,
+        teacher_forced_logits,
+    )
     from nxdplug.generation.logit_accuracy import check_accuracy_logits
     from nxdplug.generation.logit_validation import LogitMatchingValidationError
     from nxdplug.hookspecs import hookimpl, hookspec
     from nxdplug.lazy import resolve_ref
-    from nxdplug.manager import NxdPlugPluginManager
+    from nxdplug.manager import (
+        NxdPlugPluginManager,
+        create_plugin_manager,
+        get_plugin_manager,
+        use_plugin_manager,
+    )
     from nxdplug.modules.activations import activation
     from nxdplug.modules.attention import (
         NeuronAttentionBase,

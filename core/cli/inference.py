@@ -324,10 +324,10 @@ def _check_accuracy(
     new_tokens: int,
     speculation: dict[str, Any],
 ) -> int:
-    from nxdplug.testing import check_accuracy
+    from nxdplug.generation.hf_matching import compare_with_hf
 
     hf_model = model.load_hf_model(args.model_path, dtype=model.neuron_config.torch_dtype).eval()
-    report = check_accuracy(
+    report = compare_with_hf(
         model,
         hf_model,
         batch.input_ids,

@@ -20,7 +20,6 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 import attrs
@@ -34,7 +33,6 @@ from nxdplug.cli.inference import (
     run_compile,
     run_run,
 )
-from nxdplug.cli.options import parse_key_value
 from nxdplug.cli.plugins import (
     add_plugins_doctor_arguments,
     add_plugins_list_arguments,
@@ -67,45 +65,6 @@ class UsageError(Exception):
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see '{self.prog} --help')")
-
-
-# make-tiny-model ------------------------------------------------------------------------------
-
-
-def add_make_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--architecture",
-        required=True,
-        metavar="NAME",
-        help="a registered model architecture, e.g. llama (see `nxdplug plugins list`)",
-    )
-    parser.add_argument("--output", required=True, type=Path, metavar="DIR", help="new folder")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        type=parse_key_value,
-        metavar="KEY=VALUE",
-        help="a transformers config value, parsed as JSON when it can be "
-        "(repeatable, e.g. --set num_hidden_layers=3)",
-    )
-    parser.add_argument("--force", action="store_true", help="replace a non-empty DIR")
-
-
-def run_make_tiny_model(args: argparse.Namespace) -> int:
-    from nxdplug.testing.tiny_models import make_tiny_checkpoint, summarize_checkpoint
-
-    path = make_tiny_checkpoint(
-        args.architecture,
-        args.output,
-        seed=args.seed,
-        overrides=dict(args.overrides or ()),
-        force=args.force,
-    )
-    print(path)
-    print(summarize_checkpoint(path))
-    return 0
 
 
 # the command table ----------------------------------------------------------------------------
@@ -152,12 +111,6 @@ COMMANDS: tuple[Command, ...] = (
         "generate from prompts on the CPU and optionally check accuracy against HF",
         run=run_run,
         add_arguments=add_run_arguments,
-    ),
-    Command(
-        "make-tiny-model",
-        "write a tiny random HF checkpoint of a registered architecture (offline)",
-        run=run_make_tiny_model,
-        add_arguments=add_make_tiny_model_arguments,
     ),
 )
 

@@ -18,6 +18,7 @@ PACKAGE_DIRS = {
     "nxdplug.plugins": "plugins",
     "nxdplug.contrib_models": "contrib_models",
     "nxdplug.nxdi": "plugins/nxdi",
+    "nxdplug.testing": "plugins/testing",
 }
 FORBIDDEN_TOP_LEVEL = {"core", "plugins", "contrib_models"}
 
@@ -59,7 +60,7 @@ def test_every_plugin_folder_is_an_entry_point() -> None:
         for p in packages_on_disk()
         if p.startswith(("nxdplug.plugins.", "nxdplug.contrib_models.")) and p.count(".") == 2
     }
-    assert plugin_packages | {"nxdplug.nxdi"} == modules
+    assert plugin_packages | {"nxdplug.nxdi", "nxdplug.testing"} == modules
 
 
 def test_every_non_python_source_file_ships_as_package_data() -> None:

@@ -15,11 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nxdplug.checkpoint.atomic_folders import staged_folder
-from nxdplug.errors import ConfigError, PluginError
-from nxdplug.registry import get_registry
+from nxdplug.plugin_api import (
+    ConfigError,
+    ModelArchitecture,
+    PluginError,
+    get_registry,
+    staged_folder,
+)
 from nxdplug.testing.tokenizer_builder import build_tokenizer
-from nxdplug.types import ModelArchitecture
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from nxdplug.plugin_api import hf_greedy, left_padded, teacher_forced_logits
+
 if TYPE_CHECKING:
-    from nxdplug.runtime.application import NeuronBaseForCausalLM
+    from nxdplug.plugin_api import NeuronBaseForCausalLM
 
 
 @attrs.frozen
@@ -102,8 +104,6 @@ def check_low_precision(
     """Compare ``model`` (an nxdplug causal LM, loaded, in bf16 or fp16) with HF transformers
     on the checkpoint at ``model_path``, as the module docstring says."""
     from transformers import AutoModelForCausalLM
-
-    from nxdplug.testing import hf_greedy, left_padded, teacher_forced_logits
 
     dtype = model.neuron_config.torch_dtype
     if attention_mask is None:

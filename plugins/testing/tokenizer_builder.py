@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from nxdplug.errors import ConfigError
+from nxdplug.plugin_api import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
