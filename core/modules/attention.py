@@ -75,8 +75,11 @@ def grouped_attention(
     ``repeat_kv``, but K and V are read in place rather than copied per query head. The scores
     and the softmax are float32, as in PyTorch's fused CPU kernel that HF transformers' bf16
     attention runs (scores rounded to bf16 first put nxdplug's bf16 logits up to 1.27x further
-    from float32 than HF's own bf16); a query that may see no key gets a uniform (finite) mix
-    rather than NaN.
+    from float32 than HF's own bf16). As there, the unnormalized exp(score - max) is rounded to
+    v's dtype, weighs the values in float32 and the sums are divided by the exps' float32 total
+    (probabilities rounded after normalizing differ from HF's bf16 attention output in 40% of
+    its elements and gave a heavier tail of logit errors); a query that may see no key gets a
+    uniform (finite) mix rather than NaN.
     """
     batch, heads, queries, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
@@ -85,8 +88,11 @@ def grouped_attention(
     scores = (q.float() @ k.float().transpose(-1, -2)) * dim**-0.5
     scores = scores.view(batch, kv_heads, groups, queries, keys)
     scores = scores.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min)
-    probs = scores.softmax(dim=-1).to(v.dtype).view(batch, kv_heads, groups * queries, keys)
-    return (probs @ v).view(batch, heads, queries, dim)
+    exps = (scores - scores.amax(dim=-1, keepdim=True)).exp()
+    total = exps.sum(dim=-1, keepdim=True)
+    exps = exps.to(v.dtype).float().view(batch, kv_heads, groups * queries, keys)
+    out = (exps @ v.float()).view(batch, kv_heads, groups, queries, dim) / total
+    return out.to(v.dtype).view(batch, heads, queries, dim)
 
 
 def attention_mask_4d(

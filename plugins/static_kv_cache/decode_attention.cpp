@@ -18,9 +18,10 @@
 // A task stops at the last position its queries see (the mask is as wide as the bucket): 70.6
 // us against 80.7 a call with 64-124 of 128 positions seen and the caches out of L2.
 //
-// The numbers follow nxdplug.modules.attention.grouped_attention: float32 products and softmax,
-// probabilities rounded to the cache's dtype, float32 sums rounded once at the end; a query that
-// may see no key gets the mean of all the mask's positions (a softmax over equal scores).
+// The numbers follow nxdplug.modules.attention.grouped_attention (and PyTorch's fused CPU
+// attention): float32 products, exp(score - max) rounded to the cache's dtype, float32 sums of
+// the values they weigh divided by the exps' float32 total and rounded once at the end; a query
+// that may see no key gets the mean of all the mask's positions (a softmax over equal scores).
 //
 // x86 CPUs with AVX-512 (F, BW, VL) take the vector path for head sizes 16, 32, 64, 128 and 256;
 // other head sizes and CPUs take a plain loop (NXDPLUG_DECODE_ATTENTION_PORTABLE=1 forces it).
@@ -108,13 +109,16 @@ bool row_sees_a_key(const float* row, int64_t keys) {
   return std::any_of(row, row + keys, [](float s) { return s != kMasked; });
 }
 
-// Each row of ``scores`` becomes its softmax, rounded to T.
+// Each row of ``scores`` becomes its exp(score - max), rounded to T; the unrounded exps' total
+// is written after the rows (scores + rows * keys + i), to divide the weighted values by.
 template <typename T>
 void softmax_rows_portable(float* scores, int64_t rows, int64_t keys) {
+  float* totals = scores + rows * keys;
   for (int64_t i = 0; i < rows; ++i) {
     float* row = scores + i * keys;
     if (!row_sees_a_key(row, keys)) {
-      std::fill(row, row + keys, rounded<T>(1.0f / static_cast<float>(keys)));
+      std::fill(row, row + keys, 1.0f);
+      totals[i] = static_cast<float>(keys);
       continue;
     }
     const float top = *std::max_element(row, row + keys);
@@ -123,7 +127,8 @@ void softmax_rows_portable(float* scores, int64_t rows, int64_t keys) {
       row[j] = row[j] == kMasked ? 0.0f : std::exp(row[j] - top);
       total += row[j];
     }
-    for (int64_t j = 0; j < keys; ++j) row[j] = rounded<T>(row[j] / total);
+    for (int64_t j = 0; j < keys; ++j) row[j] = rounded<T>(row[j]);
+    totals[i] = total;
   }
 }
 
@@ -158,7 +163,8 @@ void attend_portable(const Task<T>& task, const Shapes& s, float scale, float* s
         for (int64_t d = 0; d < dim; ++d) sum[d] += p * static_cast<float>(value[d]);
       }
     }
-    for (int64_t d = 0; d < dim; ++d) task.out[i * dim + d] = static_cast<T>(sum[d]);
+    const float total = scores[rows * keys + i];
+    for (int64_t d = 0; d < dim; ++d) task.out[i * dim + d] = static_cast<T>(sum[d] / total);
   }
 }
 
@@ -217,6 +223,7 @@ NXDPLUG_AVX512 inline __m512 exp_of_nonpositive(__m512 x) {
 
 template <typename T>
 NXDPLUG_AVX512 void softmax_rows_avx512(float* scores, int64_t rows, int64_t keys) {
+  float* totals = scores + rows * keys;
   for (int64_t i = 0; i < rows; ++i) {
     float* row = scores + i * keys;
     __m512 top = _mm512_set1_ps(kMasked);
@@ -226,7 +233,8 @@ NXDPLUG_AVX512 void softmax_rows_avx512(float* scores, int64_t rows, int64_t key
     }
     const float highest = _mm512_reduce_max_ps(top);
     if (highest == kMasked) {
-      std::fill(row, row + keys, rounded<T>(1.0f / static_cast<float>(keys)));
+      std::fill(row, row + keys, 1.0f);
+      totals[i] = static_cast<float>(keys);
       continue;
     }
     const __m512 shift = _mm512_set1_ps(highest);
@@ -237,12 +245,12 @@ NXDPLUG_AVX512 void softmax_rows_avx512(float* scores, int64_t rows, int64_t key
       _mm512_mask_storeu_ps(row + j, lanes, e);
       total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
     }
-    const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
-    for (int64_t j = 0; j < keys; j += 16) {
-      const __mmask16 lanes = first_lanes(keys - j);
-      __m512 p = _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, row + j), sum);
-      if constexpr (!std::is_same_v<T, float>) p = round_to_bfloat16(p);
-      _mm512_mask_storeu_ps(row + j, lanes, p);
+    totals[i] = _mm512_reduce_add_ps(total);
+    if constexpr (!std::is_same_v<T, float>) {
+      for (int64_t j = 0; j < keys; j += 16) {
+        const __mmask16 lanes = first_lanes(keys - j);
+        _mm512_mask_storeu_ps(row + j, lanes, round_to_bfloat16(_mm512_maskz_loadu_ps(lanes, row + j)));
+      }
     }
   }
 }
@@ -326,8 +334,12 @@ NXDPLUG_AVX512 void weighted_values(const Task<T>& task, const Shapes& s, const 
       }
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kChunks; ++c) store_floats(task.out + (first + r) * dim + 16 * c, sum[r][c]);
+  const float* totals = scores + s.rows() * keys;
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 total = _mm512_set1_ps(totals[first + r]);
+    for (int c = 0; c < kChunks; ++c)
+      store_floats(task.out + (first + r) * dim + 16 * c, _mm512_div_ps(sum[r][c], total));
+  }
 }
 
 // weighted_values for `count` (1 to kRows) rows: a group's query heads (3 for 12 heads over 4
@@ -523,7 +535,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const int64_t block_stride = s.kv_heads * s.block_size * s.dim;
   at::parallel_for(0, batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scores;
-    scores.resize(s.rows() * s.keys);
+    scores.resize(s.rows() * (s.keys + 1));  // the rows' scores, then their totals
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / s.kv_heads, head = t % s.kv_heads;
       const int64_t head_offset = head * s.block_size * s.dim;
