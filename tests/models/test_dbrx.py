@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SETTINGS = {"batch_size": 2, "seq_len": 96, "max_context_length": 32}
 EXPERTS = 8
 NEW_TOKENS = 32
-PROMPT_SEED = 2  # prompts on which bfloat16 routes as float32 (see the logits test)
+PROMPT_SEED = 6  # prompts on which bfloat16 routes as float32 (see the logits test)
 ROPE_THETA = 20000.0  # not transformers' default, so that a lost theta shows
 # Below the tiny default (0.15), which amplifies bfloat16's rounding to ~0.1 in the logits (the
 # tolerance); greedy paths still vary.
@@ -91,7 +91,7 @@ def test_logits_match_hf_float32_within_dtype_tolerance(tiny_checkpoint, dtype):
     """Against HF in float32. HF's own bfloat16 run is no oracle: rounding moves the router
     logits by ~0.01, and near ties (margins down to 0.001 occur on most prompt sets) then go
     either way, changing a token's output by O(1) (measured on twelve prompt sets: HF's
-    bfloat16 exceeds the tolerance on nine, these prompts among them, ours on six). So bfloat16
+    bfloat16 exceeds the tolerance on nine, ours on six). So bfloat16
     is held to its tolerance of the exact result, on prompts where it routes every token as
     float32 does (which the test checks); rounding alone costs ~0.03 here."""
     path = dbrx_checkpoint(tiny_checkpoint)

@@ -265,7 +265,8 @@ def test_bfloat16_against_float32_scores_as_hf_bfloat16_does() -> None:
     assert max(ours["all"]) > 0.05 and max(theirs["all"]) > 0.05
     mean_ours, mean_theirs = (sum(e["50"]) / len(e["50"]) for e in (ours, theirs))
     assert mean_ours <= 1.1 * mean_theirs, (mean_ours, mean_theirs)
-    assert max(ours["50"]) < 0.06
+    # NxD Inference's bf16 CPU test passes on these inputs, for nxdplug as for HF.
+    assert max(ours["50"]) < 0.04 and max(theirs["50"]) < 0.04
 
 
 def test_expected_logits_use_the_model_classes_own_load_hf_model(app, inputs, expected_logits):
