@@ -83,7 +83,8 @@ class PhaseOutputs:
 
     def refuse_with_speculation(self, settings: SamplingSettings, method: str) -> None:
         """A fused speculator encodes prompts with its own phase, which computes none."""
-        for name, _ in settings.extras:
+        if settings.extras:
+            name = settings.extras[0][0]
             raise RequestError(
                 f"{name} are not given with {method!r} speculation: its own prompt phase "
                 "encodes the prompt",

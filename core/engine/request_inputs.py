@@ -27,10 +27,13 @@ class RequestInputs:
     """The enabled step-input plugins' keywords, as the engine's requests carry them."""
 
     def __init__(self, context: PipelineContext) -> None:
-        self.builders: dict[str, StepInputBuilder] = {
-            keyword: with_defaults(context.step_input_builder(record), StepInputBuilder)
+        # One builder per record, whatever number of keywords the record takes.
+        builders = {
+            record: with_defaults(context.step_input_builder(record), StepInputBuilder)
             for record in context.selection.step_inputs
-            for keyword in record.keywords
+        }
+        self.builders: dict[str, StepInputBuilder] = {
+            keyword: builder for record, builder in builders.items() for keyword in record.keywords
         }
 
     def check(self, keywords: Mapping[str, Any]) -> None:
@@ -67,6 +70,6 @@ class RequestInputs:
     def served_names(self) -> dict[str, dict[str, Any]]:
         """The model names the plugins offer beside the base model, each with its keywords."""
         names: dict[str, dict[str, Any]] = {}
-        for builder in self.builders.values():
+        for builder in dict.fromkeys(self.builders.values()):
             names |= {name: dict(keywords) for name, keywords in builder.served_names().items()}
         return names
