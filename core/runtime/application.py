@@ -430,16 +430,16 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
             attention_mask = torch.ones_like(input_ids)
         if seq_ids is None:
             seq_ids = torch.arange(batch, dtype=torch.long, device=self.device)
+        device = self.device
+        attention_mask, seq_ids = attention_mask.to(device), seq_ids.to(device)
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask)[:, -input_ids.shape[1] :]
-        attention_mask, position_ids, seq_ids = (
-            t.to(self.device) for t in (attention_mask, position_ids, seq_ids)
-        )
+        position_ids = position_ids.to(device)
         if self._is_prefill(position_ids, attention_mask, input_ids):
-            scheduled = ScheduledStep.prompts(input_ids, attention_mask, keywords)
+            scheduled = ScheduledStep.prompts(input_ids, attention_mask, keywords, seq_ids)
         else:
-            scheduled = ScheduledStep.next_tokens(input_ids, position_ids[:, 0], keywords)
-        return self.run(scheduled.replace(seq_ids=seq_ids))
+            scheduled = ScheduledStep.next_tokens(input_ids, position_ids[:, 0], keywords, seq_ids)
+        return self.run(scheduled)
 
     def run(self, scheduled: ScheduledStep) -> CausalLMOutputWithTokens:
         """Run one scheduled step (the runner): the phase that computes it, given each row's
@@ -521,6 +521,8 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     def _phase_selected_by(self, keywords: dict[str, Any]) -> ModelWrapper | None:
         """Take the selecting keywords out of ``keywords``; the phase a true one selects. A
         phase output this model has no phase for is refused, saying how to get one."""
+        if not keywords:
+            return None
         chosen = [w for w in self.models if w.selected_by and keywords.pop(w.selected_by, False)]
         for record in get_registry().records("phase_outputs"):
             if keywords.pop(record.name, False):
@@ -572,14 +574,14 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
     ) -> bool:
         if not self.kv_cache_populated or self.decode_model(input_ids.shape[1]) is None:
             return True
-        real = attention_mask[:, -input_ids.shape[1] :].bool()
-        return bool((position_ids[real] == 0).any())
+        real = attention_mask[:, -input_ids.shape[1] :] != 0
+        return bool(((position_ids == 0) & real).any())
 
 
 def refuse_untaken_keywords(context: PipelineContext, keywords: dict[str, Any]) -> None:
     """Refuse per-row inputs that no enabled step-input plugin takes, saying which installed
     record would take each and what enables it."""
-    untaken = sorted(set(keywords) - context.step_keywords())
+    untaken = sorted(set(keywords) - context.step_keywords()) if keywords else None
     if not untaken:
         return
     records = get_registry().records("step_inputs")

@@ -63,16 +63,16 @@ class ScheduledStep:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         keywords: Mapping[str, Any] | None = None,
+        seq_ids: torch.Tensor | None = None,
     ) -> ScheduledStep:
         """Prompts given HF's way (padded on either side, ``attention_mask`` 1 for real
-        tokens), each into the line of its row."""
+        tokens), each into its line in ``seq_ids`` (by default, the line of its row)."""
         tokens, mask, _ = compact_left(
             input_ids, attention_mask, positions_from_mask(attention_mask)
         )
         num_new = mask.sum(dim=-1)
-        return cls(
-            tokens, num_new, torch.zeros_like(num_new), _lines(input_ids), dict(keywords or {})
-        )
+        lines = _lines(input_ids) if seq_ids is None else seq_ids
+        return cls(tokens, num_new, torch.zeros_like(num_new), lines, dict(keywords or {}))
 
     @classmethod
     def next_tokens(
@@ -80,11 +80,13 @@ class ScheduledStep:
         input_ids: torch.Tensor,
         num_cached: torch.Tensor,
         keywords: Mapping[str, Any] | None = None,
+        seq_ids: torch.Tensor | None = None,
     ) -> ScheduledStep:
-        """``input_ids`` [rows, n]: n new tokens for each row's line, after its ``num_cached``
-        cached positions."""
+        """``input_ids`` [rows, n]: n new tokens for each row's line in ``seq_ids`` (by
+        default, the line of its row), after its ``num_cached`` cached positions."""
         num_new = torch.full_like(num_cached, input_ids.shape[1])
-        return cls(input_ids, num_new, num_cached, _lines(input_ids), dict(keywords or {}))
+        lines = _lines(input_ids) if seq_ids is None else seq_ids
+        return cls(input_ids, num_new, num_cached, lines, dict(keywords or {}))
 
     @property
     def rows(self) -> int:
