@@ -83,6 +83,13 @@ STATIC_EXPORTS = {
         "initialize_moe_module": "nxdplug.modules.moe:initialize_moe_module",
     },
     "nxdplug.nxdi.modules.eagle.token_tree": {"TokenTree": "nxdplug.config.token_tree:TokenTree"},
+    "nxdplug.nxdi.modules.eagle.dynamic_token_tree": {
+        "DynamicTokenTree": "nxdplug.plugins.eagle.dynamic_token_tree:DynamicTokenTree",
+    },
+    "nxdplug.nxdi.modules.eagle.hidden_state": {
+        "HiddenStateRollingBuffer": "nxdplug.plugins.eagle.hidden_state:HiddenStateRollingBuffer",
+        "rolling_buffer_set_state": "nxdplug.plugins.eagle.hidden_state:rolling_buffer_set_state",
+    },
     "nxdplug.nxdi.modules.lora_serving": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
     "nxdplug.nxdi.modules.lora_serving.config": {"LoraServingConfig": "nxdplug:LoraServingConfig"},
     "nxdplug.nxdi.modules.generation.sampling": {
