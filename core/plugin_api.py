@@ -163,6 +163,7 @@ if TYPE_CHECKING:
     )
     from nxdplug.registry import get_registry
     from nxdplug.runtime.application import NeuronBaseForCausalLM, architecture_for, from_pretrained
+    from nxdplug.runtime.batch_sampler import greedy_tokens
     from nxdplug.runtime.cpp_ops import build_operator, build_operator_library, build_operators
     from nxdplug.runtime.model_base import NeuronBaseModel, last_token_states
     from nxdplug.runtime.model_wrapper import (

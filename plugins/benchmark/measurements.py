@@ -27,7 +27,7 @@ import attrs
 import torch
 from torch import nn
 
-from nxdplug.plugin_api import NxdPlugError, head_dim_of
+from nxdplug.plugin_api import NxdPlugError, greedy_tokens, head_dim_of
 from nxdplug.plugins.benchmark.roofline import GEMM_SIZE, PrefillCeiling
 
 if TYPE_CHECKING:
@@ -176,7 +176,7 @@ def _run_nxdplug(
         # A model that samples on device returns its tokens; otherwise take the greedy one here.
         step_input = outputs.tokens
         if step_input is None:
-            step_input = outputs.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+            step_input = greedy_tokens(outputs.logits[:, -1:, :])
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
         stamps.append(time.perf_counter())
     return RunTimes(start=start, tokens=tuple(stamps), end=stamps[-1])
