@@ -18,13 +18,19 @@ from nxdplug.plugins.quantization.int4 import (
     float16_rounding,
     kernel_group_size,
     kernel_scales,
+    kernel_zero_points,
     padded_features,
     scale_dtype,
     to_kernel_layout,
     unpack_int4,
 )
 from nxdplug.plugins.quantization.kernel import tile_rows
-from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, int4_group
+from nxdplug.plugins.quantization.methods import (
+    QUANTIZED_DTYPES,
+    ZERO_POINTS_SETTING,
+    int4_group,
+    int4_zero_points,
+)
 from nxdplug.plugins.quantization.targets import (
     SCALE_SUFFIX,
     ZERO_POINT_SUFFIX,
@@ -113,12 +119,16 @@ def fit_int4_weights(
     """Packed int4 weights (int32 [out, in / 8]) and their scales ([out, in / group]) to the
     int4 layers' layout (:mod:`.int4`). A checkpoint of another tool may have signed zero
     points beside them (``weight_zero_point`` [out, in / group], as GPTQ and AWQ write
-    asymmetric weights); symmetric weights get zeros. Scales are held in float16 (float32 in a
-    float32 model): a scale float16 cannot hold is reported, and rounding other tools' float32
-    scales is logged."""
+    asymmetric weights). With ``quantization_zero_points`` the layers hold them (zeros where
+    the checkpoint has none); without, zero points that are all 0 are dropped and others are
+    reported, as the layers hold none. Scales are held in float16 (float32 in a float32 model):
+    a scale float16 cannot hold is reported, and rounding other tools' float32 scales is
+    logged."""
     neuron_config = config.neuron_config
+    held_zero_points = int4_zero_points(neuron_config)
     fitted = dict(state_dict)
     problems = []
+    asymmetric: list[str] = []  # zero points other than 0 that the layers would not hold
     rounding = 0.0
     dtype = scale_dtype(neuron_config.torch_dtype)
     for key, _, packed, scale in quantized_weights(state_dict, neuron_config):
@@ -142,18 +152,32 @@ def fit_int4_weights(
             continue
         kernel_group = kernel_group_size(group, in_features)
         padded = padded_features(in_features)
-        zero_point = fitted.get(f"{key}{ZERO_POINT_SUFFIX}")
-        try:
-            scales, zero_points = kernel_scales(
-                scale, group, kernel_group, padded, zero_point, dtype
+        zero_key = f"{key}{ZERO_POINT_SUFFIX}"
+        zero_point = fitted.pop(zero_key, None)
+        if zero_point is not None and zero_point.shape != scale.shape:
+            problems.append(
+                f"{zero_key} is {list(zero_point.shape)}; zero points are one a scale, "
+                f"{list(scale.shape)}"
             )
+            continue
+        if held_zero_points:
+            if zero_point is None:
+                zero_point = torch.zeros_like(scale, dtype=torch.int8)
+            fitted[zero_key] = kernel_zero_points(zero_point, group, kernel_group, padded)
+        elif zero_point is not None and zero_point.any():
+            asymmetric.append(zero_key)
+            continue
+        try:
+            scales = kernel_scales(scale, group, kernel_group, padded, dtype)
         except ValueError as error:
             problems.append(f"{key}{SCALE_SUFFIX}: {error}; leave the module in full precision")
             continue
         if dtype == torch.float16:
             rounding = max(rounding, float16_rounding(scale))
         fitted[key] = to_kernel_layout(unpack_int4(packed), padded)
-        fitted[f"{key}{SCALE_SUFFIX}"], fitted[f"{key}{ZERO_POINT_SUFFIX}"] = scales, zero_points
+        fitted[f"{key}{SCALE_SUFFIX}"] = scales
+    if asymmetric:
+        problems.append(asymmetric_problem(asymmetric))
     refuse_misfits(problems, neuron_config)
     if rounding:
         log.warning(
@@ -163,3 +187,14 @@ def fit_int4_weights(
             rounding,
         )
     return fitted
+
+
+def asymmetric_problem(zero_point_keys: list[str]) -> str:
+    shown = ", ".join(zero_point_keys[:3])
+    more = f" and {len(zero_point_keys) - 3} more" if len(zero_point_keys) > 3 else ""
+    return (
+        f"{shown}{more} hold zero points other than 0 (asymmetric weights), but "
+        f"{ZERO_POINTS_SETTING} is not set, so the int4 layers hold none: set "
+        f"{ZERO_POINTS_SETTING}=True (another tool's checkpoint: its quantization_config must "
+        "say so, GPTQ sym false, AWQ zero_point true, compressed-tensors symmetric false)"
+    )

@@ -1,5 +1,6 @@
 """Weight quantization: int8, f8e4m3 and f8e5m2, per tensor or per output channel, and int4 per
-output channel or blockwise (groups of input features), all symmetric.
+output channel or blockwise (groups of input features), all symmetric as quantized here; other
+tools' asymmetric int4 weights load with ``quantization_zero_points=True``.
 
 ``NeuronConfig(quantized=True, quantized_checkpoints_path=..., quantization_dtype=...,
 quantization_type=...)`` switches it on. ``save_quantized_state_dict`` writes the checkpoint
@@ -40,8 +41,13 @@ METHODS = (
     ("int4", "per_channel", "Int4Quantizer"),
     ("int4", "blockwise", "Int4Quantizer"),
 )
-# NxD Inference's blockwise settings: input features per scale, and the axis they run along.
-BLOCK_SETTINGS = {"quantization_block_size": None, "quantization_block_axis": None}
+# NxD Inference's blockwise settings (input features per scale, and the axis they run along),
+# and this plugin's: whether int4 weights are asymmetric, with zero points (methods.py).
+SETTINGS = {
+    "quantization_block_size": None,
+    "quantization_block_axis": None,
+    "quantization_zero_points": False,
+}
 
 
 SCALE_SPANS = {
@@ -70,7 +76,7 @@ def nxdplug_features() -> Iterable[Feature]:
         enabled_by=("quantized",),
         validate=f"{PACKAGE}.validation:validate",
         transform_model=f"{PACKAGE}.layers:quantize_model",
-        settings=BLOCK_SETTINGS,
+        settings=SETTINGS,
         description="8-bit and int4 projection weights with their scales; int8 and int4 "
         "matmuls for decoding",
     )
@@ -111,8 +117,8 @@ FORMATS = (
         "gptq",
         "gptq",
         "gptq_awq:GptqReader",
-        "GPTQModel / AutoGPTQ 4-bit checkpoints: int4 layers with zero points; "
-        "activation-ordered groups dequantized at load",
+        "GPTQModel / AutoGPTQ 4-bit checkpoints: int4 layers (with zero points when "
+        "asymmetric); activation-ordered groups dequantized at load",
     ),
     ("awq", "awq", "gptq_awq:AwqReader", "AutoAWQ GEMM 4-bit checkpoints: int4 layers"),
     (

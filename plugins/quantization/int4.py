@@ -3,16 +3,18 @@ dequantization.
 
 A weight ``W`` [out, in] is stored as signed 4-bit integers ``Q`` in -8..7 with one scale per
 ``group`` consecutive input features of a row (``scale`` [out, in / group]), ``W ≈ Q * scale``;
-other tools' checkpoints may add a signed zero point per group, ``W = (Q - zero_point) * scale``.
+other tools' checkpoints may add a signed zero point per group, ``W = (Q - zero_point) * scale``
+(asymmetric weights; the layers hold them only with ``quantization_zero_points=True``).
 
 - In a checkpoint, ``Q`` is packed as compressed-tensors' ``pack-quantized`` format packs it
   (what llm-compressor writes and vLLM reads): ``Q + 8`` as unsigned nibbles, eight per int32
   along the input features, the first in the lowest bits ([out, in / 8]).
 - In memory, ``Q + 8`` is in the layout of the plugin's kernels (``int4_kernels.cpp``, which
   describes it): blocks of 128 input features as 64 bytes, rows in tiles of four; the scales
-  (float16, or float32 in a float32 model) and zero points (int8) [out, groups] in the same
-  tile order. The matmul reads it as it is: integer digits of the activations for a few rows,
-  bfloat16 tiles dequantized in the cache for more; long prompts dequantize it for a GEMM.
+  (float16, or float32 in a float32 model) and the zero points of asymmetric weights (int8)
+  [out, groups] in the same tile order; symmetric weights hold none (the kernels take None).
+  The matmul reads it as it is: integer digits of the activations for a few rows, bfloat16
+  tiles dequantized in the cache for more; long prompts dequantize it for a GEMM.
 """
 
 from __future__ import annotations
@@ -119,34 +121,51 @@ def scale_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if model_dtype == torch.float32 else torch.float16
 
 
+def per_kernel_group(
+    values: torch.Tensor,
+    group: int,
+    kernel_group: int,
+    padded_in_features: int,
+    fill: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[out, groups] values per checkpoint group -> [out, kernel groups] in ``dtype``, each
+    repeated over the kernel groups it covers, the groups past the checkpoint's ``fill``."""
+    count = kernel_groups(kernel_group, padded_in_features)
+    repeat = max(1, group // kernel_group) if values.shape[1] > 1 else count
+    repeated = values.to(dtype).repeat_interleave(repeat, dim=1)[:, :count]
+    missing = repeated.new_full((values.shape[0], count - repeated.shape[1]), fill)
+    return torch.cat([repeated, missing], dim=1)
+
+
 def kernel_scales(
     scale: torch.Tensor,
     group: int,
     kernel_group: int,
     padded_in_features: int,
-    zero_point: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float16,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, groups] scales and signed zero points (None: symmetric) -> the kernels' scales
-    (in ``dtype``, :func:`scale_dtype`) and int8 zero points [out, kernel groups], each repeated
-    over the kernel groups it covers (groups past the checkpoint's: scale 1, zero point 0),
-    tiled. Scales beyond float16's range are refused (ValueError); others are rounded to it (see
+) -> torch.Tensor:
+    """[out, groups] scales -> the kernels' scales in ``dtype`` (:func:`scale_dtype`) [out,
+    kernel groups] (:func:`per_kernel_group`, scale 1 past the checkpoint's groups), tiled.
+    Scales beyond float16's range are refused (ValueError); others are rounded to it (see
     :func:`float16_rounding`)."""
-    rows = scale.shape[0]
-    count = kernel_groups(kernel_group, padded_in_features)
-    repeat = max(1, group // kernel_group) if scale.shape[1] > 1 else count
-    zero_point = torch.zeros_like(scale, dtype=torch.int8) if zero_point is None else zero_point
-    scales, zeros = (t.repeat_interleave(repeat, dim=1)[:, :count] for t in (scale, zero_point))
-    missing = count - scales.shape[1]
-    scales = torch.cat([scales.float(), scales.new_ones(rows, missing, dtype=torch.float32)], 1)
-    zeros = torch.cat([zeros.to(torch.int8), zeros.new_zeros(rows, missing, dtype=torch.int8)], 1)
+    scales = per_kernel_group(scale, group, kernel_group, padded_in_features, 1.0, torch.float32)
     halves = scales.to(dtype)
     if not halves.isfinite().all() or ((halves == 0) & (scales != 0)).any():
         raise ValueError(
             f"int4 scales from {scale.abs().min().item():.3g} to {scale.abs().max().item():.3g} "
             f"do not fit {str(dtype).removeprefix('torch.')}, which the int4 kernels hold them in"
         )
-    return tile_rows(halves.contiguous(), lane=1), tile_rows(zeros.contiguous(), lane=1)
+    return tile_rows(halves.contiguous(), lane=1)
+
+
+def kernel_zero_points(
+    zero_point: torch.Tensor, group: int, kernel_group: int, padded_in_features: int
+) -> torch.Tensor:
+    """[out, groups] signed zero points -> the kernels' int8 zero points [out, kernel groups]
+    (:func:`per_kernel_group`, 0 past the checkpoint's groups), tiled."""
+    zeros = per_kernel_group(zero_point, group, kernel_group, padded_in_features, 0, torch.int8)
+    return tile_rows(zeros.contiguous(), lane=1)
 
 
 def float16_rounding(scale: torch.Tensor) -> float:
@@ -166,8 +185,9 @@ def from_kernel_scales(tiled: torch.Tensor) -> torch.Tensor:
 def int4_kernels() -> Any | None:
     """``torch.ops.nxdplug_int4`` with ``int4_matmul(x [M, K] float32 or bfloat16, packed,
     scales, zero_points, group)`` -> ``[M, out]`` in x's dtype and ``int4_dequantize(packed,
-    scales, zero_points, group, in_features, dtype)`` -> W ``[out, in_features]``, or None where
-    they cannot be built (no C++ compiler or ninja, a CPU other than x86)."""
+    scales, zero_points, group, in_features, dtype)`` -> W ``[out, in_features]`` (zero points
+    None for symmetric weights), or None where they cannot be built (no C++ compiler or ninja, a
+    CPU other than x86)."""
     return build_operators(
         KERNEL_LIBRARY,
         KERNEL_SOURCE,
@@ -181,7 +201,7 @@ def _product_like(
     x: torch.Tensor,
     packed: torch.Tensor,
     scales: torch.Tensor,
-    zero_points: torch.Tensor,
+    zero_points: torch.Tensor | None,
     group: int,
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], packed.shape[0]))
@@ -190,7 +210,7 @@ def _product_like(
 def _dequantized_like(
     packed: torch.Tensor,
     scales: torch.Tensor,
-    zero_points: torch.Tensor,
+    zero_points: torch.Tensor | None,
     group: int,
     in_features: int,
     dtype: torch.dtype,
@@ -201,22 +221,25 @@ def _dequantized_like(
 def dequantize_int4(
     packed: torch.Tensor,
     scales: torch.Tensor,
-    zero_points: torch.Tensor,
+    zero_points: torch.Tensor | None,
     kernel_group: int,
     in_features: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """The kernel-layout weight as a [out, in_features] matrix of ``dtype``: by the plugin's
     C++ loop on the CPU, else by PyTorch operations (``(Q - zero_point) * scale`` in float32,
-    then cast, as the loop computes it)."""
+    then cast, as the loop computes it; ``zero_points`` None: ``Q * scale``)."""
     kernels = int4_kernels() if packed.device.type == "cpu" else None
     if kernels is not None:
         return kernels.int4_dequantize(
             packed, scales, zero_points, kernel_group, in_features, dtype
         )
     q = from_kernel_layout(packed)[:, :in_features].float()
-    scale, zero = (
-        from_kernel_scales(t).float().repeat_interleave(kernel_group, dim=1)[:, :in_features]
-        for t in (scales, zero_points)
-    )
-    return ((q - zero.float()) * scale).to(dtype)
+    if zero_points is not None:
+        q = q - per_feature(zero_points, kernel_group, in_features)
+    return (q * per_feature(scales, kernel_group, in_features)).to(dtype)
+
+
+def per_feature(tiled: torch.Tensor, kernel_group: int, in_features: int) -> torch.Tensor:
+    """The kernels' tiled scales or zero points as float32 [out, in_features]."""
+    return from_kernel_scales(tiled).float().repeat_interleave(kernel_group, dim=1)[:, :in_features]

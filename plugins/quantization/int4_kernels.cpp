@@ -3,17 +3,17 @@
 // GEMM beyond, see int4_matmul below), and the dequantization.
 //
 // A weight W [N, K] is W[n, k] = (u[n, k] - 8 - z[n, g]) * s[n, g] for unsigned nibbles u, a
-// signed zero point z (0 for symmetric weights) and a scale s (float16, or float32 in float32
-// models) per row and group g of `group` input features (32, or a multiple of 64; one group per
-// row for per-channel scales).
+// signed zero point z and a scale s (float16, or float32 in float32 models) per row and group g
+// of `group` input features (32, or a multiple of 64; one group per row for per-channel scales).
+// Symmetric weights have no zero points (the ops take None: z = 0, nothing read).
 //
 // The layout (int4.py's to_kernel_layout): K is padded with zero weights to Kp, a multiple of
 // 128. Row n's packed bytes are Kp / 2 bytes in blocks of 64, byte i of block b holding column
 // 128 b + i in its low nibble and column 128 b + 64 + i in its high nibble. The rows are in
 // tiles of four, and a tile holds its rows' first blocks one after the other, then their second
 // blocks, and so on (kernel.py's tile_rows, 64 bytes a lane): one sequential stream of memory. The
-// last N % 4 rows are on their own. Scales and zero points (int8) are [N, groups] in the same
-// tiled order, one value a lane.
+// last N % 4 rows are on their own. Scales and zero points (int8, when there are any) are
+// [N, groups] in the same tiled order, one value a lane.
 //
 // The integer path: each 64-column chunk c of a row of x is scaled by a power of two a_c so that its
 // largest magnitude is below 2^B, rounded to integers v, and v is written as D signed base-256
@@ -45,6 +45,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -111,6 +112,11 @@ struct Layout {
   int64_t group_of(int64_t n, int64_t k) const { return tiled(n, k / group, groups, 1); }
 };
 
+// The zero points from `offset` on; nullptr (symmetric weights: none) stays nullptr.
+inline const int8_t* zeros_from(const int8_t* zeros, int64_t offset) {
+  return zeros == nullptr ? nullptr : zeros + offset;
+}
+
 // W[n, k] in float32.
 template <typename S>
 inline float weight_at(const uint8_t* packed, const S* scales, const int8_t* zeros,
@@ -118,7 +124,8 @@ inline float weight_at(const uint8_t* packed, const S* scales, const int8_t* zer
   const uint8_t byte = packed[layout.byte_of(n, k)];
   const int u = k % kBlock < kChunk ? byte & 0xF : byte >> 4;
   const int64_t g = layout.group_of(n, k);
-  return static_cast<float>(u - kOffset - zeros[g]) * value(scales[g]);
+  const int z = zeros == nullptr ? 0 : zeros[g];
+  return static_cast<float>(u - kOffset - z) * value(scales[g]);
 }
 
 // float to T, rounding to nearest even for bfloat16 without a branch (the values are finite).
@@ -268,7 +275,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"), always_inline)) inline 
 }
 
 // out[m, n .. n + R) for a tile of R rows (R = 4, or 1 for a last row): `tile` its packed bytes,
-// `scales` and `zeros` its [groups][R] values. Group 32 (`kPairs`) puts two groups in a chunk.
+// `scales` and `zeros` its [groups][R] values (`zeros` nullptr: none). Group 32 (`kPairs`) puts
+// two groups in a chunk.
 template <int D, int R, bool kPairs, typename T, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void vnni_tile(
     const Digits& digits, int64_t m, const uint8_t* tile, const S* scales,
@@ -306,7 +314,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void vnni_t
     for (int64_t j = 0; j < values; j += 16) {
       const __mmask16 mask = floats_present(values - j);
       const __m512 s = scales_present(scales + j, mask);
-      const __m512i z = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, zeros + j));
+      const __m512i z = zeros == nullptr
+                            ? _mm512_setzero_si512()
+                            : _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, zeros + j));
       const __m512 o = _mm512_cvtepi32_ps(_mm512_add_epi32(z, offset));
       terms = _mm512_fmadd_ps(_mm512_mul_ps(s, o), _mm512_maskz_loadu_ps(mask, sums + j), terms);
     }
@@ -314,9 +324,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c"))) void vnni_t
     _mm512_store_ps(lanes, terms);
     for (int i = 0; i < 16; ++i) zero_terms[i % R] += lanes[i];
   } else {
-    for (int64_t g = 0; g < layout.groups; ++g)
-      zero_terms[0] +=
-          value(scales[g]) * static_cast<float>(kOffset + zeros[g]) * sums[g * kRowsPerTile];
+    for (int64_t g = 0; g < layout.groups; ++g) {
+      const int z = zeros == nullptr ? 0 : zeros[g];
+      zero_terms[0] += value(scales[g]) * static_cast<float>(kOffset + z) * sums[g * kRowsPerTile];
+    }
   }
   for (int r = 0; r < R; ++r) out[r] = static_cast<T>(_mm512_reduce_add_ps(acc[r]) - zero_terms[r]);
 }
@@ -341,11 +352,13 @@ bool vnni_matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, con
         if (n + kRowsPerTile <= N) {
           vnni_tile<D, kRowsPerTile, kPairs>(digits, m, packed + n * row_bytes,
                                              scales + n * layout.groups,
-                                             zeros + n * layout.groups, layout, out + m * N + n);
+                                             zeros_from(zeros, n * layout.groups), layout,
+                                             out + m * N + n);
         } else {
           for (int64_t i = n; i < N; ++i)
             vnni_tile<D, 1, kPairs>(digits, m, packed + i * row_bytes, scales + i * layout.groups,
-                                    zeros + i * layout.groups, layout, out + m * N + i);
+                                    zeros_from(zeros, i * layout.groups), layout,
+                                    out + m * N + i);
         }
       }
     }
@@ -379,17 +392,19 @@ void plain_matmul(const T* x, int64_t rows, int64_t K, const uint8_t* packed, co
 constexpr int64_t kDotColumns = 32;  // bfloat16 pairs per vdpbf16ps
 constexpr int64_t kDotRowsAtOnce = 4;  // rows of x sharing each load of the tile
 
-// Each row's table of a group's 16 values, (u - 8 - z) s in bfloat16. The tile's [groups][R]
-// layout puts a group's R scales and zero points side by side: one load each, spread by row.
+// Each row's table of a group's 16 values, (u - 8 - z) s in bfloat16 (z = 0 when `zeros` is
+// nullptr). The tile's [groups][R] layout puts a group's R scales and zero points side by side:
+// one load each, spread by row.
 template <int R, typename S>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"), always_inline)) inline void
 group_tables(const S* scales, const int8_t* zeros, int64_t g, __m512i (&tables)[R]) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __mmask16 present = static_cast<__mmask16>((1u << R) - 1);
   const __m512 s = scales_present(scales + g * R, present);
-  const __m512 o = _mm512_cvtepi32_ps(_mm512_add_epi32(
-      _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(present, zeros + g * R)),
-      _mm512_set1_epi32(kOffset)));
+  const __m512i z = zeros == nullptr
+                        ? _mm512_setzero_si512()
+                        : _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(present, zeros + g * R));
+  const __m512 o = _mm512_cvtepi32_ps(_mm512_add_epi32(z, _mm512_set1_epi32(kOffset)));
   for (int r = 0; r < R; ++r) {
     const __m512i row = _mm512_set1_epi32(r);
     const __m256bh table = _mm512_cvtneps_pbh(
@@ -487,12 +502,12 @@ void bf16_matmul(const c10::BFloat16* x, int64_t rows, int64_t K, const uint8_t*
       const int64_t n = tile * kRowsPerTile;
       if (n + kRowsPerTile <= N) {
         dequantize_tile_bf16<kRowsPerTile>(packed + n * row_bytes, scales + n * layout.groups,
-                                           zeros + n * layout.groups, layout, w);
+                                           zeros_from(zeros, n * layout.groups), layout, w);
         tile_products<kRowsPerTile>(w, padded.data(), rows, Kp, N, out + n);
       } else {
         for (int64_t i = n; i < N; ++i) {
           dequantize_tile_bf16<1>(packed + i * row_bytes, scales + i * layout.groups,
-                                  zeros + i * layout.groups, layout, w);
+                                  zeros_from(zeros, i * layout.groups), layout, w);
           tile_products<1>(w, padded.data(), rows, Kp, N, out + i);
         }
       }
@@ -538,8 +553,14 @@ auto with_scale_type(const at::Tensor& scales, F&& f) {
   return f(c10::Half{});
 }
 
+// The zero points' data, nullptr for none (symmetric weights).
+const int8_t* zero_data(const std::optional<at::Tensor>& zero_points) {
+  return zero_points.has_value() ? zero_points->data_ptr<int8_t>() : nullptr;
+}
+
 Layout checked_layout(const at::Tensor& packed, const at::Tensor& scales,
-                      const at::Tensor& zero_points, int64_t group, const char* op) {
+                      const std::optional<at::Tensor>& zero_points, int64_t group,
+                      const char* op) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               op, ": a contiguous uint8 [out, in / 2] weight expected, got ", packed.sizes());
   const int64_t N = packed.size(0), Kp = packed.size(1) * 2;
@@ -554,17 +575,19 @@ Layout checked_layout(const at::Tensor& packed, const at::Tensor& scales,
               op, ": float16 or float32 scales [", N, ", ", groups, "] expected, got ",
               scales.scalar_type(),
               " ", scales.sizes());
-  TORCH_CHECK(zero_points.scalar_type() == at::kChar && zero_points.is_contiguous() &&
-                  zero_points.numel() == N * groups,
-              op, ": int8 zero points [", N, ", ", groups, "] expected, got ",
-              zero_points.scalar_type(), " ", zero_points.sizes());
+  if (zero_points.has_value()) {
+    const at::Tensor& z = *zero_points;
+    TORCH_CHECK(z.scalar_type() == at::kChar && z.is_contiguous() && z.numel() == N * groups,
+                op, ": int8 zero points [", N, ", ", groups, "] (or None) expected, got ",
+                z.scalar_type(), " ", z.sizes());
+  }
   TORCH_CHECK(packed.device().is_cpu(), op, ": CPU tensors only");
   return Layout{N, Kp, group, groups};
 }
 
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
-                           const at::Tensor& zero_points, int64_t group, int64_t in_features,
-                           at::ScalarType dtype);
+                           const std::optional<at::Tensor>& zero_points, int64_t group,
+                           int64_t in_features, at::ScalarType dtype);
 
 // Which way a product of `rows` rows goes. The integer path's cost grows by about a GEMV a row;
 // the bfloat16 one dequantizes each tile once, then costs about a fifth of that a row;
@@ -577,7 +600,7 @@ constexpr int64_t kBf16DotMaxRows = 128;  // up to here
 constexpr int64_t kIntegerMaxRows = 24;   // other rows take the integer path up to here
 
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                       const at::Tensor& zero_points, int64_t group) {
+                       const std::optional<at::Tensor>& zero_points, int64_t group) {
   const Layout layout = checked_layout(packed, scales, zero_points, group, "int4_matmul");
   TORCH_CHECK(x.dim() == 2 && x.size(1) <= layout.padded_k, "int4_matmul: x [M, K <= ",
               layout.padded_k, "] expected, got ", x.sizes());
@@ -593,7 +616,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   const at::Tensor inputs = x.contiguous();
   at::Tensor out = at::empty({rows, layout.rows}, x.options());
   const auto* bytes = packed.data_ptr<uint8_t>();
-  const int8_t* z = zero_points.data_ptr<int8_t>();
+  const int8_t* z = zero_data(zero_points);
   with_scale_type(scales, [&](auto type) {
     using S = decltype(type);
     const S* s = scales.data_ptr<S>();
@@ -628,7 +651,8 @@ void dequantize_tile(const uint8_t* tile, const S* scales, const int8_t* zeros,
         for (int64_t half = 0; half < count; half += layout.group < kChunk ? layout.group : kChunk) {
           const int64_t g = (first + half) / layout.group;
           const float s = value(scales[g * R + r]);
-          const float o = static_cast<float>(kOffset + zeros[g * R + r]);
+          const int z = zeros == nullptr ? 0 : zeros[g * R + r];
+          const float o = static_cast<float>(kOffset + z);
           const int64_t end = std::min<int64_t>(count, half + std::min(layout.group, kChunk));
           for (int64_t i = half; i < end; ++i) {
             const int u = h == 0 ? bytes[i] & 0xF : bytes[i] >> 4;
@@ -641,8 +665,8 @@ void dequantize_tile(const uint8_t* tile, const S* scales, const int8_t* zeros,
 }
 
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
-                           const at::Tensor& zero_points, int64_t group, int64_t in_features,
-                           at::ScalarType dtype) {
+                           const std::optional<at::Tensor>& zero_points, int64_t group,
+                           int64_t in_features, at::ScalarType dtype) {
   const Layout layout = checked_layout(packed, scales, zero_points, group, "int4_dequantize");
   TORCH_CHECK(in_features > 0 && in_features <= layout.padded_k,
               "int4_dequantize: in_features in 1..", layout.padded_k, " expected, got ",
@@ -650,7 +674,7 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
   const int64_t N = layout.rows, row_bytes = layout.padded_k / 2;
   at::Tensor out = at::empty({N, in_features}, packed.options().dtype(dtype));
   const auto* bytes = packed.data_ptr<uint8_t>();
-  const int8_t* z = zero_points.data_ptr<int8_t>();
+  const int8_t* z = zero_data(zero_points);
   const int64_t tiles = (N + kRowsPerTile - 1) / kRowsPerTile;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "int4_dequantize", [&] {
     scalar_t* w = out.data_ptr<scalar_t>();
@@ -661,12 +685,12 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
           const int64_t n = tile * kRowsPerTile;
           if (n + kRowsPerTile <= N) {
             dequantize_tile<kRowsPerTile>(bytes + n * row_bytes, s + n * layout.groups,
-                                          z + n * layout.groups, layout, in_features,
-                                          w + n * in_features);
+                                          zeros_from(z, n * layout.groups), layout,
+                                          in_features, w + n * in_features);
           } else {
             for (int64_t i = n; i < N; ++i)
               dequantize_tile<1>(bytes + i * row_bytes, s + i * layout.groups,
-                                 z + i * layout.groups, layout, in_features,
+                                 zeros_from(z, i * layout.groups), layout, in_features,
                                  w + i * in_features);
           }
         }
@@ -679,11 +703,11 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
 }  // namespace
 
 TORCH_LIBRARY(nxdplug_int4, m) {
-  // x [M, K] times W^T -> [M, out], in x's dtype.
-  m.def("int4_matmul(Tensor x, Tensor packed, Tensor scales, Tensor zero_points, int group) "
+  // x [M, K] times W^T -> [M, out], in x's dtype; zero_points None for symmetric weights.
+  m.def("int4_matmul(Tensor x, Tensor packed, Tensor scales, Tensor? zero_points, int group) "
         "-> Tensor");
   // -> W [out, in_features] in dtype.
-  m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor zero_points, int group, "
+  m.def("int4_dequantize(Tensor packed, Tensor scales, Tensor? zero_points, int group, "
         "int in_features, ScalarType dtype) -> Tensor");
 }
 

@@ -26,7 +26,12 @@ from nxdplug.plugins.quantization.int4 import (
     scale_dtype,
 )
 from nxdplug.plugins.quantization.kernel import int8_matmul_op, tile_rows, untile_rows
-from nxdplug.plugins.quantization.methods import QUANTIZED_DTYPES, dequantize_weight, int4_group
+from nxdplug.plugins.quantization.methods import (
+    QUANTIZED_DTYPES,
+    dequantize_weight,
+    int4_group,
+    int4_zero_points,
+)
 from nxdplug.plugins.quantization.targets import (
     has_row_scales,
     is_quantized_module,
@@ -118,13 +123,14 @@ def rows(weight: torch.Tensor) -> torch.Tensor:
 
 class Int4Weight(WeightMethod):
     """The weight method of the int4 layers: the weight packed in the int4 kernels' layout
-    (uint8 [out, padded in / 2]), its ``weight_scale`` (float16; float32 in a float32 model) and
-    int8 ``weight_zero_point`` ([out, groups], tiled), and the two ways to multiply
-    (:mod:`.int4`)."""
+    (uint8 [out, padded in / 2]), its ``weight_scale`` (float16; float32 in a float32 model) and,
+    for asymmetric weights only (``zero_points``), int8 ``weight_zero_point`` ([out, groups],
+    tiled), and the two ways to multiply (:mod:`.int4`)."""
 
-    def __init__(self, group: int, scale_dtype: torch.dtype) -> None:
+    def __init__(self, group: int, scale_dtype: torch.dtype, zero_points: bool = False) -> None:
         self.group = group
         self.scale_dtype = scale_dtype
+        self.zero_points = zero_points
         # Set by create_weights, from the layer's input features.
         self.kernel_group = 0
         self.multiplied_features = 0
@@ -147,17 +153,22 @@ class Int4Weight(WeightMethod):
         layer.weight_scale = nn.Parameter(
             torch.ones(groups, dtype=self.scale_dtype, device=device), requires_grad=False
         )
-        layer.weight_zero_point = nn.Parameter(
-            torch.zeros(groups, dtype=torch.int8, device=device), requires_grad=False
-        )
+        if self.zero_points:
+            layer.weight_zero_point = nn.Parameter(
+                torch.zeros(groups, dtype=torch.int8, device=device), requires_grad=False
+            )
         layer.keeps_dtype = ("weight_scale",)
+
+    def held_zero_points(self, layer: ShardedLinear) -> torch.Tensor | None:
+        """The layer's zero points; None for symmetric weights, which hold none."""
+        return layer.weight_zero_point if self.zero_points else None
 
     def dense_weight(self, layer: ShardedLinear, dtype: torch.dtype) -> torch.Tensor:
         """The int4 weight dequantized for this call (prompts on other devices)."""
         return dequantize_int4(
             layer.weight,
             layer.weight_scale,
-            layer.weight_zero_point,
+            self.held_zero_points(layer),
             self.kernel_group,
             self.multiplied_features,
             dtype,
@@ -182,7 +193,7 @@ class Int4Weight(WeightMethod):
             x.reshape(rows, x.shape[-1]),
             layer.weight,
             layer.weight_scale,
-            layer.weight_zero_point,
+            self.held_zero_points(layer),
             self.kernel_group,
         )
         out = out.reshape(*x.shape[:-1], -1)
@@ -204,6 +215,8 @@ def quantize_linear_layers(model: nn.Module, config: InferenceConfig) -> None:
     int4 = neuron_config.quantization_dtype == "int4"
     dtype = None if int4 else QUANTIZED_DTYPES[neuron_config.quantization_dtype]
     per_channel = neuron_config.quantization_type == "per_channel_symmetric"
+    int4_scales = scale_dtype(neuron_config.torch_dtype)
+    zero_points = int4_zero_points(neuron_config)
     skip = neuron_config.modules_to_not_convert
     modules = dict(model.named_modules())
     unknown = [e for e in skip or () if not any(names_module(e, name) for name in modules)]
@@ -221,7 +234,7 @@ def quantize_linear_layers(model: nn.Module, config: InferenceConfig) -> None:
             continue
         if int4:
             group = int4_group(neuron_config, module.in_features)
-            hold_int4(module, group, scale_dtype(neuron_config.torch_dtype))
+            hold_int4(module, group, int4_scales, zero_points)
         else:
             hold_quantized(module, dtype, has_row_scales(name, per_channel))
 
@@ -235,12 +248,16 @@ def hold_quantized(layer: ShardedLinear, dtype: torch.dtype, row_scales: bool) -
 
 
 def hold_int4(
-    layer: ShardedLinear, group: int, scale_dtype: torch.dtype = torch.float16
+    layer: ShardedLinear,
+    group: int,
+    scale_dtype: torch.dtype = torch.float16,
+    zero_points: bool = False,
 ) -> ShardedLinear:
     """``layer`` (a parallel linear) with its weight held in int4, unloaded, with scales in
-    ``scale_dtype`` for groups of ``group`` input features (as :func:`hold_quantized` does for
-    8 bits)."""
-    set_weight_method(_parallel_linear(layer), Int4Weight(group, scale_dtype), CLAIMANT)
+    ``scale_dtype`` for groups of ``group`` input features and, if ``zero_points``, a zero point
+    per group (as :func:`hold_quantized` does for 8 bits)."""
+    method = Int4Weight(group, scale_dtype, zero_points)
+    set_weight_method(_parallel_linear(layer), method, CLAIMANT)
     return layer
 
 

@@ -115,6 +115,19 @@ def int4_group(neuron_config: NeuronConfig, in_features: int) -> int:
     return getattr(neuron_config, "quantization_block_size", None) or DEFAULT_INT4_BLOCK_SIZE
 
 
+# The setting that says the int4 weights are asymmetric: each layer holds an int8 zero point
+# per group beside its scales, ``W = (Q - zero_point) * scale`` (GPTQ ``sym: false``, AWQ
+# ``zero_point: true``, compressed-tensors ``symmetric: false``; the checkpoint readers set it).
+# Unset (or False), the weights are symmetric and the layers hold no zero points. Known before
+# the weights are read, as the layers' parameters and the compiled graphs' inputs depend on it.
+ZERO_POINTS_SETTING = "quantization_zero_points"
+
+
+def int4_zero_points(neuron_config: NeuronConfig) -> bool:
+    """Whether the int4 layers hold zero points (``quantization_zero_points``)."""
+    return bool(getattr(neuron_config, ZERO_POINTS_SETTING, None))
+
+
 class Int4Quantizer:
     """Round-to-nearest symmetric int4 of every projection weight of an HF state dict, in
     groups of input features (:func:`int4_group`): ``<module>.weight`` packed as

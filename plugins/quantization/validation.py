@@ -8,6 +8,7 @@ from importlib.util import find_spec
 from typing import TYPE_CHECKING
 
 from nxdplug.plugin_api import QuantizationMethod, requested_backend
+from nxdplug.plugins.quantization.methods import ZERO_POINTS_SETTING
 
 if TYPE_CHECKING:
     from nxdplug.plugin_api import InferenceConfig, NeuronConfig, PipelineContext
@@ -71,6 +72,21 @@ def int4_problems(neuron_config: NeuronConfig) -> Iterator[str]:
         yield "int4 weights with multi-LoRA: not implemented yet; use int8 weights with LoRA"
 
 
+def zero_point_problems(neuron_config: NeuronConfig) -> Iterator[str]:
+    """``quantization_zero_points``: a bool, and for int4 weights only."""
+    zero_points = getattr(neuron_config, ZERO_POINTS_SETTING, None)
+    if zero_points is not None and not isinstance(zero_points, bool):
+        yield (
+            f"{ZERO_POINTS_SETTING} is {zero_points!r}; give True (asymmetric int4 weights, "
+            "with a zero point per group) or False"
+        )
+    elif zero_points and neuron_config.quantization_dtype != "int4":
+        yield (
+            f"{ZERO_POINTS_SETTING}=True with quantization_dtype="
+            f"{neuron_config.quantization_dtype!r}: only int4 layers hold zero points; unset it"
+        )
+
+
 def quantization_problems(config: InferenceConfig) -> Iterator[str]:
     """What stops a quantized config from loading. The checkpoint itself is not looked for:
     the guide builds the application before ``save_quantized_state_dict`` writes it, so a
@@ -79,6 +95,7 @@ def quantization_problems(config: InferenceConfig) -> Iterator[str]:
     yield from method_problems(neuron_config)
     if neuron_config.quantization_dtype == "int4":
         yield from int4_problems(neuron_config)
+    yield from zero_point_problems(neuron_config)
     if not neuron_config.quantized_checkpoints_path:
         yield (
             "quantized=True needs quantized_checkpoints_path (where the quantized weights are, "

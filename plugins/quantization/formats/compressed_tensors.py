@@ -9,7 +9,7 @@ Weights-only schemes that the quantization layers hold as they are load natively
 - ``pack-quantized`` int4, per channel or in groups of a multiple of 32 input features
   (``weight_packed`` int32 [out, in / 8], ``weight_scale``, ``weight_shape``, and
   ``weight_zero_point`` when asymmetric): the int4 layers, whose checkpoint packing is this
-  one and whose kernel takes zero points.
+  one, with zero points (``quantization_zero_points``) when ``symmetric`` is false.
 
 Anything else that is integer or fp8 (8-bit zero points, blocks, activation-ordered groups
 whose ``weight_g_idx`` is not in order, several schemes in one model) is dequantized to full
@@ -84,11 +84,11 @@ class WeightScheme:
             return {"quantization_dtype": dtype, "quantization_type": f"{granularity}_symmetric"}
         if (self.bits, self.type, self.format) != (4, "int", "pack-quantized"):
             return None
+        int4 = {"quantization_dtype": "int4", "quantization_zero_points": not self.symmetric}
         if self.strategy == "channel":
-            return {"quantization_dtype": "int4", "quantization_type": "per_channel_symmetric"}
+            return int4 | {"quantization_type": "per_channel_symmetric"}
         if self.strategy == "group" and self.group_size and self.group_size % 32 == 0:
-            return {
-                "quantization_dtype": "int4",
+            return int4 | {
                 "quantization_type": "blockwise_symmetric",
                 "quantization_block_size": self.group_size,
             }

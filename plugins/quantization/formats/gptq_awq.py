@@ -12,8 +12,10 @@ stored input features first ([in, out]).
   ``zero_point``.
 
 ``W = (Q - Z) * S`` with Q and Z unsigned. Weights in groups of a multiple of 32 (or one group
-a row) with groups in order load into the int4 layers, zero points and all; activation-ordered
-GPTQ groups (``desc_act``) and other group sizes are dequantized at load, with a log line.
+a row) with groups in order load into the int4 layers, with their zero points
+(``quantization_zero_points``) when GPTQ's ``sym`` is false or AWQ's ``zero_point`` true
+(symmetric GPTQ stores Z = 8, which the layers do not hold); activation-ordered GPTQ groups
+(``desc_act``) and other group sizes are dequantized at load, with a log line.
 """
 
 from __future__ import annotations
@@ -83,14 +85,18 @@ class PackedInt4Reader(ABC):
             "config.json's quantization_config",
         )
 
+    @abstractmethod
+    def has_zero_points(self) -> bool:
+        """Whether the checkpoint's quantization_config says the weights are asymmetric."""
+
     def native_settings(self) -> dict[str, Any] | None:
         if self.declared.get("desc_act"):
             return None  # groups out of order: the int4 kernel takes them in order
+        int4 = {"quantization_dtype": "int4", "quantization_zero_points": self.has_zero_points()}
         if self.group is None:
-            return {"quantization_dtype": "int4", "quantization_type": "per_channel_symmetric"}
+            return int4 | {"quantization_type": "per_channel_symmetric"}
         if self.group % 32 == 0:
-            return {
-                "quantization_dtype": "int4",
+            return int4 | {
                 "quantization_type": "blockwise_symmetric",
                 "quantization_block_size": self.group,
             }
@@ -164,6 +170,9 @@ class GptqReader(PackedInt4Reader):
         # The original format stores each zero point minus one.
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0
 
+    def has_zero_points(self) -> bool:
+        return not self.declared.get("sym", True)
+
     def unpack(
         self, tensors: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -181,6 +190,9 @@ class AwqReader(PackedInt4Reader):
         if version != "gemm":
             self._refuse(f"version {version!r} is not read (gemm)")
         self.zero_point = declared.get("zero_point", True)
+
+    def has_zero_points(self) -> bool:
+        return bool(self.zero_point)
 
     def unpack(
         self, tensors: Mapping[str, torch.Tensor]

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
-from nxdplug.errors import ConfigError
+from nxdplug.errors import CheckpointError, ConfigError
 from nxdplug.plugins.quantization.layers import Int4Weight, QuantizedWeight
 from nxdplug.testing import derived_checkpoint, random_prompts
 
@@ -53,15 +53,16 @@ SCHEMES = {
         "pack-quantized",
     ),
 }
-# What nxdplug holds each scheme as: (quantization_dtype, quantization_type), None: dequantized.
+# What nxdplug holds each scheme as: (quantization_dtype, quantization_type, zero points held),
+# None: dequantized.
 HELD = {
-    "int4-group32": ("int4", "blockwise_symmetric"),
-    "int4-channel": ("int4", "per_channel_symmetric"),
-    "int8-channel": ("int8", "per_channel_symmetric"),
-    "int8-tensor": ("int8", "per_tensor_symmetric"),
-    "fp8-channel": ("f8e4m3", "per_channel_symmetric"),
+    "int4-group32": ("int4", "blockwise_symmetric", False),
+    "int4-channel": ("int4", "per_channel_symmetric", False),
+    "int8-channel": ("int8", "per_channel_symmetric", False),
+    "int8-tensor": ("int8", "per_tensor_symmetric", False),
+    "fp8-channel": ("f8e4m3", "per_channel_symmetric", False),
     # Zero points go to the int4 kernel's (quantization_type names the granularity).
-    "int4-asymmetric": ("int4", "blockwise_symmetric"),
+    "int4-asymmetric": ("int4", "blockwise_symmetric", True),
     "int8-asymmetric": None,
 }
 # transformers 5.24 cannot load this one (it sizes the packed zero points as unpacked).
@@ -156,15 +157,18 @@ def test_compressed_tensors_schemes_load_as_stored_and_generate_as_transformers(
     path = formats(scheme)
     app = application(path)
     neuron_config = app.config.neuron_config
-    dtype, granularity = HELD[scheme]
+    dtype, granularity, zero_points = HELD[scheme]
     assert neuron_config.quantized and neuron_config.quantized_checkpoints_path == str(path)
     assert (neuron_config.quantization_dtype, neuron_config.quantization_type) == (
         dtype,
         granularity,
     )
+    assert bool(getattr(neuron_config, "quantization_zero_points", None)) == zero_points
     assert neuron_config.modules_to_not_convert == ["lm_head"]
     down = app.context_encoding_model.model.layers[0].mlp.down_proj
     assert isinstance(down.weight_method, Int4Weight if dtype == "int4" else QuantizedWeight)
+    # Symmetric int4 weights hold no zero points.
+    assert hasattr(down, "weight_zero_point") == zero_points
     oracle = decompressed_twin(path, checkpoint, tmp_path) if scheme in HF_CANNOT_LOAD else path
     assert_generates_as(app, oracle)
 
@@ -199,6 +203,9 @@ def test_settings_that_contradict_the_checkpoint_are_refused(formats, tmp_path) 
         from_pretrained(path, NeuronConfig(quantized_checkpoints_path=str(tmp_path), **SETTINGS))
     with pytest.raises(ConfigError, match="quantization_block_size=64 contradicts"):
         from_pretrained(path, NeuronConfig(quantization_block_size=64, **SETTINGS))
+    # Symmetric weights: the layers hold no zero points.
+    with pytest.raises(ConfigError, match="quantization_zero_points=True contradicts"):
+        from_pretrained(path, NeuronConfig(quantization_zero_points=True, **SETTINGS))
 
 
 def test_a_format_no_plugin_reads_is_refused_by_name(checkpoint, tmp_path) -> None:
@@ -319,10 +326,29 @@ def test_gptq_checkpoints_load_as_the_weights_they_stand_for(
         app = application(tmp_path / "gptq")
     down = app.context_encoding_model.model.layers[0].mlp.down_proj
     assert isinstance(down.weight_method, Int4Weight) == held == app.config.neuron_config.quantized
+    # Zero points are held for asymmetric weights only (symmetric GPTQ stores 8: none held).
+    assert hasattr(down, "weight_zero_point") == (held and not symmetric)
     # Activation-ordered groups are not held as stored: their weights are dequantized.
     assert ("dequantized to full precision at load" in caplog.text) == (not held)
     twin = derived_checkpoint(checkpoint, tmp_path / "twin", edit=lambda t: t.update(dense))
     assert_generates_as(app, twin)
+
+
+def test_a_gptq_checkpoint_said_symmetric_with_zero_points_is_refused(checkpoint, tmp_path):
+    """Zero points other than 8 (0 signed) in a checkpoint whose quantization_config says
+    ``sym: true``: the layers, made symmetric from the config before the weights are read,
+    hold none, and the load names the tensor and the setting."""
+    declared = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}
+    declared |= {"desc_act": False, "checkpoint_format": "gptq_v2"}
+    encode = gptq_encoder(32, symmetric=False, act_order=False, v2=True)
+    write_quantized_checkpoint(checkpoint, tmp_path / "gptq", declared, encode)
+    app = from_pretrained(tmp_path / "gptq", NeuronConfig(**SETTINGS))
+    with pytest.raises(
+        CheckpointError,
+        match=r"layers\.\d\.\w+\.\w+\.weight_zero_point, .* and 11 more hold zero points other "
+        "than 0 .* quantization_zero_points is not set",
+    ):
+        app.to_cpu()
 
 
 def awq_encoder(group: int):
@@ -348,7 +374,8 @@ def test_awq_checkpoints_load_as_compressed_tensors_converts_them(checkpoint, tm
     dense = write_quantized_checkpoint(checkpoint, tmp_path / "awq", declared, awq_encoder(32))
     app = application(tmp_path / "awq")
     down = app.context_encoding_model.model.layers[0].mlp.down_proj
-    assert isinstance(down.weight_method, Int4Weight)
+    assert isinstance(down.weight_method, Int4Weight) and hasattr(down, "weight_zero_point")
+    assert app.config.neuron_config.quantization_zero_points
     # compressed-tensors' converter of AutoAWQ checkpoints reads the same weights.
     converter = AutoAWQConverter.from_autoawq_config(declared)
     scheme = converter._build_quant_config().config_groups["config_group_0"]

@@ -127,9 +127,11 @@ def test_int4_model_is_hf_on_its_dequantized_weights(checkpoint, tmp_path, granu
     torch.testing.assert_close(
         torch.stack(out.logits), torch.stack(expected.logits), rtol=1e-4, atol=1e-4
     )
-    # The projections hold 4 bits a weight in the kernel's layout.
+    # The projections hold 4 bits a weight in the kernel's layout, and no zero points (the
+    # quantizer writes symmetric weights).
     down = app.context_encoding_model.model.layers[0].mlp.down_proj
     assert down.weight.dtype == torch.uint8 and down.weight.shape == (64, 256 // 2)
+    assert not hasattr(down, "weight_zero_point")
 
 
 @pytest.mark.parametrize(
@@ -143,8 +145,17 @@ def test_int4_model_is_hf_on_its_dequantized_weights(checkpoint, tmp_path, granu
         ({"quantization_block_size": 100}, "a multiple of 32"),
         ({"quantization_block_axis": 0}, "axis 1"),
         ({"tp_degree": 2}, "tp_degree=2: not implemented yet"),
+        ({"quantization_zero_points": "yes"}, "quantization_zero_points is 'yes'; give True"),
+        (
+            {
+                "quantization_dtype": "int8",
+                "quantization_type": "per_channel_symmetric",
+                "quantization_zero_points": True,
+            },
+            "quantization_zero_points=True with quantization_dtype='int8': only int4 layers",
+        ),
     ],
-    ids=["quantization_type", "block size", "axis", "tensor parallel"],
+    ids=["quantization_type", "block size", "axis", "tensor parallel", "zero points", "int8"],
 )
 def test_int4_settings_are_checked(checkpoint, tmp_path, change, message) -> None:
     options = int4_options(tmp_path / "q")
@@ -152,13 +163,44 @@ def test_int4_settings_are_checked(checkpoint, tmp_path, change, message) -> Non
         from_pretrained(checkpoint, NeuronConfig(torch_dtype="float32", **options | change))
 
 
-def test_weight_memory_counts_the_packed_weights() -> None:
-    layer = hold_int4(ColumnParallelLinear(176, 64), group=32)
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_weight_memory_counts_the_packed_weights(zero_points) -> None:
+    layer = hold_int4(ColumnParallelLinear(176, 64), group=32, zero_points=zero_points)
     memory = weight_memory(nn.ModuleDict({"proj": layer}))
-    # 176 inputs held as 256 (whole blocks of 128), two to a byte, and a float16 scale and an
-    # int8 zero point per group of each row; the dense count is the 64 x 176 weights.
-    assert memory.held == 64 * 256 // 2 + 64 * (256 // 32) * (2 + 1)
+    # 176 inputs held as 256 (whole blocks of 128), two to a byte, and a float16 scale per group
+    # of each row (and an int8 zero point, for asymmetric weights); the dense count is the
+    # 64 x 176 weights.
+    assert memory.held == 64 * 256 // 2 + 64 * (256 // 32) * (2 + zero_points)
     assert memory.float32 == 4 * 64 * 176
+
+
+def test_a_bfloat16_int4_model_holds_nibbles_and_float16_scales_only(checkpoint, tmp_path):
+    """The weights of an int4 model in groups of 32, as this plugin quantizes them (symmetric):
+    each projection's nibbles and float16 scales, no zero points; the rest in bfloat16."""
+    options = quantized(checkpoint, tmp_path / "int4", quantization_block_size=32)
+    app = application(checkpoint, **options | {"torch_dtype": "bfloat16"})
+    memory = weight_memory(app.context_encoding_model.model)
+    # The tiny Llama: hidden 64, 4 heads of 16 and 2 KV heads, intermediate 176, 2 layers,
+    # vocabulary 512, untied head. Inputs are held in whole blocks of 128 (64 -> 128, 176 -> 256).
+    layer = [(64, 64), (32, 64), (32, 64), (64, 64), (176, 64), (176, 64), (64, 176)]
+    projections = 2 * layer + [(512, 64)]  # (out, in), the head last
+    padded = {64: 128, 176: 256}
+    nibbles = sum(out * padded[features] // 2 for out, features in projections)
+    scales = sum(out * padded[features] // 32 * 2 for out, features in projections)
+    bfloat16 = 2 * (512 * 64 + 2 * 2 * 64 + 64)  # the embedding and the norms
+    assert memory.held == nibbles + scales + bfloat16
+
+
+def test_the_zero_points_setting_shapes_the_compiled_graphs() -> None:
+    """Layers with and without zero points take different parameters: a folder compiled for
+    one kind is not reused for the other."""
+    from nxdplug.compile.artefacts import graph_shaping_config
+
+    def shaping(**zero_points) -> dict:
+        neuron_config = NeuronConfig(**int4_options(Path("/q")), **zero_points)
+        return graph_shaping_config({"neuron_config": neuron_config.to_dict()})
+
+    assert shaping() != shaping(quantization_zero_points=True)
 
 
 def test_a_compiled_int4_model_gives_the_eager_tokens(checkpoint, tmp_path) -> None:

@@ -1,11 +1,12 @@
 """The quantization plugin's int4 kernels (``plugins/quantization/int4_kernels.cpp``): the
 layout read back exactly, the dequantization bit for bit against PyTorch operations, and the
 matmul against the exact product in float64 of the weights the layout stands for: groups of 32,
-64, 128, 96 (run as 32) and one per row, zero points, rows past the last tile of four, input
-features short of the padded block, float32 and bfloat16 activations spanning four decades in
-each of the matmul's three ways (integer digits for a few rows, bfloat16 dot products for more
-bfloat16 rows, dequantization and a GEMM for many), non-finite inputs, and the portable loop
-that CPUs without AVX512-VNNI take."""
+64, 128, 96 (run as 32) and one per row, symmetric weights (no zero points: the ops take None)
+and asymmetric ones (zero points), rows past the last tile of four, input features short of the
+padded block, float32 and bfloat16 activations spanning four decades in each of the matmul's
+three ways (integer digits for a few rows, bfloat16 dot products for more bfloat16 rows,
+dequantization and a GEMM for many), non-finite inputs, and the portable loop that CPUs without
+AVX512-VNNI take."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from nxdplug.plugins.quantization.int4 import (
     int4_kernels,
     kernel_group_size,
     kernel_scales,
+    kernel_zero_points,
     pack_int4,
     padded_features,
     quantize_int4,
@@ -32,7 +34,7 @@ from nxdplug.plugins.quantization.int4 import (
 from nxdplug.plugins.quantization.layers import hold_int4
 from tests.fresh_process import cpu_has, run_and_load
 
-CASES = [  # (out rows, in features, group, zero points)
+CASES = [  # (out rows, in features, group, zero points); each path takes both kinds
     (64, 768, 32, False),
     (7, 176, 32, True),
     (130, 256, 64, True),
@@ -62,20 +64,18 @@ def operands(
     scale_dtype: torch.dtype = torch.float16,
 ):
     """``(packed, scales, zero points, kernel group, W)``: a random weight quantized in groups
-    (with zero points in -3..3 if ``zeros``), in the kernel layout with scales in
+    (with zero points in -3..3 if ``zeros``, else None), in the kernel layout with scales in
     ``scale_dtype``, and the float64 weight it stands for."""
     generator = torch.Generator().manual_seed(seed)
     group = min(group, features)
     q, scale = quantize_int4(torch.randn(rows, features, generator=generator), group)
     zero = torch.randint(-3, 4, scale.shape, generator=generator, dtype=torch.int8)
-    zero = zero if zeros else None
+    zero = zero if zeros else torch.zeros_like(zero)
     kernel_group = kernel_group_size(group, features)
     padded = padded_features(features)
-    scales, zero_points = kernel_scales(scale, group, kernel_group, padded, zero, scale_dtype)
-    per_feature = [
-        t.double().repeat_interleave(group, dim=1)[:, :features]
-        for t in (scale, torch.zeros_like(scale) if zero is None else zero)
-    ]
+    scales = kernel_scales(scale, group, kernel_group, padded, scale_dtype)
+    zero_points = kernel_zero_points(zero, group, kernel_group, padded) if zeros else None
+    per_feature = [t.double().repeat_interleave(group, dim=1)[:, :features] for t in (scale, zero)]
     weight = (q.double() - per_feature[1]) * per_feature[0]
     return to_kernel_layout(q, padded), scales, zero_points, kernel_group, weight
 
@@ -117,13 +117,14 @@ def test_the_dequantization_is_the_layouts_own(
     q = from_kernel_layout(packed)[:, :features].float()
     scale, zero = (
         from_kernel_scales(t).repeat_interleave(kernel_group, dim=1)[:, :features]
-        for t in (scales, zero_points)
+        for t in (scales, torch.zeros_like(scales, dtype=torch.int8) if not zeros else zero_points)
     )
     assert torch.equal(out, ((q - zero.float()) * scale.float()).to(dtype))
 
 
-def test_pytorch_operations_dequantize_where_the_kernels_do_not_run(monkeypatch) -> None:
-    packed, scales, zero_points, kernel_group, weight = operands(9, 300, 96, True)
+@pytest.mark.parametrize("zeros", [True, False])
+def test_pytorch_operations_dequantize_where_the_kernels_do_not_run(monkeypatch, zeros) -> None:
+    packed, scales, zero_points, kernel_group, weight = operands(9, 300, 96, zeros)
     monkeypatch.setattr("nxdplug.plugins.quantization.int4.int4_kernels", lambda: None)
     out = dequantize_int4(packed, scales, zero_points, kernel_group, 300, torch.float32)
     assert torch.equal(out, weight.float())
@@ -170,11 +171,14 @@ def test_bfloat16_rows_are_within_their_own_rounding(kernels) -> None:
 
 @pytest.mark.skipif(not cpu_has("avx512bw", "avx512_bf16"), reason="this CPU lacks AVX512-BF16")
 @pytest.mark.parametrize("count", [5, 17, 128])
-def test_several_bfloat16_rows_multiply_the_weight_rounded_to_bfloat16(kernels, count) -> None:
+@pytest.mark.parametrize("zeros", [True, False])
+def test_several_bfloat16_rows_multiply_the_weight_rounded_to_bfloat16(
+    kernels, count, zeros
+) -> None:
     """From 5 rows, bfloat16 activations multiply each tile dequantized to bfloat16 (as the
     dequantization rounds it), products exact and sums in float32: within one bfloat16 step
-    (and float32 accumulation) of that product, with zero points and groups of 96."""
-    packed, scales, zero_points, kernel_group, _ = operands(9, 1000, 96, True)
+    (and float32 accumulation) of that product, with and without zero points, groups of 96."""
+    packed, scales, zero_points, kernel_group, _ = operands(9, 1000, 96, zeros)
     weight = kernels.int4_dequantize(
         packed, scales, zero_points, kernel_group, 1000, torch.bfloat16
     ).double()
@@ -183,6 +187,22 @@ def test_several_bfloat16_rows_multiply_the_weight_rounded_to_bfloat16(kernels, 
     out = kernels.int4_matmul(x, packed, scales, zero_points, kernel_group).double()
     bound = expected.abs() * 2**-8 + expected.abs().max() * 1e-6
     assert ((out - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("count", [1, 3, 8, 30, 150])
+def test_no_zero_points_are_zero_points_of_0_bit_for_bit(kernels, count) -> None:
+    """Symmetric weights (zero points None, nothing read) give what zero points of 0 give, on
+    each path of the matmul and in the dequantization."""
+    packed, scales, _, kernel_group, _ = operands(13, 300, 32, False)
+    zeros = torch.zeros_like(scales, dtype=torch.int8)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = activations(count, 300, dtype)
+        without = kernels.int4_matmul(x, packed, scales, None, kernel_group)
+        assert torch.equal(without, kernels.int4_matmul(x, packed, scales, zeros, kernel_group))
+        weight = kernels.int4_dequantize(packed, scales, None, kernel_group, 300, dtype)
+        assert torch.equal(
+            weight, kernels.int4_dequantize(packed, scales, zeros, kernel_group, 300, dtype)
+        )
 
 
 def test_non_finite_rows_give_non_finite_outputs(kernels) -> None:
@@ -204,6 +224,8 @@ def test_bad_operands_are_refused(kernels) -> None:
         kernels.int4_matmul(x, packed, scales, zero_points, 48)
     with pytest.raises(RuntimeError, match=r"float16 or float32 scales \[8, 8\]"):
         kernels.int4_matmul(x, packed, scales[:4], zero_points, kernel_group)
+    with pytest.raises(RuntimeError, match=r"int8 zero points \[8, 8\] \(or None\)"):
+        kernels.int4_matmul(x, packed, scales, torch.zeros(8, 4, dtype=torch.int8), kernel_group)
     with pytest.raises(RuntimeError, match=r"K <= 256"):
         kernels.int4_matmul(activations(1, 300, torch.float32), packed, scales, zero_points, 32)
 
@@ -239,11 +261,13 @@ def test_the_portable_loop_gives_the_product_too(kernels, tmp_path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("count", [1, 200])
+@pytest.mark.parametrize("zeros", [True, False])
 def test_int4_layers_give_the_product_whichever_path_they_take(
-    kernels, monkeypatch, dtype, count
+    kernels, monkeypatch, dtype, count, zeros
 ) -> None:
     """An int4 layer gives float32 and bfloat16 rows to the int4 matmul and dequantizes its
-    weight for float16 ones: each way, the product plus bias."""
+    weight for float16 ones: each way, the product plus bias. A symmetric layer holds no zero
+    points."""
     calls = []
     monkeypatch.setattr(
         "nxdplug.plugins.quantization.layers.int4_kernels",
@@ -251,12 +275,14 @@ def test_int4_layers_give_the_product_whichever_path_they_take(
             int4_matmul=lambda *args: calls.append(1) or kernels.int4_matmul(*args)
         ),
     )
-    layer = hold_int4(ColumnParallelLinear(300, 9, bias=True), group=96)
-    packed, scales, zero_points, _, weight = operands(9, 300, 96, True)
+    layer = hold_int4(ColumnParallelLinear(300, 9, bias=True), group=96, zero_points=zeros)
+    packed, scales, zero_points, _, weight = operands(9, 300, 96, zeros)
     bias = torch.randn(9)
-    layer.load_state_dict(
-        {"weight": packed, "weight_scale": scales, "weight_zero_point": zero_points, "bias": bias}
-    )
+    held = {"weight": packed, "weight_scale": scales, "bias": bias}
+    if zeros:
+        held["weight_zero_point"] = zero_points
+    assert set(dict(layer.named_parameters())) == set(held)
+    layer.load_state_dict(held)
     layer.to(dtype)
     layer.weight_scale.data = scales  # float32 whatever the model's dtype, as the loader keeps it
     x = activations(count, 300, dtype)
@@ -268,7 +294,7 @@ def test_int4_layers_give_the_product_whichever_path_they_take(
     assert product_error(out[0], expected) <= tolerance
 
 
-def int4_config(path: str = "/checkpoints/int4") -> SimpleNamespace:
+def int4_config(path: str = "/checkpoints/int4", **settings) -> SimpleNamespace:
     return SimpleNamespace(
         neuron_config=SimpleNamespace(
             quantization_dtype="int4",
@@ -277,8 +303,37 @@ def int4_config(path: str = "/checkpoints/int4") -> SimpleNamespace:
             modules_to_not_convert=None,
             quantized_checkpoints_path=path,
             torch_dtype=torch.bfloat16,
+            **settings,
         )
     )
+
+
+def test_zero_points_are_held_only_with_the_setting() -> None:
+    """``quantization_zero_points=True``: a checkpoint's zero points are held in the kernels'
+    layout (0 past its groups, and all 0 where it has none). Unset: zero points that are all 0
+    are dropped, others are refused by tensor name with the setting to change."""
+    q, scale = quantize_int4(torch.randn(8, 64, generator=torch.Generator().manual_seed(0)), 32)
+    key = "layers.0.mlp.up_proj.weight"
+    state = {key: pack_int4(q), f"{key}_scale": scale}
+    zero = torch.arange(-8, 8, dtype=torch.int8).reshape(8, 2)
+    # 64 features are held as a block of 128: 4 groups of 32, the last 2 past the checkpoint's.
+    expected = torch.cat([zero, torch.zeros(8, 2, dtype=torch.int8)], dim=1)
+
+    held = fit_int4_weights(
+        state | {f"{key}_zero_point": zero}, int4_config(quantization_zero_points=True)
+    )
+    assert torch.equal(from_kernel_scales(held[f"{key}_zero_point"]), expected)
+    held = fit_int4_weights(state, int4_config(quantization_zero_points=True))
+    assert torch.equal(from_kernel_scales(held[f"{key}_zero_point"]), torch.zeros_like(expected))
+
+    fitted = fit_int4_weights(state | {f"{key}_zero_point": torch.zeros_like(zero)}, int4_config())
+    assert set(fitted) == set(state)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{key}_zero_point hold zero points other than 0 .* quantization_zero_points is "
+        "not set",
+    ):
+        fit_int4_weights(state | {f"{key}_zero_point": zero}, int4_config())
 
 
 def test_scales_are_held_in_float16(caplog) -> None:
