@@ -264,14 +264,14 @@ def test_only_a_steps_first_chunk_is_cut_by_the_budget(checkpoint, solo) -> None
 
 
 def test_randomized_requests_with_every_feature_get_their_solo_tokens(checkpoint, solo) -> None:
-    """A bounded stress run: 120 requests from a fixed seed, prompts drawn from 4 shared
+    """A bounded stress run: 300 requests from a fixed seed, prompts drawn from 4 shared
     prefixes and salts, arriving at random while others run, over a pool small enough to
     evict cached blocks and preempt running requests."""
     rng = random.Random(6)
     generator = torch.Generator().manual_seed(6)
     prefixes = [random_tokens(rng.randint(6, 20), generator) for _ in range(4)]
     requests = []
-    for _ in range(120):
+    for _ in range(300):
         prompt = rng.choice(prefixes)[: rng.randint(1, 20)] + random_tokens(
             rng.randint(0, 10), generator
         )
