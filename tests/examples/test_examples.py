@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -272,3 +273,28 @@ def test_code_edit_prompts_repeat_each_files_start(tmp_path) -> None:
     command[command.index("--count") + 1] = "2"
     refused = subprocess.run(command, capture_output=True, text=True)
     assert refused.returncode == 2 and "has only 1 .py files long enough" in refused.stderr
+
+
+def test_speculation_cost_model_prints_each_methods_break_even(tmp_path) -> None:
+    """Eager on pycoder-tiny's shape: the table row and a break-even line per method."""
+    command = [sys.executable, str(EXAMPLES / "speculation_cost_model.py")]
+    command += ["--work-dir", str(tmp_path), "--sizes", "pycoder-tiny", "--eager", "--calls", "2"]
+    command += ["--tokens-per-verification", '{"ngram": 3.0, "eagle": 0.5}']
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    lines = result.stdout.splitlines()
+    assert re.fullmatch(r"pycoder-draft decode call: [\d.]+ ms", lines[0]), result.stdout
+    row = r"\| pycoder-tiny \| 5M \| [\d.]+ \| [\d.]+ \| [\d.]+ / x[\d.]+ \| [\d.]+ / x[\d.]+ \|"
+    assert any(re.fullmatch(row, line) for line in lines), result.stdout
+    # Half a token a verification never pays; the lookup costs next to nothing.
+    assert lines[-2] == "ngram: breaks even already at 5.4M", result.stdout
+    assert lines[-1] == "eagle: breaks even not by 5M", result.stdout
+
+
+def test_speculation_cost_model_interpolates_the_break_even() -> None:
+    spec = importlib.util.spec_from_file_location("cost", EXAMPLES / "speculation_cost_model.py")
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    # Gains 0.5 at 10M and 1.5 at 1000M: halfway in log size, 100M.
+    assert cost.break_even([(10e6, 0.5), (1000e6, 1.5)]) == "~100M"
+    assert cost.break_even([(10e6, 1.2), (1000e6, 1.5)]) == "already at 10.0M"
+    assert cost.break_even([(10e6, 0.2), (1000e6, 0.9)]) == "not by 1000M"
