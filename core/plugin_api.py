@@ -85,7 +85,13 @@ if TYPE_CHECKING:
     from nxdplug.engine.cache_space import CacheSpace, CacheUsage
     from nxdplug.engine.ranks import StepBroadcaster, follow_steps
     from nxdplug.engine.requests import MAX_TOP_LOGPROBS, Request
-    from nxdplug.engine.speculative import Proposer, SpeculationMetrics, SpeculativeConfig
+    from nxdplug.engine.speculative import (
+        DraftTree,
+        Proposer,
+        SpeculationMetrics,
+        SpeculativeConfig,
+        chain_length,
+    )
     from nxdplug.errors import (
         CheckpointError,
         ConfigError,

@@ -7,6 +7,11 @@ positions. The engine takes the target's token at each position exactly as a dec
 would (the request's adjustments, sampler and random generator), and keeps going while it
 equals the proposal there.
 
+A fused speculator (EAGLE, Medusa) may propose a tree rather than a chain
+(:class:`DraftTree`): the engine then walks from the root, choosing the target's token at the
+current node as a decode step would, and moves to the child that holds that token; siblings
+hold distinct tokens, so at most one does. A chain is the tree whose node j follows node j-1.
+
 This is lossless: greedy outputs are the target's own. A sampled token is drawn from the same
 distribution with the same draw of the request's generator as without speculation, so a
 seeded request's tokens do not change either. For proposals that are not sampled (a lookup, a
@@ -88,6 +93,56 @@ def _is_positive(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+@attrs.frozen
+class DraftTree:
+    """One request's proposals in a verification: node j (1..n) holds ``tokens[j-1]`` and
+    follows node ``parents[j-1]``; node 0, the root, is the request's last token. The
+    verification scores the root at position 0 and node j at position j. Nodes are numbered
+    level by level (no node is shallower than one before it), and siblings hold distinct
+    tokens. The chain d_1..d_k is the tree whose node j follows node j-1."""
+
+    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    parents: tuple[int, ...] = attrs.field(converter=tuple)
+    depths: tuple[int, ...] = attrs.field(init=False)
+
+    @depths.default
+    def _depths(self) -> tuple[int, ...]:
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(
+                f"a draft tree needs one parent per token: {len(self.tokens)} tokens, "
+                f"{len(self.parents)} parents"
+            )
+        depth = [0]
+        for node, parent in enumerate(self.parents, start=1):
+            if not 0 <= parent < node:
+                raise ValueError(f"node {node}'s parent {parent} is not an earlier node")
+            depth.append(depth[parent] + 1)
+        if depth != sorted(depth):
+            raise ValueError(f"the draft tree's nodes are not numbered level by level: {depth}")
+        return tuple(depth[1:])
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        return cls(tokens, range(len(tokens)))
+
+    @property
+    def levels(self) -> int:
+        """The most proposed tokens one path holds (0 for no proposal)."""
+        return self.depths[-1] if self.depths else 0
+
+    def up_to(self, depth: int) -> DraftTree:
+        """The nodes at most ``depth`` below the root (the same numbers)."""
+        count = sum(1 for d in self.depths if d <= depth)
+        return DraftTree(self.tokens[:count], self.parents[:count])
+
+    def child(self, node: int, token: int) -> int | None:
+        """The child of ``node`` holding ``token``; None when none does."""
+        for child, (parent, held) in enumerate(zip(self.parents, self.tokens, strict=True), 1):
+            if parent == node and held == token:
+                return child
+        return None
+
+
 class Proposer(Protocol):
     """The engine side of a speculation mode (a ``SpeculationMode.engine_proposer``), built
     with ``(application, speculative_config, draft)``; ``draft`` is the draft application for
@@ -102,31 +157,37 @@ class Proposer(Protocol):
 
 class FusedSpeculator(Protocol):
     """The engine side of a speculation mode whose own phases draft and verify in one call
-    (fused EAGLE), built with ``(application, speculative_config, draft)``. It encodes its
-    requests' prompts (its prompt phase feeds its draft too), and each step drafts k tokens
-    per request and scores them; the engine takes the tokens as it takes a verification's.
-    Its state per request lives in ``request.proposer_state``."""
+    (fused EAGLE, Medusa), built with ``(application, speculative_config, draft)``; it
+    refuses, with a ConfigError, a config it cannot serve. It encodes its requests' prompts
+    (its prompt phase feeds its draft too), and each step drafts a chain or a tree per request
+    and scores it; the engine takes the tokens as it takes a verification's. Its state per
+    request lives in ``request.proposer_state``."""
 
     # Cache positions its calls write past a request's prompt plus max_tokens.
     positions_past_end: int
+    # The most drafted tokens one path of its proposals holds (a chain's k, a tree's levels).
+    draft_depth: int
 
     def encode(self, requests: Sequence[Request], step: ScheduledStep) -> CausalLMOutputWithTokens:
         """Encode ``step`` (the requests' whole prompts into their lines); each request's
         last-token logits [rows, 1, vocab]."""
 
-    def verify(self, requests: Sequence[Request]) -> tuple[list[list[int]], torch.Tensor]:
-        """Each request's k drafts after its tokens so far, and the target's logits of its
-        last token and the drafts [rows, k+1, vocab]."""
+    def verify(self, requests: Sequence[Request]) -> tuple[list[DraftTree], torch.Tensor]:
+        """Each request's drafts after its tokens so far, and the target's logits at its
+        last token (the root) and at each node [rows, n+1, vocab]."""
 
-    def taken(self, requests: Sequence[Request], counts: Sequence[int]) -> None:
-        """Each request added its first ``counts[i]`` tokens of the last verification."""
+    def taken(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
+        """What each request took of the last verification: ``paths[i]``, the root 0 and
+        the nodes the engine went on to, one token added at each (the token chosen at the
+        last node is the request's newest)."""
 
 
 @attrs.define
 class SpeculationMetrics:
     """vLLM's speculative-decoding counters: ``drafts`` (request steps that proposed
     tokens), ``draft_tokens`` (proposed), ``accepted_tokens`` (kept), and
-    ``accepted_per_position[i]`` (how often the proposal at position i was kept)."""
+    ``accepted_per_position[i]`` (how often the proposal at position i was kept; in a tree,
+    the kept node at depth i+1)."""
 
     k: int
     drafts: int = 0
@@ -152,8 +213,8 @@ class SpeculationMetrics:
 
 @attrs.define
 class Speculation:
-    """An engine's speculation: its config, k, its mode's proposer (or fused speculator) and
-    the counters."""
+    """An engine's speculation: its config, k (the most tokens one path proposes), its mode's
+    proposer (or fused speculator) and the counters."""
 
     config: SpeculativeConfig
     k: int
@@ -171,6 +232,7 @@ def engine_speculation(
     for any. A ConfigError saying what to change when they disagree or the mode cannot run in
     the engine."""
     mode = application.plugins.speculation_mode
+    k = application.neuron_config.speculation_length
     source = "the engine's speculative_config"
     if config is None and mode is None:
         return None
@@ -184,8 +246,7 @@ def engine_speculation(
             ],
             source=source,
         )
-    k = application.neuron_config.speculation_length
-    if mode is None or not k:
+    if mode is None or (mode.engine_fused is None and not k):
         raise ConfigError(
             [
                 f"method {config.method!r} needs the target's verification phase: build it "
@@ -206,6 +267,18 @@ def engine_speculation(
             ],
             source=source,
         )
+    if mode.engine_fused is not None:
+        fused = mode.load("engine_fused")(application, config, draft)
+        depth = fused.draft_depth
+        return Speculation(config, depth, None, fused, SpeculationMetrics(depth))
+    wanted = chain_length(config, k)
+    proposer = mode.load("engine_proposer")(application, config, draft)
+    return Speculation(config, wanted, proposer, None, SpeculationMetrics(wanted))
+
+
+def chain_length(config: SpeculativeConfig, k: int) -> int:
+    """The drafts a chain proposes: ``num_speculative_tokens``, at most the model's k (None:
+    k); a ConfigError when it asks for more."""
     wanted = config.num_speculative_tokens or k
     if wanted > k:
         raise ConfigError(
@@ -213,10 +286,6 @@ def engine_speculation(
                 f"num_speculative_tokens={wanted} is more than the model verifies per call "
                 f"(speculation_length={k}); give at most {k}, or build it with more"
             ],
-            source=source,
+            source="the engine's speculative_config",
         )
-    if mode.engine_fused is not None:
-        fused = mode.load("engine_fused")(application, config, draft)
-        return Speculation(config, wanted, None, fused, SpeculationMetrics(wanted))
-    proposer = mode.load("engine_proposer")(application, config, draft)
-    return Speculation(config, wanted, proposer, None, SpeculationMetrics(wanted))
+    return wanted

@@ -21,10 +21,12 @@ from nxdplug.plugin_api import (
     FUSED_SPECULATION_MODEL_TAG,
     CausalLMOutputWithTokens,
     ConfigError,
+    DraftTree,
     Request,
     ScheduledStep,
     SpeculativeConfig,
     StepInputs,
+    chain_length,
 )
 from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
 
@@ -100,6 +102,7 @@ class EagleEngineSpeculator:
         self.context = application.submodel(EAGLE_CONTEXT_TAG)
         self.speculation = application.submodel(FUSED_SPECULATION_MODEL_TAG)
         self.k = application.neuron_config.speculation_length
+        self.draft_depth = chain_length(config, self.k)
         self.vocab_size = application.config.vocab_size
         # The target scores up to k positions past the last token (see EagleSpeculator).
         self.positions_past_end = self.k - 1
@@ -115,7 +118,7 @@ class EagleEngineSpeculator:
             request.proposer_state = PendingPairs(None, features, start, 1)
         return CausalLMOutputWithTokens(logits=logits, tokens=None)
 
-    def verify(self, requests: Sequence[Request]) -> tuple[list[list[int]], torch.Tensor]:
+    def verify(self, requests: Sequence[Request]) -> tuple[list[DraftTree], torch.Tensor]:
         rows, k = len(requests), self.k
         device = self.context.device
         pairs: list[PendingPairs] = [r.proposer_state for r in requests]
@@ -140,12 +143,14 @@ class EagleEngineSpeculator:
         drafts, _, target_logits, features = self.speculation(step)
         for pending, scored in zip(pairs, features, strict=True):
             pending.scored = scored
-        return drafts.tolist(), target_logits
+        chains = [DraftTree.chain(row[: self.draft_depth]) for row in drafts.tolist()]
+        return chains, target_logits
 
-    def taken(self, requests: Sequence[Request], counts: Sequence[int]) -> None:
-        for request, count in zip(requests, counts, strict=True):
+    def taken(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
+        for request, path in zip(requests, paths, strict=True):
             pending: PendingPairs = request.proposer_state
             assert pending.scored is not None
             start = pending.start + pending.count  # after the newest pending pair
+            count = len(path)
             taken = request.output_ids[-count:]
             request.proposer_state = PendingPairs(taken, pending.scored, start, count)
