@@ -73,7 +73,13 @@ if TYPE_CHECKING:
     from nxdplug.config.hf import pretrained_config_attributes, with_rope_aliases
     from nxdplug.config.serialization import read_json_object
     from nxdplug.config.suggestions import did_you_mean
-    from nxdplug.config.token_tree import TokenTree, tree_attention
+    from nxdplug.config.token_tree import (
+        TokenTree,
+        TokenTreeError,
+        sorted_paths,
+        tree_attention,
+        tree_config_of_paths,
+    )
     from nxdplug.config.validation import core_config_problems
     from nxdplug.engine import (
         Engine,
@@ -91,6 +97,8 @@ if TYPE_CHECKING:
         SpeculationMetrics,
         SpeculativeConfig,
         chain_length,
+        move_kept_paths,
+        tree_nodes,
     )
     from nxdplug.errors import (
         CheckpointError,

@@ -21,23 +21,33 @@ probability of it, else draw from the rest.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
+import torch
 
+from nxdplug.config.token_tree import TokenTreeError, sorted_paths, tree_config_of_paths
 from nxdplug.engine.requests import Request
 from nxdplug.errors import ConfigError
 
 if TYPE_CHECKING:
-    import torch
-
+    from nxdplug.modules.kv_cache import KVCacheManager
     from nxdplug.runtime.application import NeuronBaseForCausalLM
     from nxdplug.runtime.outputs import CausalLMOutputWithTokens
     from nxdplug.runtime.scheduled_step import ScheduledStep
 
 # vLLM's ``speculative_config`` keys that nxdplug reads; any other key is refused by name.
-KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "model",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "speculative_token_tree",
+)
+TREE_EXAMPLE = '"[(0,), (1,), (0, 0)]"'
 # vLLM's default n-gram sizes when neither bound is given.
 DEFAULT_NGRAM = 5
 
@@ -46,14 +56,18 @@ DEFAULT_NGRAM = 5
 class SpeculativeConfig:
     """vLLM's ``speculative_config``: ``method`` (``ngram``, ``draft_model``, ``eagle``, ...),
     ``num_speculative_tokens`` (k, at most the model's ``speculation_length``; None: that
-    length), ``model`` (the draft's folder, for ``draft_model``), and for ``ngram`` the
-    n-gram sizes looked up, longest first (``prompt_lookup_min`` .. ``prompt_lookup_max``)."""
+    length; a tree's nodes below its root), ``model`` (the draft's folder, for
+    ``draft_model`` and ``eagle``; the heads' folder, for ``medusa``), for ``ngram`` the
+    n-gram sizes looked up, longest first (``prompt_lookup_min`` .. ``prompt_lookup_max``),
+    and ``speculative_token_tree``, a tree's rank paths (``[(0,), (1,), (0, 0)]``: the best
+    and second-best next tokens, and the best after the best), depth first then by rank."""
 
     method: str
     num_speculative_tokens: int | None = None
     model: str | None = None
     prompt_lookup_min: int = DEFAULT_NGRAM
     prompt_lookup_max: int = DEFAULT_NGRAM
+    speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str) -> SpeculativeConfig:
@@ -83,10 +97,49 @@ class SpeculativeConfig:
             )
         model = values.get("model")
         if model is not None and not isinstance(model, str):
-            problems.append(f"'model' must be a draft checkpoint's folder, got {model!r}")
+            problems.append(f"'model' must be a folder (the draft's, or the heads'), got {model!r}")
+        tree = values.get("speculative_token_tree")
+        paths = None
+        if tree is not None:
+            paths, problem = _tree_paths(tree)
+            if problem is not None:
+                problems.append(problem)
+            elif count is not None and count != len(paths):
+                problems.append(
+                    f"'num_speculative_tokens' ({count}) must count speculative_token_tree's "
+                    f"{len(paths)} paths (its nodes below the root), as vLLM's does"
+                )
+            else:
+                count = len(paths)
         if problems:
             raise ConfigError(problems, source=source)
-        return cls(method, count, model, low, high)
+        return cls(method, count, model, low, high, paths)
+
+
+def _tree_paths(value: object) -> tuple[tuple[tuple[int, ...], ...], str | None]:
+    """``speculative_token_tree``'s paths, ordered as a tree numbers its nodes, or why it is
+    not a tree (as vLLM, a Python literal in a string; a JSON list of lists too)."""
+    wrong = (
+        f"'speculative_token_tree' must list the tree's paths of ranks, e.g. {TREE_EXAMPLE}; "
+        f"got {value!r}"
+    )
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return (), wrong
+    if not isinstance(value, (list, tuple)) or not value:
+        return (), wrong
+    for path in value:
+        if not isinstance(path, (list, tuple)) or not path:
+            return (), wrong
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path):
+            return (), wrong
+    try:
+        tree_config_of_paths(value)
+    except TokenTreeError as error:
+        return (), f"'speculative_token_tree': {error.problems[0]}"
+    return sorted_paths(value), None
 
 
 def _is_positive(value: object) -> bool:
@@ -271,6 +324,14 @@ def engine_speculation(
         fused = mode.load("engine_fused")(application, config, draft)
         depth = fused.draft_depth
         return Speculation(config, depth, None, fused, SpeculationMetrics(depth))
+    if config.speculative_token_tree is not None:
+        raise ConfigError(
+            [
+                f"speculative_token_tree: method {config.method!r} proposes one chain; leave "
+                "the tree out (num_speculative_tokens sets the chain's length)"
+            ],
+            source=source,
+        )
     wanted = chain_length(config, k)
     proposer = mode.load("engine_proposer")(application, config, draft)
     return Speculation(config, wanted, proposer, None, SpeculationMetrics(wanted))
@@ -289,3 +350,61 @@ def chain_length(config: SpeculativeConfig, k: int) -> int:
             source="the engine's speculative_config",
         )
     return wanted
+
+
+def tree_nodes(config: SpeculativeConfig, paths: Sequence[Sequence[int]]) -> int:
+    """The nodes below the root of the model's tree (``paths``, its rank paths): what
+    ``num_speculative_tokens`` counts when given (vLLM's rule for a tree), and what
+    ``speculative_token_tree`` lists when given. A ConfigError when either says otherwise."""
+    ordered = sorted_paths(paths)
+    problems = []
+    wanted, given = config.num_speculative_tokens, config.speculative_token_tree
+    if given is not None and given != ordered:
+        problems.append(
+            f"speculative_token_tree {_literal(given)} is not the tree the model was built "
+            f"with, {_literal(ordered)}: build the model with it (nxdplug serve does), or "
+            "leave it out"
+        )
+    elif wanted is not None and wanted != len(ordered):
+        problems.append(
+            f"num_speculative_tokens={wanted}, but the model drafts a token tree of "
+            f"{len(ordered)} nodes below its root, which num_speculative_tokens counts (vLLM's "
+            f"rule for a tree): give {len(ordered)}, or leave it out"
+        )
+    if problems:
+        raise ConfigError(problems, source="the engine's speculative_config")
+    return len(ordered)
+
+
+def _literal(paths: Sequence[Sequence[int]]) -> str:
+    return repr([tuple(path) for path in paths])
+
+
+def move_kept_paths(
+    kv_mgr: KVCacheManager,
+    lines: Sequence[int],
+    roots: Sequence[int],
+    paths: Sequence[Sequence[int]],
+) -> None:
+    """Move the kept path of each row's verified tree to consecutive cache positions: node j
+    of line ``lines[i]`` was written at position ``roots[i] + j``, and the path's n-th node
+    goes to ``roots[i] + n``. Paths already in place (the root alone, a chain's) stay."""
+    moving = [
+        (line, root, list(path))
+        for line, root, path in zip(lines, roots, paths, strict=True)
+        if list(path) != list(range(len(path)))
+    ]
+    if not moving:
+        return
+    width = max(len(path) for _, _, path in moving)
+    source, destination = [], []
+    for _, root, path in moving:
+        padding = width - len(path)  # the last move again: the same rows to the same place
+        source.append([root + node for node in path] + [root + path[-1]] * padding)
+        destination.append([root + n for n in range(len(path))] + [root + len(path) - 1] * padding)
+    device = kv_mgr.position_buffers()[0].device
+    kv_mgr.move_positions(
+        torch.tensor([line for line, _, _ in moving], device=device),
+        torch.tensor(source, device=device),
+        torch.tensor(destination, device=device),
+    )

@@ -219,6 +219,11 @@ def test_stop_strings_and_structured_outputs_are_as_without_speculation(prompts,
             {"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
             "1 <= min <= max",
         ),
+        (
+            {"speculation_length": 3},
+            {"method": "ngram", "speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"},
+            "method 'ngram' proposes one chain",
+        ),
     ],
 )
 def test_what_cannot_speculate_is_refused_at_start(settings, config, message) -> None:
@@ -247,6 +252,29 @@ def test_ngram_lookup_takes_the_longest_latest_match() -> None:
     assert lookup([1, 2, 3], 2) == []
     assert NgramProposer(2, 2).lookup([4, 1, 9, 1], 2) == []  # 1-grams are below min
     assert SpeculativeConfig.from_mapping({"method": "ngram"}, "x").prompt_lookup_max == 5
+
+
+def test_a_token_tree_is_given_as_vllm_gives_it() -> None:
+    """``speculative_token_tree``: rank paths, a Python literal in a string (vLLM's form) or
+    a JSON list; ``num_speculative_tokens`` counts them."""
+    config = SpeculativeConfig.from_mapping(
+        {"method": "medusa", "speculative_token_tree": "[(1,), (0,), (0, 0)]"}, "x"
+    )
+    assert config.speculative_token_tree == ((0,), (1,), (0, 0))
+    assert config.num_speculative_tokens == 3
+    listed = {"method": "medusa", "speculative_token_tree": [[0], [0, 0]]}
+    assert SpeculativeConfig.from_mapping(listed, "x").speculative_token_tree == ((0,), (0, 0))
+    for tree, count, message in [
+        ("[(0,), (0, 0)]", 3, r"'num_speculative_tokens' \(3\) must count"),
+        ("[(0,), (1, 0)]", None, r"\[1, 0\] needs its prefix \[1\]"),
+        ("[(0,), (-1,)]", None, "must list the tree's paths of ranks"),
+        ("(0, 1", None, "must list the tree's paths of ranks"),
+        ("[]", None, "must list the tree's paths of ranks"),
+    ]:
+        values = {"method": "medusa", "speculative_token_tree": tree}
+        values |= {} if count is None else {"num_speculative_tokens": count}
+        with pytest.raises(ConfigError, match=message):
+            SpeculativeConfig.from_mapping(values, "x")
 
 
 def test_generate_speculates_over_block_tables(prompts) -> None:
