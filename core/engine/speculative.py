@@ -290,12 +290,13 @@ def engine_speculation(
     if config is None and mode is None:
         return None
     if config is None:
+        method = mode.engine_methods[0] if mode.engine_methods else "ngram"
         raise ConfigError(
             [
                 f"the model's config selects the {mode.name!r} speculation mode, so its decode "
                 "steps verify proposed tokens, but nothing proposes them: pass "
                 'speculative_config (nxdplug serve: --speculative-config \'{"method": '
-                '"ngram"}\'), or build the model without speculation'
+                f'"{method}"}}\'), or build the model without speculation'
             ],
             source=source,
         )
