@@ -300,6 +300,8 @@ def test_config_problems_say_what_to_set(tiny: Path) -> None:
     assert "repeats the path(s) [0]" in problems(**medusa_options([[0], [0]]))
     assert "beyond the vocabulary" in problems(**medusa_options([[0], [600]]))
     assert "num_medusa_heads of 1 or more" in problems(**medusa_options(CHAIN, heads=0))
+    nowhere = problems(**medusa_options(CHAIN), medusa_heads_path=str(tiny / "nowhere"))
+    assert "give the folder of the Medusa heads file" in nowhere
     with pytest.raises(ConfigError, match="medusa_speculation_length=5"):
         from_pretrained(
             tiny, NeuronConfig(**(medusa_options(CHAIN) | {"medusa_speculation_length": 4}))
@@ -409,7 +411,9 @@ def test_the_engines_medusa_settings_and_refusals(tiny: Path) -> None:
     # the heads of their own folder, beside a checkpoint that has none
     checkpoint = tiny.parent / "target"
     lines = {"is_continuous_batching": True, "batch_size": 2}
-    apart = load(checkpoint, **lines, **medusa_options(CHAIN[:3]), medusa_heads_path=heads_folder)
+    apart = load(
+        checkpoint, **lines, **medusa_options(CHAIN[:3]), medusa_heads_path=str(heads_folder)
+    )
     beside = load(tiny, **lines, **medusa_options(CHAIN[:3]))
     prompts = [[5, 9, 31, 7], [3, 8]]
     greedy = [SamplingSettings(12, 0)] * 2
