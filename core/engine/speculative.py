@@ -178,11 +178,6 @@ class DraftTree:
     def chain(cls, tokens: Sequence[int]) -> DraftTree:
         return cls(tokens, range(len(tokens)))
 
-    @property
-    def levels(self) -> int:
-        """The most proposed tokens one path holds (0 for no proposal)."""
-        return self.depths[-1] if self.depths else 0
-
     def up_to(self, depth: int) -> DraftTree:
         """The nodes at most ``depth`` below the root (the same numbers)."""
         count = sum(1 for d in self.depths if d <= depth)

@@ -333,13 +333,13 @@ def test_eagle_in_the_engine_is_lossless(prompts, hf_greedy) -> None:
 def test_a_draft_tree_numbers_its_nodes_level_by_level() -> None:
     # root -> 1 (a), 2 (b); 1 -> 3 (c), 4 (d); 2 -> 5 (e); 3 -> 6 (f)
     tree = DraftTree([10, 11, 12, 13, 14, 15], [0, 0, 1, 1, 2, 3])
-    assert tree.depths == (1, 1, 2, 2, 2, 3) and tree.levels == 3
+    assert tree.depths == (1, 1, 2, 2, 2, 3)
     children = [tree.child(0, 11), tree.child(1, 13), tree.child(2, 13), tree.child(3, 15)]
     assert children == [2, 4, None, 6]
     assert tree.up_to(2) == DraftTree([10, 11, 12, 13, 14], [0, 0, 1, 1, 2])
-    assert tree.up_to(0) == DraftTree([], []) and tree.up_to(0).levels == 0
+    assert tree.up_to(0) == DraftTree([], [])
     chain = DraftTree.chain([7, 8, 9])
-    assert chain.parents == (0, 1, 2) and chain.levels == 3 and chain.child(1, 8) == 2
+    assert chain.parents == (0, 1, 2) and chain.depths == (1, 2, 3) and chain.child(1, 8) == 2
     with pytest.raises(ValueError, match="parent 2 is not an earlier node"):
         DraftTree([1, 2], [0, 2])
     with pytest.raises(ValueError, match="level by level"):
