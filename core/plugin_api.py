@@ -73,7 +73,13 @@ if TYPE_CHECKING:
     from nxdplug.config.hf import pretrained_config_attributes, with_rope_aliases
     from nxdplug.config.serialization import read_json_object
     from nxdplug.config.suggestions import did_you_mean
-    from nxdplug.config.token_tree import TokenTree, tree_attention
+    from nxdplug.config.token_tree import (
+        TokenTree,
+        TokenTreeError,
+        sorted_paths,
+        tree_attention,
+        tree_config_of_paths,
+    )
     from nxdplug.config.validation import core_config_problems
     from nxdplug.engine import (
         Engine,
@@ -85,7 +91,15 @@ if TYPE_CHECKING:
     from nxdplug.engine.cache_space import CacheSpace, CacheUsage
     from nxdplug.engine.ranks import StepBroadcaster, follow_steps
     from nxdplug.engine.requests import MAX_TOP_LOGPROBS, Request
-    from nxdplug.engine.speculative import Proposer, SpeculationMetrics, SpeculativeConfig
+    from nxdplug.engine.speculative import (
+        DraftTree,
+        Proposer,
+        SpeculationMetrics,
+        SpeculativeConfig,
+        chain_length,
+        move_kept_paths,
+        tree_nodes,
+    )
     from nxdplug.errors import (
         CheckpointError,
         ConfigError,

@@ -94,8 +94,10 @@ def add_speculative_config_option(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help='speculate in the engine, as vLLM\'s flag: \'{"method": "ngram", '
-        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\', or \'{"method": '
-        '"draft_model", "model": DIR, "num_speculative_tokens": 4}\'',
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\', \'{"method": '
+        '"draft_model", "model": DIR, "num_speculative_tokens": 4}\', eagle / eagle3 (model: '
+        "the EAGLE draft), medusa (model: the heads' folder); a tree: "
+        '"speculative_token_tree": "[(0,), (1,), (0, 0)]"',
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -118,6 +118,32 @@ def tree_levels(tree: Mapping[int, Sequence[int]]) -> list[list[int]]:
             f"token_tree_config has only the root; give it children to draft ({EXAMPLE})"
         )
     return levels
+
+
+def sorted_paths(paths: Iterable[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """Rank paths by depth, then by ranks: the order in which a tree numbered level by level
+    meets their nodes."""
+    return tuple(sorted((tuple(path) for path in paths), key=lambda path: (len(path), path)))
+
+
+def tree_config_of_paths(paths: Iterable[Sequence[int]]) -> dict[int, list[int]]:
+    """The ``{node: [children]}`` of a tree given as rank paths (Medusa's ``medusa_tree``,
+    vLLM's ``speculative_token_tree``): ``[a, b]`` is the a-th best token after the root, then
+    the b-th best after that one. Nodes are numbered as :func:`sorted_paths` orders them (the
+    root 0). A TokenTreeError when a path repeats or lacks its prefix."""
+    ordered = sorted_paths(paths)
+    if len(set(ordered)) < len(ordered):
+        repeated = [list(p) for p in sorted({p for p in ordered if ordered.count(p) > 1})]
+        raise TokenTreeError(f"the tree's paths repeat {repeated}; list each once")
+    index = {(): 0} | {path: node for node, path in enumerate(ordered, start=1)}
+    children: dict[int, list[int]] = {0: []}
+    for path in ordered:
+        if path[:-1] not in index:
+            raise TokenTreeError(
+                f"the tree's path {list(path)} needs its prefix {list(path[:-1])} in the tree too"
+            )
+        children.setdefault(index[path[:-1]], []).append(index[path])
+    return children
 
 
 class TokenTree:
@@ -235,6 +261,15 @@ class TokenTree:
             [sum(1 for c in self.tree_config[n] if self.tree_config[c]) for n in level]
             for level in self.level_node_ids
         ]
+
+    def rank_paths(self) -> tuple[tuple[int, ...], ...]:
+        """Each node's path below the root (nodes 1..n), as ranks: a node is its parent's
+        i-th listed child (its draft's i-th best token)."""
+        ranks = [()]
+        for node in range(1, self.node_nums):
+            parent = int(self.parent[node])
+            ranks.append((*ranks[parent], self.tree_config[parent].index(node)))
+        return tuple(ranks[1:])
 
     @property
     def num_drafted(self) -> int:

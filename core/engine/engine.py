@@ -45,7 +45,7 @@ from nxdplug.engine.requests import (
     SamplingSettings,
 )
 from nxdplug.engine.runner import StepRunner
-from nxdplug.engine.speculative import SpeculativeConfig, engine_speculation
+from nxdplug.engine.speculative import DraftTree, SpeculativeConfig, engine_speculation
 from nxdplug.engine.structured_output import Constraints, TokenConstraint
 from nxdplug.engine.token_choice import Chosen, TokenChoice
 from nxdplug.errors import ConfigError, NxdPlugError
@@ -478,59 +478,63 @@ class Engine:
                 self._step_keywords(rows),
                 self.device,
             )
-            outputs += self._take_verified(rows, offered, self.runner.run(step).logits)
+            chains = [DraftTree.chain(p) for p in offered]
+            outputs += self._take_verified(rows, chains, self.runner.run(step).logits)[0]
         return outputs
 
     def _speculate_fused(self, decoding: list[Request]) -> list[RequestOutput]:
         """One step of the decoding requests by a fused speculator: each call drafts and
         scores (``spec_batch_size`` rows a call); each request takes what a verification
         gives it, at most one token fewer than it has left from the drafts."""
-        assert self._fused is not None and self.speculation is not None
-        k, outputs = self.speculation.k, []
+        assert self._fused is not None
+        outputs = []
         for start in range(0, len(decoding), self.spec_rows):
             rows = decoding[start : start + self.spec_rows]
-            before = [len(r.output_ids) for r in rows]
             drafts, logits = self._fused.verify(rows)
-            offered = [d[: min(k, _usable_proposals(r))] for r, d in zip(rows, drafts, strict=True)]
-            outputs += self._take_verified(rows, offered, logits)
-            added = [len(r.output_ids) - n for r, n in zip(rows, before, strict=True)]
-            self._fused.taken(rows, added)
+            offered = [d.up_to(_usable_proposals(r)) for r, d in zip(rows, drafts, strict=True)]
+            taken, paths = self._take_verified(rows, offered, logits)
+            outputs += taken
+            self._fused.taken(rows, paths)
         return outputs
 
     def _take_verified(
-        self, rows: list[Request], proposals: list[list[int]], logits: torch.Tensor
-    ) -> list[RequestOutput]:
-        """The target's tokens of a verification (``logits`` [rows, k+1, vocab]), position by
-        position, each chosen as a decode step would choose it; a request takes the next
-        position while its token equals the proposal there and it goes on."""
+        self, rows: list[Request], drafts: list[DraftTree], logits: torch.Tensor
+    ) -> tuple[list[RequestOutput], list[list[int]]]:
+        """The target's tokens of a verification (``logits`` [rows, n+1, vocab]: each row's
+        root, then its nodes), each chosen as a decode step would choose it: a request takes
+        the token at its root, then goes on to the child holding that token while there is
+        one and it goes on. Returns the outputs and each row's path (the root 0, then the
+        nodes it went on to: one token added at each)."""
         assert self.speculation is not None
         texts, reasons = [""] * len(rows), [None] * len(rows)
         accepted = [0] * len(rows)
+        paths = [[0] for _ in rows]
         live = list(range(len(rows)))
         argmax = self.choice.argmax_of_every_position(rows, logits)
-        for position in range(logits.shape[1]):
-            if not live:
-                break
+        while live:
+            nodes = [paths[row][-1] for row in live]
             if argmax is None:
-                chosen = self.choice.choose([rows[i] for i in live], logits[live, position], None)
+                at_nodes = logits[live, nodes]
+                chosen = self.choice.choose([rows[i] for i in live], at_nodes, None)
             else:
-                chosen = Chosen([argmax[i][position] for i in live])
+                chosen = Chosen([argmax[row][node] for row, node in zip(live, nodes, strict=True)])
             going_on = []
             for index, row in enumerate(live):
                 reason, text = self._add_token(rows[row], chosen, index)
                 texts[row] += text
                 reasons[row] = reason
-                proposal = proposals[row]
-                if position < len(proposal) and chosen.tokens[index] == proposal[position]:
+                child = drafts[row].child(nodes[index], chosen.tokens[index])
+                if child is not None:
                     accepted[row] += 1
                     if reason is None:
+                        paths[row].append(child)
                         going_on.append(row)
             live = going_on
         outputs = []
         for row, request in enumerate(rows):
-            self.speculation.metrics.record(len(proposals[row]), accepted[row])
+            self.speculation.metrics.record(len(drafts[row].tokens), accepted[row])
             outputs.append(self._report(request, reasons[row], texts[row]))
-        return outputs
+        return outputs, paths
 
     def _make_room(self, decoding: list[Request]) -> list[Request]:
         """Room in the cache for each decoding request's next position, in admission order;

@@ -2,14 +2,16 @@
 
 Medusa heads are trained apart from the target and shipped apart from it, so the heads are not
 in the target's checkpoint: the converter adds them to the state dict from the checkpoint folder
-(``config._name_or_path``), in whichever of the formats in use it finds:
+(``config._name_or_path``), or from ``medusa_heads_path`` when set (a folder of its own, as
+vLLM's medusa ``model``), in whichever of the formats in use it finds:
 
 - ``medusa_lm_head.safetensors`` or ``medusa_lm_head.pt`` (FasterDecoding/Medusa, TGI,
   TensorRT-LLM): keys ``{i}.{j}.linear.weight/bias`` (ResBlock j of head i) and
   ``{i}.{L}.weight`` (its vocabulary projection, L = ``medusa_num_layers``);
 - ``medusa_heads.pt`` (NxD Inference): the same keys prefixed ``medusa_head_{i}.``.
 
-Heads already in the checkpoint under either prefix are used as they are.
+Heads already in the checkpoint under either prefix are used as they are, unless
+``medusa_heads_path`` names the heads to use.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from nxdplug.plugin_api import CheckpointError, load_tensor_file
-from nxdplug.plugins.medusa.hooks import DEFAULT_LAYERS, LAYERS_SETTING
+from nxdplug.plugins.medusa.hooks import DEFAULT_LAYERS, HEADS_PATH_SETTING, LAYERS_SETTING
 
 if TYPE_CHECKING:
     from nxdplug.plugin_api import InferenceConfig
@@ -89,8 +91,8 @@ def _read_heads_file(folder: Path) -> tuple[dict[tuple[int, str], torch.Tensor],
             return heads, path
     raise CheckpointError(
         f"is_medusa=True but no Medusa heads were found in {folder}: looked for "
-        f"{', '.join(HEADS_FILES)}. Put the trained heads file there (next to the target "
-        "checkpoint)."
+        f"{', '.join(HEADS_FILES)}. Put the trained heads file there (next to "
+        f"the target checkpoint), or name its folder with {HEADS_PATH_SETTING}."
     )
 
 
@@ -100,7 +102,11 @@ def add_medusa_heads(state_dict: dict[str, Any], config: InferenceConfig) -> dic
     neuron_config = config.neuron_config
     heads, state_dict = _split(state_dict, _IN_CHECKPOINT)
     source = "the checkpoint"
-    if not heads:
+    heads_path = getattr(neuron_config, HEADS_PATH_SETTING, None)
+    if heads_path is not None:
+        heads, path = _read_heads_file(Path(heads_path))
+        source = str(path)
+    elif not heads:
         folder = getattr(config, "_name_or_path", None)
         if not folder:
             raise CheckpointError(

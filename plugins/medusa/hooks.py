@@ -25,6 +25,8 @@ ENABLED_BY = ("is_medusa",)
 # ResBlocks per head: not an NxD Inference attribute (its heads have one, as Medusa-1 releases).
 LAYERS_SETTING = "medusa_num_layers"
 DEFAULT_LAYERS = 1
+# The heads file's folder when it is not the checkpoint's (vLLM's medusa ``model``).
+HEADS_PATH_SETTING = "medusa_heads_path"
 PIPELINE = "nxdplug.plugins.medusa.pipeline"
 
 
@@ -37,6 +39,9 @@ def nxdplug_speculation_modes() -> Iterable[SpeculationMode]:
         validate=f"{PIPELINE}:validate",
         transform_model=f"{PIPELINE}:add_heads",
         add_submodels=f"{PIPELINE}:add_submodels",
+        engine_methods=("medusa",),
+        engine_fused="nxdplug.plugins.medusa.engine:MedusaEngineSpeculator",
+        engine_settings="nxdplug.plugins.medusa.engine:engine_settings",
         description="Medusa heads propose a tree of tokens; the target verifies it in one call",
     )
 
@@ -46,8 +51,11 @@ def nxdplug_features() -> Iterable[Feature]:
     yield Feature(
         name="medusa-heads",
         enabled_by=ENABLED_BY,
-        settings={LAYERS_SETTING: DEFAULT_LAYERS},
-        description="ResBlocks per Medusa head (medusa_num_layers, 1 in Medusa-1 releases)",
+        settings={LAYERS_SETTING: DEFAULT_LAYERS, HEADS_PATH_SETTING: None},
+        description=(
+            "ResBlocks per Medusa head (medusa_num_layers, 1 in Medusa-1 releases), and the "
+            "heads file's folder when not the checkpoint's (medusa_heads_path)"
+        ),
     )
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from nxdplug.plugin_api import ModelWrapper
 from nxdplug.plugins.medusa.heads import HEADS_ATTRIBUTE, medusa_heads, num_layers
-from nxdplug.plugins.medusa.hooks import DEFAULT_LAYERS, LAYERS_SETTING
+from nxdplug.plugins.medusa.hooks import DEFAULT_LAYERS, HEADS_PATH_SETTING, LAYERS_SETTING
 from nxdplug.plugins.medusa.submodels import MedusaContextWrapper, MedusaTreeWrapper
 from nxdplug.plugins.medusa.tree import MedusaTree, tree_problems
 
@@ -38,6 +39,12 @@ def validate(context: PipelineContext) -> list[str]:
     layers = getattr(neuron_config, LAYERS_SETTING, DEFAULT_LAYERS)
     if not _is_count(layers) or layers < 0:
         problems.append(f"{LAYERS_SETTING} is {layers!r}; give the ResBlocks per head (>= 0)")
+    heads_path = getattr(neuron_config, HEADS_PATH_SETTING, None)
+    if heads_path is not None and not (isinstance(heads_path, str) and Path(heads_path).is_dir()):
+        problems.append(
+            f"{HEADS_PATH_SETTING} is {heads_path!r}; give the folder of the Medusa heads file "
+            "as a string, or leave it out to read the one beside the checkpoint"
+        )
     return problems
 
 

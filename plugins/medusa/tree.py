@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nxdplug.plugin_api import TokenTree
+from nxdplug.plugin_api import TokenTree, sorted_paths, tree_config_of_paths
 
 SETTING_HINT = "e.g. medusa_tree=[[0], [0, 0], [1], [0, 1]]"
 
@@ -83,18 +83,16 @@ class MedusaTree:
 
     ``parent`` [n], ``depth`` [n], ``ancestors`` [n, n] (the token tree's), ``head`` /
     ``rank`` [n-1] (which head's which top-k token each non-root node is), ``paths``
-    [n, max_depth+1] (the nodes from the root to j, padded by repeating j).
+    [n, max_depth+1] (the nodes from the root to j, padded by repeating j); ``rank_paths``
+    the tree's paths in node order.
     """
 
     TABLES = ("head", "rank", "paths")
 
     def __init__(self, paths: Iterable[Sequence[int]]) -> None:
-        ordered = sorted((tuple(p) for p in paths), key=lambda p: (len(p), p))
-        index = {(): 0} | {path: i + 1 for i, path in enumerate(ordered)}
-        children: dict[int, list[int]] = {}
-        for path in ordered:  # by depth, then rank: the level-by-level numbering
-            children.setdefault(index[path[:-1]], []).append(index[path])
-        self.token_tree = TokenTree(children)
+        ordered = sorted_paths(paths)  # by depth, then rank: the level-by-level numbering
+        self.rank_paths = ordered
+        self.token_tree = TokenTree(tree_config_of_paths(ordered))
         self.size = self.token_tree.node_nums
         self.max_depth = max(len(p) for p in ordered)
         self.top_k = max(max(p) for p in ordered) + 1

@@ -175,3 +175,20 @@ def test_mask_and_acceptance_follow_the_tree() -> None:
     assert tree.path_to(best).tolist() == [[0, 1, 3, 5], [0, 2, 2, 2]]
     targets[0, 0] = 99  # nothing agrees: the root alone
     assert tree.accept(tokens, targets)[0].tolist() == [0, 2]
+
+
+def test_rank_paths_and_the_tree_they_give() -> None:
+    from nxdplug.config.token_tree import sorted_paths, tree_config_of_paths
+
+    tree = TokenTree({0: [1, 2], 1: [3, 4, 5], 2: [6], 4: [7]})
+    paths = ((0,), (1,), (0, 0), (0, 1), (0, 2), (1, 0), (0, 1, 0))
+    assert tree.rank_paths() == paths
+    shuffled = [list(p) for p in reversed(paths)]
+    assert sorted_paths(shuffled) == paths
+    assert TokenTree(tree_config_of_paths(shuffled)).tree_config == tree.tree_config
+    # Medusa's ranks may skip: the root's children are its 1st and 3rd best tokens.
+    assert tree_config_of_paths([[0], [2], [2, 1]]) == {0: [1, 2], 2: [3]}
+    with pytest.raises(TokenTreeError, match=r"\[0, 1\] needs its prefix \[0\]"):
+        tree_config_of_paths([[1], [0, 1]])
+    with pytest.raises(TokenTreeError, match=r"repeat \[\[1\]\]"):
+        tree_config_of_paths([[1], [0], [1]])

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nxdplug import NeuronConfig, from_pretrained
 from nxdplug.engine import Engine, RequestError, SamplingSettings
-from nxdplug.engine.speculative import SpeculativeConfig
+from nxdplug.engine.speculative import DraftTree, SpeculativeConfig
 from nxdplug.errors import ConfigError
 from tests.shipped_models import PYCODER, PYCODER_DRAFT, PYCODER_EAGLE
 
@@ -219,6 +219,11 @@ def test_stop_strings_and_structured_outputs_are_as_without_speculation(prompts,
             {"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2},
             "1 <= min <= max",
         ),
+        (
+            {"speculation_length": 3},
+            {"method": "ngram", "speculative_token_tree": "[(0,), (0, 0), (0, 0, 0)]"},
+            "method 'ngram' proposes one chain",
+        ),
     ],
 )
 def test_what_cannot_speculate_is_refused_at_start(settings, config, message) -> None:
@@ -247,6 +252,29 @@ def test_ngram_lookup_takes_the_longest_latest_match() -> None:
     assert lookup([1, 2, 3], 2) == []
     assert NgramProposer(2, 2).lookup([4, 1, 9, 1], 2) == []  # 1-grams are below min
     assert SpeculativeConfig.from_mapping({"method": "ngram"}, "x").prompt_lookup_max == 5
+
+
+def test_a_token_tree_is_given_as_vllm_gives_it() -> None:
+    """``speculative_token_tree``: rank paths, a Python literal in a string (vLLM's form) or
+    a JSON list; ``num_speculative_tokens`` counts them."""
+    config = SpeculativeConfig.from_mapping(
+        {"method": "medusa", "speculative_token_tree": "[(1,), (0,), (0, 0)]"}, "x"
+    )
+    assert config.speculative_token_tree == ((0,), (1,), (0, 0))
+    assert config.num_speculative_tokens == 3
+    listed = {"method": "medusa", "speculative_token_tree": [[0], [0, 0]]}
+    assert SpeculativeConfig.from_mapping(listed, "x").speculative_token_tree == ((0,), (0, 0))
+    for tree, count, message in [
+        ("[(0,), (0, 0)]", 3, r"'num_speculative_tokens' \(3\) must count"),
+        ("[(0,), (1, 0)]", None, r"\[1, 0\] needs its prefix \[1\]"),
+        ("[(0,), (-1,)]", None, "must list the tree's paths of ranks"),
+        ("(0, 1", None, "must list the tree's paths of ranks"),
+        ("[]", None, "must list the tree's paths of ranks"),
+    ]:
+        values = {"method": "medusa", "speculative_token_tree": tree}
+        values |= {} if count is None else {"num_speculative_tokens": count}
+        with pytest.raises(ConfigError, match=message):
+            SpeculativeConfig.from_mapping(values, "x")
 
 
 def test_generate_speculates_over_block_tables(prompts) -> None:
@@ -300,3 +328,21 @@ def test_eagle_in_the_engine_is_lossless(prompts, hf_greedy) -> None:
         refusing.step()
     with pytest.raises(RequestError, match="prompt_logprobs are not given"):
         refusing.add_request(prompts[0], SamplingSettings(4, prompt_logprobs=1))
+
+
+def test_a_draft_tree_numbers_its_nodes_level_by_level() -> None:
+    # root -> 1 (a), 2 (b); 1 -> 3 (c), 4 (d); 2 -> 5 (e); 3 -> 6 (f)
+    tree = DraftTree([10, 11, 12, 13, 14, 15], [0, 0, 1, 1, 2, 3])
+    assert tree.depths == (1, 1, 2, 2, 2, 3)
+    children = [tree.child(0, 11), tree.child(1, 13), tree.child(2, 13), tree.child(3, 15)]
+    assert children == [2, 4, None, 6]
+    assert tree.up_to(2) == DraftTree([10, 11, 12, 13, 14], [0, 0, 1, 1, 2])
+    assert tree.up_to(0) == DraftTree([], [])
+    chain = DraftTree.chain([7, 8, 9])
+    assert chain.parents == (0, 1, 2) and chain.depths == (1, 2, 3) and chain.child(1, 8) == 2
+    with pytest.raises(ValueError, match="parent 2 is not an earlier node"):
+        DraftTree([1, 2], [0, 2])
+    with pytest.raises(ValueError, match="level by level"):
+        DraftTree([1, 2, 3], [0, 1, 0])
+    with pytest.raises(ValueError, match="one parent per token"):
+        DraftTree([1, 2], [0])

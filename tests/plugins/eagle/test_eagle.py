@@ -29,13 +29,17 @@ from nxdplug import (
     NeuronConfig,
     load_pretrained_config,
 )
+from nxdplug.config.token_tree import TokenTree
 from nxdplug.contrib_models.llama import NeuronLlamaForCausalLM
-from nxdplug.engine import Engine, SamplingSettings
+from nxdplug.engine import Engine, RequestError, SamplingSettings
+from nxdplug.engine.speculative import SpeculativeConfig
 from nxdplug.errors import CheckpointError, ConfigError, NxdPlugError
 from nxdplug.modules.norms import RMSNorm
 from nxdplug.pipeline import config_problems, select_plugins
 from nxdplug.plugins.eagle.checkpoint import copy_lm_head, main
+from nxdplug.plugins.eagle.engine import engine_settings
 from nxdplug.testing import make_tiny_checkpoint, random_prompts
+from tests.core.engine.test_engine_speculation import serve
 from tests.shipped_models import PYCODER, PYCODER_EAGLE, file_start_prompts
 
 ConfigCls = NeuronLlamaForCausalLM.get_config_cls()
@@ -289,8 +293,71 @@ def test_tree_config_errors(target, draft):
     served = eagle_app(
         target, draft, tree_nodes(TREE), token_tree_config=TREE, is_continuous_batching=True
     )
-    with pytest.raises(ConfigError, match="token trees run in generate"):
-        Engine(served, eos_token_ids=[], speculative_config={"method": "eagle"})
+    with pytest.raises(ConfigError, match="a token tree of 7 nodes below its root"):
+        Engine(served, speculative_config={"method": "eagle", "num_speculative_tokens": 8})
+    # vLLM's speculative_token_tree: TREE's rank paths build it; another tree is refused
+    paths = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
+    config = SpeculativeConfig.from_mapping(
+        {"method": "eagle", "model": str(draft), "speculative_token_tree": paths}, "x"
+    )
+    settings = engine_settings(config)
+    assert TokenTree(settings["token_tree_config"]).tree_config == TokenTree(TREE).tree_config
+    assert settings["speculation_length"] == 8
+    Engine(served, speculative_config={"method": "eagle", "speculative_token_tree": paths})
+    with pytest.raises(ConfigError, match="is not the tree the model was built with"):
+        Engine(served, speculative_config={"method": "eagle", "speculative_token_tree": [[0]]})
+    skipping = SpeculativeConfig.from_mapping(
+        {"method": "eagle", "model": str(draft), "speculative_token_tree": [[0], [2]]}, "x"
+    )
+    with pytest.raises(ConfigError, match="with none left out"):
+        engine_settings(skipping)
+
+
+def test_tree_in_the_engine_is_lossless(target, draft):
+    """vLLM's eagle method on a model built with a token tree: requests of different lengths,
+    arriving at different steps, get HF's greedy tokens (float32) and the engine's own without
+    speculation; seeded sampled ones draw what they draw without it. Kept nodes at depth 2
+    are off the tree's first chain, so their cache rows were moved."""
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 512, (n,), generator=generator).tolist() for n in (3, 12, 7, 9)]
+    max_tokens = [30, 22, 41, 17]
+    hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+            for p, n in zip(prompts, max_tokens, strict=True)
+        ]
+    expected = [out[0, len(p) :].tolist() for out, p in zip(expected, prompts, strict=True)]
+    lines = {"is_continuous_batching": True, "batch_size": 3}
+    tree_app = eagle_app(target, draft, tree_nodes(TREE), token_tree_config=TREE, **lines)
+
+    def engine(app, config=None) -> Engine:
+        return Engine(app, eos_token_ids=[], speculative_config=config)
+
+    greedy = [SamplingSettings(n, 0) for n in max_tokens]
+    config = {"method": "eagle", "num_speculative_tokens": 7}
+    speculating = engine(tree_app, config)
+    assert serve(speculating, prompts, greedy)[0] == expected
+    plain = plain_app(target, **lines)
+    assert serve(engine(plain), prompts, greedy)[0] == expected
+    metrics = speculating.speculation.metrics
+    per_depth = metrics.accepted_per_position
+    assert len(per_depth) == 3 and per_depth == sorted(per_depth, reverse=True)
+    assert sum(per_depth) == metrics.accepted_tokens and per_depth[1] > 0
+    assert 0 < metrics.draft_tokens <= 7 * metrics.drafts
+
+    sampled = [SamplingSettings(n, 0.8, top_k=30, seed=n, logprobs=True) for n in max_tokens]
+    plain_tokens, plain_logprobs, _ = serve(engine(plain), prompts, sampled)
+    tokens, logprobs, _ = serve(engine(tree_app, config), prompts, sampled)
+    assert tokens == plain_tokens
+    for row, row_expected in zip(logprobs, plain_logprobs, strict=True):
+        torch.testing.assert_close(row, row_expected, atol=1e-4, rtol=0)
+
+    refusing = engine(tree_app, config)
+    room = 64 - len(prompts[1]) - 6  # the last call writes the tree's 8 nodes from its root
+    with pytest.raises(RequestError, match=f"ask for at most {room} tokens"):
+        refusing.add_request(prompts[1], SamplingSettings(room + 1))
+    assert len(serve(refusing, [prompts[1]], [SamplingSettings(room, 0)])[0][0]) == room
 
 
 def test_tree_too_long_generation_is_refused(target, draft):

@@ -252,11 +252,12 @@ def test_output_is_the_targets(target, draft, guessing, lengths, tree):
 
 def test_compiled_tree_matches_eager(target, guessing, tmp_path):
     """The compiled tree graph (the target read at three layers, the draft's fc and 2h-wide
-    attention, its vocabulary map, the tree's levels and mask) speculates as the eager one.
-    The EAGLE-1 chain's graphs are compiled in ``test_eagle.py``; both share the phases'
-    code."""
+    attention, its vocabulary map, the tree's levels and mask) speculates as the eager one,
+    in generate() and in the serving engine. The EAGLE-1 chain's graphs are compiled in
+    ``test_eagle.py``; both share the phases' code."""
     ids, mask = random_prompts(512, (4, 10), seed=6)
     options = {"is_eagle3": True, "token_tree_config": TREE, "enable_bucketing": False}
+    options["is_continuous_batching"] = True
     eager_app = eagle_app(target, guessing, 8, **options)
     eager = speculate(eager_app, ids, mask, 20)
     assert torch.equal(eager, reference(target, ids, mask, 20))
@@ -268,12 +269,20 @@ def test_compiled_tree_matches_eager(target, guessing, tmp_path):
     assert torch.equal(speculate(loaded, ids, mask, 20), eager)
     assert loaded.speculation_stats == eager_app.speculation_stats
     assert loaded.speculation_stats.accepted > 0
+    engine = Engine(loaded, eos_token_ids=[], speculative_config={"method": "eagle3"})
+    assert engine_outputs(engine, ids, mask, 20) == eager[:, ids.shape[1] :].tolist()
+    assert engine.speculation.metrics.accepted_tokens > 0
 
 
-def test_the_engine_serves_eagle3(target, guessing):
-    """vLLM's eagle3 method: HF's greedy tokens; the eagle method is refused for this head."""
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_the_engine_serves_eagle3(target, guessing, tree):
+    """vLLM's eagle3 method, a chain or a token tree: HF's greedy tokens; the eagle method is
+    refused for this head."""
     ids, mask = random_prompts(512, (4, 10), seed=6)
-    app = eagle_app(target, guessing, is_eagle3=True, is_continuous_batching=True)
+    options = {"is_eagle3": True, "is_continuous_batching": True}
+    if tree is not None:
+        options |= {"k": 8, "token_tree_config": tree}
+    app = eagle_app(target, guessing, **options)
     engine = Engine(app, eos_token_ids=[], speculative_config={"method": "eagle3"})
     plain = speculate(plain_app(target), ids, mask, 20, eos_token_id=None)
     assert engine_outputs(engine, ids, mask, 20) == plain[:, ids.shape[1] :].tolist()

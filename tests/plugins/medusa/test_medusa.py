@@ -12,6 +12,7 @@ Acceptance (``python -m tests.plugins.medusa.test_medusa`` measures it on the fi
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,12 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
 from nxdplug.config import InferenceConfig, load_pretrained_config
+from nxdplug.engine import Engine, RequestError, SamplingSettings
+from nxdplug.engine.speculative import SpeculativeConfig
 from nxdplug.errors import CheckpointError, ConfigError, NotSupportedError, NxdPlugError
 from nxdplug.pipeline import config_problems, select_plugins
+from nxdplug.plugins.medusa.engine import engine_settings
 from nxdplug.plugins.medusa.heads import add_medusa_heads
 from nxdplug.plugins.medusa.tree import MedusaTree
 from nxdplug.runtime.speculation import AcceptanceStats
@@ -34,6 +38,7 @@ from nxdplug.testing import (
     make_tiny_checkpoint,
     random_prompts,
 )
+from tests.core.engine.test_engine_speculation import serve
 from tests.shipped_models import PYCODER, PYCODER_MEDUSA, file_start_prompts
 
 CHAIN = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -295,6 +300,8 @@ def test_config_problems_say_what_to_set(tiny: Path) -> None:
     assert "repeats the path(s) [0]" in problems(**medusa_options([[0], [0]]))
     assert "beyond the vocabulary" in problems(**medusa_options([[0], [600]]))
     assert "num_medusa_heads of 1 or more" in problems(**medusa_options(CHAIN, heads=0))
+    nowhere = problems(**medusa_options(CHAIN), medusa_heads_path=str(tiny / "nowhere"))
+    assert "give the folder of the Medusa heads file" in nowhere
     with pytest.raises(ConfigError, match="medusa_speculation_length=5"):
         from_pretrained(
             tiny, NeuronConfig(**(medusa_options(CHAIN) | {"medusa_speculation_length": 4}))
@@ -336,6 +343,102 @@ def test_other_proposers_and_too_short_sequences_are_refused(tiny: Path) -> None
         HuggingFaceGenerationAdapter(medusa).generate(
             input_ids, attention_mask=mask, max_new_tokens=4, assistant_model=load(tiny)
         )
+
+
+# In the serving engine (vLLM's medusa method)
+
+
+def test_the_engine_serves_medusa_losslessly(pycoder: Path) -> None:
+    """pycoder-tiny's trained heads: requests of different lengths, arriving at different
+    steps, get HF's greedy tokens (float32) and the engine's own without speculation; seeded
+    sampled ones draw what they draw without it. Kept paths go deeper than one node, off the
+    tree's first chain too, so their cache rows were moved."""
+    prompts = [ids[-n:] for ids, n in zip(file_start_prompts(4), (64, 23, 40, 9), strict=True)]
+    max_tokens = [20, 12, 24, 10]
+    hf = AutoModelForCausalLM.from_pretrained(pycoder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = [
+            hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None)[
+                0, len(p) :
+            ].tolist()
+            for p, n in zip(prompts, max_tokens, strict=True)
+        ]
+    lines = {"is_continuous_batching": True, "batch_size": 3, "seq_len": 128}
+    lines["max_context_length"] = 64
+    medusa = load(pycoder, **lines, **medusa_options(WIDE))
+    plain = load(pycoder, **lines)
+    config = {"method": "medusa", "num_speculative_tokens": len(WIDE)}
+    greedy = [SamplingSettings(n, 0) for n in max_tokens]
+    speculating = Engine(medusa, eos_token_ids=[], speculative_config=config)
+    assert serve(speculating, prompts, greedy)[0] == expected
+    assert serve(Engine(plain, eos_token_ids=[]), prompts, greedy)[0] == expected
+    metrics = speculating.speculation.metrics
+    per_depth = metrics.accepted_per_position
+    assert len(per_depth) == 4 and per_depth == sorted(per_depth, reverse=True)
+    assert sum(per_depth) == metrics.accepted_tokens and per_depth[1] > 0
+    assert 0 < metrics.draft_tokens <= len(WIDE) * metrics.drafts
+
+    sampled = [SamplingSettings(n, 0.8, top_k=20, seed=n, logprobs=True) for n in max_tokens]
+    plain_tokens, plain_logprobs, _ = serve(Engine(plain), prompts, sampled)
+    tokens, logprobs, _ = serve(Engine(medusa, speculative_config=config), prompts, sampled)
+    assert tokens == plain_tokens
+    for row, row_expected in zip(logprobs, plain_logprobs, strict=True):
+        torch.testing.assert_close(row, row_expected, atol=1e-4, rtol=0)
+
+
+def test_the_engines_medusa_settings_and_refusals(tiny: Path) -> None:
+    """vLLM's medusa config: ``num_speculative_tokens`` heads' best tokens make a chain, or
+    ``speculative_token_tree`` gives the tree; ``model`` is the heads' folder."""
+    heads_folder = tiny.parent / "heads"
+    heads_folder.mkdir()
+    (heads_folder / HEADS_FILE).symlink_to(tiny / HEADS_FILE)
+    (heads_folder / "config.json").write_text('{"medusa_num_heads": 4, "medusa_num_layers": 1}')
+
+    def settings(**values) -> dict:
+        return engine_settings(SpeculativeConfig.from_mapping({"method": "medusa"} | values, "x"))
+
+    chain = settings(num_speculative_tokens=3, model=str(heads_folder))
+    assert chain["medusa_tree"] == CHAIN[:3] and chain["num_medusa_heads"] == 3
+    assert chain["medusa_speculation_length"] == 4 and chain["speculation_length"] == 0
+    assert chain["medusa_heads_path"] == str(heads_folder) and chain["medusa_num_layers"] == 1
+    tree = settings(speculative_token_tree=str([tuple(p) for p in WIDE]))
+    assert sorted(tree["medusa_tree"]) == sorted(WIDE) and tree["num_medusa_heads"] == 4
+    with pytest.raises(ConfigError, match="is not a folder"):
+        settings(num_speculative_tokens=3, model=str(tiny / "nowhere"))
+    with pytest.raises(ConfigError, match="needs num_speculative_tokens"):
+        settings()
+
+    # the heads of their own folder, beside a checkpoint that has none
+    checkpoint = tiny.parent / "target"
+    lines = {"is_continuous_batching": True, "batch_size": 2}
+    apart = load(
+        checkpoint, **lines, **medusa_options(CHAIN[:3]), medusa_heads_path=str(heads_folder)
+    )
+    beside = load(tiny, **lines, **medusa_options(CHAIN[:3]))
+    prompts = [[5, 9, 31, 7], [3, 8]]
+    greedy = [SamplingSettings(12, 0)] * 2
+    config = {"method": "medusa", "model": str(heads_folder), "num_speculative_tokens": 3}
+    tokens = serve(Engine(apart, eos_token_ids=[], speculative_config=config), prompts, greedy)
+    plain = Engine(load(checkpoint, **lines), eos_token_ids=[])
+    assert tokens[0] == serve(plain, prompts, greedy)[0]
+    refusing = Engine(apart, eos_token_ids=[], speculative_config=config)
+    room = 64 - len(prompts[0]) - 2  # the last call writes the tree's 4 nodes from its root
+    with pytest.raises(RequestError, match=f"ask for at most {room} tokens"):
+        refusing.add_request(prompts[0], SamplingSettings(room + 1))
+    assert len(serve(refusing, [prompts[0]], [SamplingSettings(room, 0)])[0][0]) == room
+    asked = re.escape("""--speculative-config '{"method": "medusa"}'""")
+    with pytest.raises(ConfigError, match=asked):
+        Engine(beside)
+
+    for wrong, message in [
+        ({"num_speculative_tokens": 2}, "a token tree of 3 nodes below its root"),
+        ({"speculative_token_tree": "[(0,), (1,), (0, 0)]"}, "is not the tree the model was"),
+        ({"model": str(tiny)}, "is not the folder of the heads the model was built with"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            Engine(apart, speculative_config={"method": "medusa"} | wrong)
+    with pytest.raises(ConfigError, match="own heads: give no draft model"):
+        Engine(apart, speculative_config={"method": "medusa"}, draft_model=beside)
 
 
 # Compiled

@@ -1,6 +1,7 @@
 """``nxdplug serve --speculative-config`` (vLLM's flag): a real server on the shipped
-pycoder-tiny, driven by the ``openai`` client, answering HF transformers' greedy text and
-counting its proposals under vLLM's metric names."""
+pycoder-tiny (with its draft, EAGLE drafts or Medusa heads), driven by the ``openai`` client,
+answering HF transformers' greedy text and counting its proposals under vLLM's metric
+names."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from nxdplug.cli.main import main  # noqa: E402
 from tests.plugins.serve.test_serving import get, running_server  # noqa: E402
-from tests.shipped_models import PYCODER, PYCODER_DRAFT, PYCODER_EAGLE, PYCODER_EAGLE3  # noqa: E402
+from tests.shipped_models import (  # noqa: E402
+    PYCODER,
+    PYCODER_DRAFT,
+    PYCODER_EAGLE,
+    PYCODER_EAGLE3,
+    PYCODER_MEDUSA,
+)
 
 TARGET, DRAFT = PYCODER, PYCODER_DRAFT
 PROMPT = "x = [1, 2, 3]\ny = ["
@@ -34,6 +41,11 @@ CONFIGS = {
         "method": "eagle3",
         "model": str(PYCODER_EAGLE3),
         "num_speculative_tokens": 3,
+    },
+    "medusa": {
+        "method": "medusa",
+        "model": str(PYCODER_MEDUSA),
+        "speculative_token_tree": "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]",
     },
 }
 
@@ -84,9 +96,9 @@ def test_a_bad_speculative_config_is_a_usage_error(capsys, value, message) -> No
 
 
 def test_a_method_no_mode_serves_is_refused_by_name(capsys) -> None:
-    config = '{"method": "medusa", "num_speculative_tokens": 2}'
+    config = '{"method": "mtp", "num_speculative_tokens": 2}'
     argv = ["serve", "--model-path", str(TARGET), "--port", "0", "--speculative-config", config]
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert "'medusa' is served by no installed speculation mode" in err
-    assert "draft_model, eagle, eagle3, ngram" in err and "Traceback" not in err
+    assert "'mtp' is served by no installed speculation mode" in err
+    assert "draft_model, eagle, eagle3, medusa, ngram" in err and "Traceback" not in err
