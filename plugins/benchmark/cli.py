@@ -110,7 +110,11 @@ def benchmark_options(args: argparse.Namespace) -> dict[str, Any]:
             "so token generation is timed from the second on"
         )
     options = neuron_config_kwargs(args)
-    if "seq_len" not in options and "max_context_length" not in options:
+    # The prompt's own width: max_context_length would otherwise follow seq_len, and the
+    # context-encoding graph pad the prompt to it (twice the work for --prompt-length 512
+    # --seq-len 1024), unless buckets are asked for.
+    bucketed = options.get("enable_bucketing") or "context_encoding_buckets" in options
+    if "max_context_length" not in options and not bucketed:
         options["max_context_length"] = args.prompt_length
     # Speculation writes its proposed tokens past the last committed one.
     room = max(options.get("speculation_length", 0), options.get("medusa_speculation_length", 0))

@@ -331,8 +331,14 @@ def test_lengths_default_to_the_benchmark_and_backend_sets_compile_backend() -> 
         "max_context_length": 20,
         "compile_backend": "eager",
     }
+    # A longer seq_len does not widen the prompt's graph (the default prompt is 128 tokens).
     args = build_parser().parse_args(["benchmark", "--model-path", "m", "--seq-len", "512"])
-    assert benchmark_options(args) == {"seq_len": 512}
+    assert benchmark_options(args) == {"seq_len": 512, "max_context_length": 128}
+    # Buckets asked for: max_context_length follows seq_len, as NxD Inference's does.
+    args = build_parser().parse_args(
+        ["benchmark", "--model-path", "m", "--seq-len", "512", "--enable-bucketing"]
+    )
+    assert benchmark_options(args) == {"seq_len": 512, "enable_bucketing": True}
 
 
 def test_missing_model_path_is_one_error(capsys, tmp_path) -> None:
