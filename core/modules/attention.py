@@ -19,6 +19,7 @@ from nxdplug.modules.parallel_linear import (
     tp_world_size,
 )
 from nxdplug.modules.rotary import apply_rotary
+from nxdplug.modules.step import encoding_prompts
 
 if TYPE_CHECKING:
     from nxdplug.config import InferenceConfig
@@ -264,6 +265,11 @@ class NeuronAttentionBase(nn.Module):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if q.shape[2] <= MAX_QUERIES_WRITTEN_OUT:
             return grouped_attention(q, k, v, mask)
+        if encoding_prompts() and self.sliding_window is None and q.shape[2] == k.shape[2]:
+            # Prompts from position 0 over keys written in this call: for every real token the
+            # mask is the causal one (padding sits after it), which the fused kernel then skips
+            # block by block instead of computing and masking (half the work; the same values).
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         groups = self.num_heads // self.num_kv_heads
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

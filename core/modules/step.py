@@ -159,6 +159,12 @@ def in_phase(phase: Phase) -> Iterator[Phase]:
         _PHASE.reset(token)
 
 
+def encoding_prompts() -> bool:
+    """Whether a context-encoding phase is being run or traced (False outside any phase)."""
+    phase = _PHASE.get()
+    return phase is not None and phase.is_context_encoding
+
+
 def current_phase() -> Phase:
     """The phase being run or traced, for a module that differs between phases (weights laid
     out per phase, work done on prompts only). The choice is made on the host, so a compiled

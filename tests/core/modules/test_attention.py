@@ -50,3 +50,36 @@ def test_bfloat16_stays_within_bfloat16_tolerance_of_float32():
     low = grouped_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), exact, atol=2e-2, rtol=2e-2)
+
+
+def test_long_prompts_of_different_lengths_give_hf_logits_and_tokens(tiny_checkpoint):
+    """Prompts longer than the static cache's kernel takes (128 positions) go through PyTorch's
+    fused kernel with causal masking; a shorter row's padding comes after its tokens, so both
+    rows are HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from nxdplug import HuggingFaceGenerationAdapter, NeuronConfig, from_pretrained
+
+    path = tiny_checkpoint("llama", seed=3, initializer_range=0.15)
+    lengths = (100, 150)
+    settings = dict(torch_dtype="float32", batch_size=2, max_context_length=160, seq_len=176)
+    app = from_pretrained(path, NeuronConfig(**settings))
+    app.to_cpu()
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=generator) for n in lengths]
+    ids = torch.zeros(2, max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):  # left padding, as HF generates batches
+        ids[row, -len(prompt) :], mask[row, -len(prompt) :] = prompt, 1
+    with torch.inference_mode():
+        ours = app(input_ids=ids, attention_mask=mask).logits[:, -1]
+        for row, prompt in enumerate(prompts):
+            theirs = hf(prompt[None]).logits[0, -1]
+            torch.testing.assert_close(ours[row], theirs, atol=1e-4, rtol=1e-4)
+            expected = hf.generate(prompt[None], max_new_tokens=8, do_sample=False)
+            tokens = HuggingFaceGenerationAdapter(app).generate(
+                prompt[None], max_new_tokens=8, do_sample=False
+            )
+            assert tokens.tolist() == expected.tolist()
+            assert len(set(expected[0, len(prompt) :].tolist())) > 1  # the path varies
