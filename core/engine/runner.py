@@ -69,11 +69,13 @@ class EveryRank:
         self.call(MOVE_CALL, list(lines), list(roots), [list(p) for p in paths])
 
 
+# Both run under inference mode on every rank alike (a follower runs a call outside it).
 @torch.inference_mode()
 def run_submodel(application: NeuronBaseForCausalLM, tag: str, inputs: StepInputs) -> Any:
     return application.submodel(tag)(inputs)
 
 
+@torch.inference_mode()
 def move_kept_paths_of(
     application: NeuronBaseForCausalLM,
     lines: Sequence[int],
