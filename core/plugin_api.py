@@ -91,13 +91,13 @@ if TYPE_CHECKING:
     from nxdplug.engine.cache_space import CacheSpace, CacheUsage
     from nxdplug.engine.ranks import StepBroadcaster, follow_steps
     from nxdplug.engine.requests import MAX_TOP_LOGPROBS, Request
+    from nxdplug.engine.runner import EveryRank
     from nxdplug.engine.speculative import (
         DraftTree,
         Proposer,
         SpeculationMetrics,
         SpeculativeConfig,
         chain_length,
-        move_kept_paths,
         tree_nodes,
     )
     from nxdplug.errors import (

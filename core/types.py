@@ -245,7 +245,8 @@ class SpeculationMode(SelectableRecord):
     each step's proposals coming from ``engine_proposer`` (a class built with
     ``(application, speculative_config, draft)`` that follows
     :class:`nxdplug.engine.speculative.Proposer`; the engine verifies them), or, for a mode
-    whose own phases draft and verify, from ``engine_fused`` (built the same way, following
+    whose own phases draft and verify, from ``engine_fused`` (built the same way and with
+    what runs its calls on every rank, following
     :class:`nxdplug.engine.speculative.FusedSpeculator`). The engine refuses a mode with
     neither. ``engine_settings(speculative_config) -> dict`` gives the NeuronConfig settings
     that build a model for those methods besides ``speculation_length`` (``nxdplug serve

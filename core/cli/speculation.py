@@ -160,8 +160,9 @@ def engine_draft(args: argparse.Namespace, config: InferenceConfig) -> NeuronBas
         return None
     if config.neuron_config.tp_degree > 1:
         raise NxdPlugError(
-            "--speculative-config with a draft model and tensor parallelism is not implemented "
-            "(the draft would need ranks of its own); use method ngram, or tp_degree 1"
+            "--speculative-config method draft_model with tensor parallelism is not "
+            "implemented (the draft runs on the first rank alone, and the other ranks do not "
+            "load it); use method ngram, eagle or medusa, or tp_degree 1"
         )
     path = Path(speculative.model)
     if not path.is_dir():

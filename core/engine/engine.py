@@ -44,7 +44,7 @@ from nxdplug.engine.requests import (
     RequestOutput,
     SamplingSettings,
 )
-from nxdplug.engine.runner import StepRunner
+from nxdplug.engine.runner import EveryRank, StepRunner
 from nxdplug.engine.speculative import DraftTree, SpeculativeConfig, engine_speculation
 from nxdplug.engine.structured_output import Constraints, TokenConstraint
 from nxdplug.engine.token_choice import Chosen, TokenChoice
@@ -99,12 +99,14 @@ class Engine:
             speculative_config = SpeculativeConfig.from_mapping(
                 speculative_config, "the engine's speculative_config"
             )
-        self.speculation = engine_speculation(application, speculative_config, draft_model)
+        self.runner = runner or application
+        self.speculation = engine_speculation(
+            application, speculative_config, draft_model, EveryRank(application, self.runner)
+        )
         self._fused = None if self.speculation is None else self.speculation.fused
         neuron_config = application.neuron_config
         self.application = application
         self.tokenizer = tokenizer
-        self.runner = runner or application
         self.device = application.device
         self.max_waiting = max_waiting
         strategy = application.plugins.kv_cache_strategy

@@ -7,7 +7,8 @@ before it runs; the other ranks sit in :func:`follow_steps`, running what they r
 engine is idle the broadcaster sends a heartbeat now and then, so that the followers' waiting
 broadcast does not reach the process group's timeout. A change to what the model holds (an
 adapter loaded at run time) is sent the same way, between two steps, as a function reference
-each rank runs on its own application.
+each rank runs on its own application; so is a call every rank must make together that is no
+scheduled step (a fused speculator's sub-model, :class:`nxdplug.engine.runner.EveryRank`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ class StepBroadcaster:
         application and ``args``, before the next step."""
         with self._lock:
             _send((CALL, function, args))
+
+    def call_on_every_rank(
+        self, application: NeuronBaseForCausalLM, function: str, args: tuple[Any, ...]
+    ) -> Any:
+        """Run ``function`` with ``application`` and ``args`` here and on every other rank
+        (a plugin's call of a sub-model); this rank's result."""
+        with self._lock:
+            _send((CALL, function, args))
+            return resolve_ref(function)(application, *args)
 
     def stop(self) -> None:
         """Tell the followers to return; the broadcaster cannot be used after."""

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nxdplug.contracts import optional
+import torch
+
+from nxdplug.contracts import optional, with_defaults
+from nxdplug.engine.speculative import move_kept_paths
+from nxdplug.lazy import resolve_ref
 
 if TYPE_CHECKING:
+    from nxdplug.modules.step import StepInputs
+    from nxdplug.runtime.application import NeuronBaseForCausalLM
     from nxdplug.runtime.outputs import CausalLMOutputWithTokens
     from nxdplug.runtime.scheduled_step import ScheduledStep
+
+SUBMODEL_CALL = "nxdplug.engine.runner:run_submodel"
+MOVE_CALL = "nxdplug.engine.runner:move_kept_paths_of"
 
 
 class StepRunner(Protocol):
@@ -22,3 +32,54 @@ class StepRunner(Protocol):
     def call_on_followers(self, function: str, args: tuple[Any, ...]) -> None:
         """Have every other rank run ``function`` (a ``"module:function"`` reference) with its
         application and ``args``, before the next step; a runner of one rank has none."""
+
+    @optional
+    def call_on_every_rank(
+        self, application: NeuronBaseForCausalLM, function: str, args: tuple[Any, ...]
+    ) -> Any:
+        """Run ``function`` (a ``"module:function"`` reference) with ``application`` and
+        ``args`` here and, at once, on every other rank with its own; this rank's result. A
+        runner of one rank runs it here."""
+        return resolve_ref(function)(application, *args)
+
+
+class EveryRank:
+    """What a fused speculator runs on every rank at once: its sub-models' calls (their
+    layers' collectives pair the ranks up) and changes to each rank's share of the cache.
+    With tensor parallelism the engine's runner sends each call to the other ranks before
+    running it here; the results, and the speculator's state per request, stay here."""
+
+    def __init__(self, application: NeuronBaseForCausalLM, runner: StepRunner) -> None:
+        self.application = application
+        self.runner = with_defaults(runner, StepRunner)
+
+    def call(self, function: str, *args: Any) -> Any:
+        """``function`` (a ``"module:function"`` reference) run on every rank with its
+        application and ``args``; this rank's result."""
+        return self.runner.call_on_every_rank(self.application, function, args)
+
+    def submodel(self, tag: str, inputs: StepInputs) -> Any:
+        """The sub-model ``tag`` run on ``inputs`` on every rank; this rank's outputs."""
+        return self.call(SUBMODEL_CALL, tag, inputs)
+
+    def move_kept_paths(
+        self, lines: Sequence[int], roots: Sequence[int], paths: Sequence[Sequence[int]]
+    ) -> None:
+        """:func:`nxdplug.engine.speculative.move_kept_paths` in every rank's cache."""
+        self.call(MOVE_CALL, list(lines), list(roots), [list(p) for p in paths])
+
+
+# Both run under inference mode on every rank alike (a follower runs a call outside it).
+@torch.inference_mode()
+def run_submodel(application: NeuronBaseForCausalLM, tag: str, inputs: StepInputs) -> Any:
+    return application.submodel(tag)(inputs)
+
+
+@torch.inference_mode()
+def move_kept_paths_of(
+    application: NeuronBaseForCausalLM,
+    lines: Sequence[int],
+    roots: Sequence[int],
+    paths: Sequence[Sequence[int]],
+) -> None:
+    move_kept_paths(application.loaded_model.kv_mgr, lines, roots, paths)

@@ -33,6 +33,7 @@ from nxdplug.engine.requests import Request
 from nxdplug.errors import ConfigError
 
 if TYPE_CHECKING:
+    from nxdplug.engine.runner import EveryRank
     from nxdplug.modules.kv_cache import KVCacheManager
     from nxdplug.runtime.application import NeuronBaseForCausalLM
     from nxdplug.runtime.outputs import CausalLMOutputWithTokens
@@ -205,11 +206,14 @@ class Proposer(Protocol):
 
 class FusedSpeculator(Protocol):
     """The engine side of a speculation mode whose own phases draft and verify in one call
-    (fused EAGLE, Medusa), built with ``(application, speculative_config, draft)``; it
-    refuses, with a ConfigError, a config it cannot serve. It encodes its requests' prompts
-    (its prompt phase feeds its draft too), and each step drafts a chain or a tree per request
-    and scores it; the engine takes the tokens as it takes a verification's. Its state per
-    request lives in ``request.proposer_state``."""
+    (fused EAGLE, Medusa), built with ``(application, speculative_config, draft,
+    every_rank)``; it refuses, with a ConfigError, a config it cannot serve. It encodes its
+    requests' prompts (its prompt phase feeds its draft too), and each step drafts a chain or
+    a tree per request and scores it; the engine takes the tokens as it takes a
+    verification's. Its state per request lives in ``request.proposer_state``. It runs its
+    sub-models, and changes to the cache, through ``every_rank``
+    (:class:`~nxdplug.engine.runner.EveryRank`), so that with tensor parallelism every rank
+    runs them together."""
 
     # Cache positions its calls write past a request's prompt plus max_tokens.
     positions_past_end: int
@@ -274,11 +278,13 @@ class Speculation:
 def engine_speculation(
     application: NeuronBaseForCausalLM,
     config: SpeculativeConfig | None,
-    draft: NeuronBaseForCausalLM | None = None,
+    draft: NeuronBaseForCausalLM | None,
+    every_rank: EveryRank,
 ) -> Speculation | None:
     """The engine's speculation for ``application`` under ``config``; None when neither asks
-    for any. A ConfigError saying what to change when they disagree or the mode cannot run in
-    the engine."""
+    for any. ``every_rank`` runs a fused speculator's calls on the engine's ranks. A
+    ConfigError saying what to change when they disagree or the mode cannot run in the
+    engine."""
     mode = application.plugins.speculation_mode
     k = application.neuron_config.speculation_length
     source = "the engine's speculative_config"
@@ -317,7 +323,7 @@ def engine_speculation(
             source=source,
         )
     if mode.engine_fused is not None:
-        fused = mode.load("engine_fused")(application, config, draft)
+        fused = mode.load("engine_fused")(application, config, draft, every_rank)
         depth = fused.draft_depth
         return Speculation(config, depth, None, fused, SpeculationMetrics(depth))
     if config.speculative_token_tree is not None:

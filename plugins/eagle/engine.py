@@ -31,7 +31,6 @@ from nxdplug.plugin_api import (
     StepInputs,
     TokenTree,
     chain_length,
-    move_kept_paths,
     sorted_paths,
     tree_config_of_paths,
     tree_nodes,
@@ -39,7 +38,7 @@ from nxdplug.plugin_api import (
 from nxdplug.plugins.eagle.fused import EAGLE_CONTEXT_TAG
 
 if TYPE_CHECKING:
-    from nxdplug.plugin_api import NeuronBaseForCausalLM
+    from nxdplug.plugin_api import EveryRank, NeuronBaseForCausalLM
 
 
 def engine_settings(config: SpeculativeConfig) -> dict[str, Any]:
@@ -98,13 +97,15 @@ class PendingPairs:
 
 
 class EagleEngineSpeculator:
-    """The ``engine_fused`` of the ``eagle`` speculation mode."""
+    """The ``engine_fused`` of the ``eagle`` speculation mode. Its phases run on every rank
+    (``every_rank``); the pending pairs stay with the engine's rank."""
 
     def __init__(
         self,
         application: NeuronBaseForCausalLM,
         config: SpeculativeConfig,
         draft: NeuronBaseForCausalLM | None,
+        every_rank: EveryRank,
     ) -> None:
         problems = []
         if draft is not None:
@@ -121,16 +122,13 @@ class EagleEngineSpeculator:
             problems.append(
                 f"method {config.method!r}: the model was built with {built}; use method {wanted!r}"
             )
-        if application.neuron_config.tp_degree > 1:
-            problems.append("EAGLE in the engine with tensor parallelism is not implemented")
         if problems:
             raise ConfigError(problems, source="the engine's speculative_config")
-        self.application = application
-        self.context = application.submodel(EAGLE_CONTEXT_TAG)
-        self.speculation = application.submodel(FUSED_SPECULATION_MODEL_TAG)
+        self.every_rank = every_rank
+        self.device = application.submodel(EAGLE_CONTEXT_TAG).device
         self.k = application.neuron_config.speculation_length
         self.vocab_size = application.config.vocab_size
-        tree = getattr(self.speculation, "tree", None)
+        tree = getattr(application.submodel(FUSED_SPECULATION_MODEL_TAG), "tree", None)
         self.tree = None if tree is None else tree.on(application.device)
         if self.tree is None:
             if config.speculative_token_tree is not None:
@@ -150,7 +148,7 @@ class EagleEngineSpeculator:
 
     def encode(self, requests: Sequence[Request], step: ScheduledStep) -> CausalLMOutputWithTokens:
         inputs = StepInputs(step.input_ids, step.cache_mask(), step.positions(), step.seq_ids)
-        logits, feature = self.context(inputs)
+        logits, feature = self.every_rank.submodel(EAGLE_CONTEXT_TAG, inputs)
         for row, request in enumerate(requests):
             features = feature.new_zeros(self.width, feature.shape[-1])
             features[0] = feature[row, 0]
@@ -160,7 +158,7 @@ class EagleEngineSpeculator:
 
     def verify(self, requests: Sequence[Request]) -> tuple[list[DraftTree], torch.Tensor]:
         rows, width = len(requests), self.width
-        device = self.context.device
+        device = self.device
         pairs: list[PendingPairs] = [r.proposer_state for r in requests]
         tokens = torch.zeros(rows, width, dtype=torch.long, device=device)
         for row, (request, pending) in enumerate(zip(requests, pairs, strict=True)):
@@ -183,10 +181,14 @@ class EagleEngineSpeculator:
             extra,
         )
         if self.tree is None:
-            drafts, _, target_logits, features = self.speculation(step)
+            drafts, _, target_logits, features = self.every_rank.submodel(
+                FUSED_SPECULATION_MODEL_TAG, step
+            )
             proposed = [DraftTree.chain(row[: self.draft_depth]) for row in drafts.tolist()]
         else:
-            candidates, target_logits, features = self.speculation(step)
+            candidates, target_logits, features = self.every_rank.submodel(
+                FUSED_SPECULATION_MODEL_TAG, step
+            )
             proposed = [DraftTree(row[1:], self.parents) for row in candidates.tolist()]
         for pending, scored in zip(pairs, features, strict=True):
             pending.scored = scored
@@ -209,8 +211,7 @@ class EagleEngineSpeculator:
             request.proposer_state = PendingPairs(taken, features, start, len(path))
         if self.tree is not None:
             going_on = [i for i, r in enumerate(requests) if not r.finished]
-            move_kept_paths(
-                self.application.loaded_model.kv_mgr,
+            self.every_rank.move_kept_paths(
                 [requests[i].line for i in going_on],
                 [roots[i] for i in going_on],
                 [paths[i] for i in going_on],

@@ -28,14 +28,13 @@ from nxdplug.plugin_api import (
     ScheduledStep,
     SpeculativeConfig,
     StepInputs,
-    move_kept_paths,
     tree_nodes,
 )
 from nxdplug.plugins.medusa.hooks import HEADS_PATH_SETTING, LAYERS_SETTING
 from nxdplug.plugins.medusa.submodels import MEDUSA_CONTEXT_TAG, MEDUSA_MODEL_TAG
 
 if TYPE_CHECKING:
-    from nxdplug.plugin_api import NeuronBaseForCausalLM
+    from nxdplug.plugin_api import EveryRank, NeuronBaseForCausalLM
 
 SOURCE = "the engine's speculative_config"
 
@@ -112,6 +111,7 @@ class MedusaEngineSpeculator:
         application: NeuronBaseForCausalLM,
         config: SpeculativeConfig,
         draft: NeuronBaseForCausalLM | None,
+        every_rank: EveryRank,
     ) -> None:
         neuron_config = application.neuron_config
         problems = []
@@ -122,15 +122,12 @@ class MedusaEngineSpeculator:
                 "the engine chooses Medusa's tokens on the host from the target's logits: build "
                 "the model without on_device_sampling_config"
             )
-        if neuron_config.tp_degree > 1:
-            problems.append("Medusa in the engine with tensor parallelism is not implemented")
         problems += _heads_problems(application, config)
         if problems:
             raise ConfigError(problems, source=SOURCE)
-        self.application = application
-        self.context = application.submodel(MEDUSA_CONTEXT_TAG)
-        self.verifier = application.submodel(MEDUSA_MODEL_TAG)
-        self.tree = self.verifier.tree.on(application.device)
+        self.every_rank = every_rank
+        self.device = application.submodel(MEDUSA_CONTEXT_TAG).device
+        self.tree = application.submodel(MEDUSA_MODEL_TAG).tree.on(application.device)
         tree_nodes(config, self.tree.rank_paths)
         self.parents = self.tree.parent[1:].tolist()
         self.draft_depth = self.tree.max_depth
@@ -140,13 +137,13 @@ class MedusaEngineSpeculator:
 
     def encode(self, requests: Sequence[Request], step: ScheduledStep) -> CausalLMOutputWithTokens:
         inputs = StepInputs(step.input_ids, step.cache_mask(), step.positions(), step.seq_ids)
-        logits, top = self.context(inputs)
+        logits, top = self.every_rank.submodel(MEDUSA_CONTEXT_TAG, inputs)
         for row, request in enumerate(requests):
             request.proposer_state = HeadsState(top[row, -1])
         return CausalLMOutputWithTokens(logits=logits, tokens=None)
 
     def verify(self, requests: Sequence[Request]) -> tuple[list[DraftTree], torch.Tensor]:
-        tree, device = self.tree, self.context.device
+        tree, device = self.tree, self.device
         states: list[HeadsState] = [r.proposer_state for r in requests]
         roots = torch.tensor([r.output_ids[-1] for r in requests], device=device)
         candidates = tree.candidates(roots, torch.stack([s.top for s in states]))
@@ -154,7 +151,9 @@ class MedusaEngineSpeculator:
         mask = tree.attention_mask(prefix, int(prefix.max()) + tree.size)
         slots = prefix[:, None] + torch.arange(tree.size, device=device)
         lines = torch.tensor([r.line for r in requests], device=device)
-        logits, node_top = self.verifier(StepInputs(candidates, mask, slots, lines))
+        logits, node_top = self.every_rank.submodel(
+            MEDUSA_MODEL_TAG, StepInputs(candidates, mask, slots, lines)
+        )
         for state, scored, root in zip(states, node_top, prefix.tolist(), strict=True):
             state.scored, state.root = scored, root
         proposed = [DraftTree(row[1:], self.parents) for row in candidates.tolist()]
@@ -169,7 +168,7 @@ class MedusaEngineSpeculator:
             if not request.finished:
                 going_on.append((request.line, state.root, path))
         if going_on:
-            move_kept_paths(self.application.loaded_model.kv_mgr, *zip(*going_on, strict=True))
+            self.every_rank.move_kept_paths(*zip(*going_on, strict=True))
 
 
 def _heads_problems(application: NeuronBaseForCausalLM, config: SpeculativeConfig) -> list[str]:

@@ -277,3 +277,5 @@ def test_a_runner_of_one_rank_has_no_followers_to_call() -> None:
     with_defaults(broadcaster, StepRunner).call_on_followers("pkg.mod:load", ("a",))
     assert broadcaster.sent == [("pkg.mod:load", ("a",))]
     assert with_defaults(OneRank(), StepRunner).run("step") == "step"
+    # a call every rank makes together runs here alone, with the application given
+    assert with_defaults(OneRank(), StepRunner).call_on_every_rank(2, "operator:add", (3,)) == 5

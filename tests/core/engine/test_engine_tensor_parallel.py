@@ -1,12 +1,16 @@
 """The serving engine over two tensor-parallel ranks: the first schedules and broadcasts each
 step, the second follows; every request gets HF transformers' greedy tokens, and the one that
 asks for its prompt's log-probabilities gets HF's; over cache lines, and over blocks with a
-prefix found in the cache."""
+prefix found in the cache. Each launch then serves again speculating, with ``ngram`` (its
+verifications are steps every rank runs) and, over lines, with fused EAGLE and Medusa token
+trees (their sub-models and cache moves run on every rank): greedy requests get HF's tokens,
+and the single rank's tokens and speculation counts."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -15,6 +19,8 @@ from transformers import AutoModelForCausalLM
 from nxdplug import NeuronConfig, from_pretrained
 from nxdplug.testing import end_rank_process
 from tests.core.modules.test_tensor_parallel import become_launched_rank, free_port
+from tests.plugins.eagle.test_eagle import TREE, bigram_target, eagle_app, make_eagle_draft
+from tests.plugins.medusa.test_medusa import WIDE, heads_like_lm_head, medusa_options, with_heads
 
 pytestmark = pytest.mark.slow
 
@@ -34,20 +40,65 @@ MAX_TOKENS = [12, 6, 9, 8, 7]
 # The block layout with prefix caching: each rank holds its K/V heads' blocks.
 BLOCKS = {"is_block_kv_layout": True, "pa_block_size": 8, "is_prefix_caching": True}
 SCORED_PROMPT = 2  # the second prompt's request asks for its log-probabilities, 2 alternatives
+# Speculation: longer requests, so that some proposals are kept and some are not. EAGLE and
+# Medusa keep line caches of their own phases, so they run over lines alone.
+TREE_NODES = sum(len(children) for children in TREE.values())  # below the root
+SPECULATIVE_CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    "eagle-tree": {"method": "eagle", "num_speculative_tokens": TREE_NODES},
+    "medusa-tree": {"method": "medusa", "num_speculative_tokens": len(WIDE)},
+}
+SPECULATING_TOKENS = [30, 24, 30, 32, 28]
 
 
-def _rank(rank: int, world: int, port: int, checkpoint: str, out: str, blocks: bool) -> None:
-    become_launched_rank(rank, world, port)
-    from nxdplug.engine import Engine, SamplingSettings
-    from nxdplug.engine.ranks import StepBroadcaster, follow_steps
+def _speculating(blocks: bool) -> list[str]:
+    return ["ngram"] if blocks else list(SPECULATIVE_CONFIGS)
 
-    app = from_pretrained(checkpoint, NeuronConfig(**SETTINGS, **(BLOCKS if blocks else {})))
+
+def _checkpoints(folder: Path, target: Path) -> dict[str, str]:
+    """Each scenario's checkpoint: the tiny Llama; EAGLE's draft beside a near-bigram target
+    (which it often guesses right); Medusa heads beside the tiny Llama."""
+    eagle_target = bigram_target(folder / "eagle-target")
+    heads = heads_like_lm_head(target, len(WIDE[-1]), 0.5, 0)
+    return {
+        "plain": str(target),
+        "ngram": str(target),
+        "eagle-tree": str(eagle_target),
+        "eagle-draft": str(make_eagle_draft(eagle_target, folder / "eagle-draft")),
+        "medusa-tree": str(with_heads(folder / "medusa", target, heads)),
+    }
+
+
+def _application(name: str, checkpoints: dict[str, str], blocks: bool, tp_degree: int = 2):
+    """Scenario ``name``'s model."""
+    lines = {"tp_degree": tp_degree, "is_continuous_batching": True, "batch_size": 2}
+    if name == "eagle-tree":
+        draft = Path(checkpoints["eagle-draft"])
+        tree = {"token_tree_config": TREE}
+        return eagle_app(Path(checkpoints[name]), draft, TREE_NODES + 1, **tree, **lines)
+    settings = SETTINGS | lines | (BLOCKS if blocks else {})
+    if name == "ngram":
+        settings["speculation_length"] = SPECULATIVE_CONFIGS[name]["num_speculative_tokens"]
+    elif name == "medusa-tree":
+        # the last verification writes the tree's 10 nodes from the newest token on
+        settings |= medusa_options(WIDE, heads=len(WIDE[-1])) | {"seq_len": 64}
+    app = from_pretrained(checkpoints[name], NeuronConfig(**settings))
     app.to_cpu()
-    if rank != 0:
-        follow_steps(app)
-        end_rank_process()
-    runner = StepBroadcaster(app, heartbeat_seconds=0.05)
-    engine = Engine(app, eos_token_ids=[], runner=runner)
+    return app
+
+
+def _engine(name: str, app, runner=None):
+    from nxdplug.engine import Engine
+
+    config = SPECULATIVE_CONFIGS.get(name)
+    return Engine(app, eos_token_ids=[], runner=runner, speculative_config=config)
+
+
+def _serve(engine, counts: list[int], scored: int | None):
+    """Each prompt's tokens, the scored request's prompt log-probabilities and each request's
+    cached tokens; one request arrives each step."""
+    from nxdplug.engine import SamplingSettings
+
     tokens: dict[str, list[int]] = {}
     scores: list[float] = []
     cached: dict[str, int] = {}
@@ -60,35 +111,78 @@ def _rank(rank: int, world: int, port: int, checkpoint: str, out: str, blocks: b
                 scores.extend(s.logprob for s in output.prompt_logprobs[1:])
 
     order = []
-    for index, (prompt, count) in enumerate(zip(PROMPTS, MAX_TOKENS, strict=True)):
-        scored = SCORED_PROMPT if index == 1 else None
-        order.append(engine.add_request(prompt, SamplingSettings(count, 0, prompt_logprobs=scored)))
+    for index, (prompt, count) in enumerate(zip(PROMPTS, counts, strict=True)):
+        logprobs = scored if index == 1 else None
+        order.append(
+            engine.add_request(prompt, SamplingSettings(count, 0, prompt_logprobs=logprobs))
+        )
         take(engine.step())
     while engine.has_unfinished():
         take(engine.step())
-    result = ([tokens[r] for r in order], scores, [cached[r] for r in order])
-    torch.save(result, Path(out) / "tokens.pt")
-    runner.stop()
+    return [tokens[r] for r in order], scores, [cached[r] for r in order]
+
+
+def _rank(
+    rank: int, world: int, port: int, checkpoints: dict[str, str], out: str, blocks: bool
+) -> None:
+    become_launched_rank(rank, world, port)
+    from nxdplug.engine.ranks import StepBroadcaster, follow_steps
+
+    results = {}
+    for name in ["plain", *_speculating(blocks)]:
+        app = _application(name, checkpoints, blocks)
+        if rank != 0:
+            follow_steps(app)
+            continue
+        runner = StepBroadcaster(app, heartbeat_seconds=0.05)
+        engine = _engine(name, app, runner)
+        if name == "plain":
+            results[name] = _serve(engine, MAX_TOKENS, SCORED_PROMPT)
+        else:
+            tokens = _serve(engine, SPECULATING_TOKENS, None)[0]
+            results[name] = (tokens, attrs.asdict(engine.speculation.metrics))
+        runner.stop()
+    if rank == 0:
+        torch.save(results, Path(out) / "results.pt")
     end_rank_process()
+
+
+def _hf_greedy(checkpoint: str, counts: list[int]) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    expected = []
+    with torch.inference_mode():
+        for prompt, count in zip(PROMPTS, counts, strict=True):
+            ids = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=count, do_sample=False, eos_token_id=None
+            )
+            expected.append(ids[0, len(prompt) :].tolist())
+    return expected
 
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["lines", "blocks-prefix-caching"])
 def test_two_ranks_serve_hf_greedy_tokens(tiny_checkpoint, tmp_path, blocks) -> None:
     checkpoint = tiny_checkpoint("llama", seed=1, initializer_range=0.15)
-    args = (2, free_port(), str(checkpoint), str(tmp_path), blocks)
+    checkpoints = _checkpoints(tmp_path, checkpoint)
+    args = (2, free_port(), checkpoints, str(tmp_path), blocks)
     mp.spawn(_rank, args=args, nprocs=2, join=True)
+    results = torch.load(tmp_path / "results.pt")
     hf = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    expected = []
     with torch.inference_mode():
-        for prompt, count in zip(PROMPTS, MAX_TOKENS, strict=True):
-            ids = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=count, do_sample=False, eos_token_id=None
-            )
-            expected.append(ids[0, len(prompt) :].tolist())
         prompt = torch.tensor([PROMPTS[1]])
         logprobs = hf(prompt).logits[0, :-1].log_softmax(-1)
         expected_scores = logprobs.gather(-1, prompt[0, 1:, None])[:, 0].tolist()
-    tokens, scores, cached = torch.load(tmp_path / "tokens.pt")
-    assert tokens == expected
+    tokens, scores, cached = results["plain"]
+    assert tokens == _hf_greedy(str(checkpoint), MAX_TOKENS)
     assert cached == ([0, 0, 0, 0, 8] if blocks else [0] * len(PROMPTS))
     assert scores == pytest.approx(expected_scores, abs=1e-4)
+
+    for name in _speculating(blocks):
+        tokens, metrics = results[name]
+        one_rank = _engine(name, _application(name, checkpoints, blocks, tp_degree=1))
+        expected = _hf_greedy(checkpoints[name], SPECULATING_TOKENS)
+        assert tokens == expected, name
+        assert _serve(one_rank, SPECULATING_TOKENS, None)[0] == expected, name
+        assert metrics == attrs.asdict(one_rank.speculation.metrics), name
+        assert 0 < metrics["accepted_tokens"] < metrics["draft_tokens"], (name, metrics)
+        if name.endswith("-tree"):  # a kept node at depth 2 is off the chain: its rows moved
+            assert metrics["accepted_per_position"][1] > 0, (name, metrics)
