@@ -322,6 +322,15 @@ def engine_speculation(
             ],
             source=source,
         )
+    if application.neuron_config.on_device_sampling_config is not None:
+        raise ConfigError(
+            [
+                f"method {config.method!r}: the engine chooses a verification's tokens on the "
+                "host from the target's logits, and this model samples in its graph: build it "
+                "without on_device_sampling_config"
+            ],
+            source=source,
+        )
     if mode.engine_fused is not None:
         fused = mode.load("engine_fused")(application, config, draft, every_rank)
         depth = fused.draft_depth

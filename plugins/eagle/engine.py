@@ -110,11 +110,6 @@ class EagleEngineSpeculator:
         problems = []
         if draft is not None:
             problems.append("EAGLE drafts with the draft fused into the model: give no draft")
-        if application.neuron_config.on_device_sampling_config is not None:
-            problems.append(
-                "the engine chooses EAGLE's tokens on the host from the target's logits: build "
-                "the model without on_device_sampling_config"
-            )
         is_eagle3 = bool(application.neuron_config.is_eagle3)
         if (config.method == "eagle3") != is_eagle3:
             built = "an EAGLE-3 draft (is_eagle3=True)" if is_eagle3 else "an EAGLE-1 draft"

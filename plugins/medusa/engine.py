@@ -113,15 +113,9 @@ class MedusaEngineSpeculator:
         draft: NeuronBaseForCausalLM | None,
         every_rank: EveryRank,
     ) -> None:
-        neuron_config = application.neuron_config
         problems = []
         if draft is not None and draft is not application:
             problems.append("Medusa proposes with the model's own heads: give no draft model")
-        if neuron_config.on_device_sampling_config is not None:
-            problems.append(
-                "the engine chooses Medusa's tokens on the host from the target's logits: build "
-                "the model without on_device_sampling_config"
-            )
         problems += _heads_problems(application, config)
         if problems:
             raise ConfigError(problems, source=SOURCE)

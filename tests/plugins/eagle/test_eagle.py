@@ -27,6 +27,7 @@ from nxdplug import (
     FusedSpecNeuronConfig,
     HuggingFaceGenerationAdapter,
     NeuronConfig,
+    OnDeviceSamplingConfig,
     load_pretrained_config,
 )
 from nxdplug.config.token_tree import TokenTree
@@ -311,6 +312,18 @@ def test_tree_config_errors(target, draft):
     )
     with pytest.raises(ConfigError, match="with none left out"):
         engine_settings(skipping)
+
+
+def test_the_engine_refuses_a_model_that_samples_on_device(target, draft):
+    """The engine chooses a verification's tokens on the host, whatever the method."""
+    sampling = eagle_app(
+        target,
+        draft,
+        is_continuous_batching=True,
+        on_device_sampling_config=OnDeviceSamplingConfig(),
+    )
+    with pytest.raises(ConfigError, match="build it without on_device_sampling_config"):
+        Engine(sampling, speculative_config={"method": "eagle"})
 
 
 def test_tree_in_the_engine_is_lossless(target, draft):
