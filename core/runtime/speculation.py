@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import torch
 
+from nxdplug.runtime.batch_sampler import greedy_tokens
 from nxdplug.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -274,7 +275,7 @@ def greedy_acceptance(
     after draft i-1). Returns ``(tokens [batch, k+1], counts [batch])``: the first ``counts``
     tokens of each row are its output (accepted drafts, then the target's token).
     """
-    targets = target_logits.argmax(dim=-1)
+    targets = greedy_tokens(target_logits)
     accepted = leading_matches(drafts, targets[:, :-1])
     return targets, accepted + 1
 

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from nxdplug.plugin_api import ConfigError, Proposer, Request, ScheduledStep, SpeculativeConfig
+from nxdplug.plugin_api import (
+    ConfigError,
+    Proposer,
+    Request,
+    ScheduledStep,
+    SpeculativeConfig,
+    greedy_tokens,
+)
 from nxdplug.plugins.draft_speculation.proposers import is_application
 
 if TYPE_CHECKING:
@@ -166,7 +173,7 @@ class DraftProposer:
     ) -> list[int]:
         """The draft's argmax after one new token per row at ``positions``."""
         logits = self._run(rows, tokens, positions)
-        return logits.argmax(dim=-1).tolist()
+        return greedy_tokens(logits).tolist()
 
     def _run(
         self, rows: list[Request], tokens: list[list[int]], positions: list[int]
