@@ -22,6 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# Headers the operators may include (``#include <nxdplug/bf16_panels.h>``).
+INCLUDE_DIRECTORY = Path(__file__).with_name("include")
 # A build takes seconds; a lock older than this was left by a build that was killed.
 STALE_LOCK_SECONDS = 600
 
@@ -72,6 +74,7 @@ def build_operator_library(library: str, source: Path, *, purpose: str, instead:
             sources=[str(source)],
             extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(INCLUDE_DIRECTORY)],
             build_directory=str(build_directory(library, cpp_extension.get_default_build_root())),
             is_python_module=False,
         )

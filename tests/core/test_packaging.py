@@ -64,8 +64,9 @@ def test_every_plugin_folder_is_an_entry_point() -> None:
 
 
 def test_every_non_python_source_file_ships_as_package_data() -> None:
-    """A file beside the modules that is not Python (the int8 matmul's C++ source) is only in
-    an installed wheel when package-data names it."""
+    """A file beside the modules that is not Python (the int8 matmul's C++ source, a header in a
+    folder of a package) is only in an installed wheel when package-data names it, by its path
+    from the package's folder."""
     listed = pyproject()["tool"]["setuptools"]["package-data"]
     shipped = {(package, name) for package, names in listed.items() for name in names}
     found = set()
@@ -76,7 +77,8 @@ def test_every_non_python_source_file_ships_as_package_data() -> None:
                 and path.suffix not in (".py", ".pyc")
                 and "__pycache__" not in path.parts
             ):
-                found.add((package_of(path.parent), path.name))
+                package = next(p for p in path.parents if (p / "__init__.py").exists())
+                found.add((package_of(package), path.relative_to(package).as_posix()))
     assert found == shipped
 
 
