@@ -1,6 +1,7 @@
 // int4 weights in the plugin's own layout: a matmul that reads the weight in its 4 bits (an
-// integer path for a few rows of x, a bfloat16 one for more; the whole weight dequantized for a
-// GEMM beyond, see int4_matmul below), and the dequantization.
+// integer path for a few rows of x, bfloat16 dot products for more, and for prompts the weight
+// dequantized a panel at a time for the bf16 panel kernel; see int4_matmul below), and the
+// dequantization.
 //
 // A weight W [N, K] is W[n, k] = (u[n, k] - 8 - z[n, g]) * s[n, g] for unsigned nibbles u, a
 // signed zero point z and a scale s (float16, or float32 in float32 models) per row and group g
@@ -36,6 +37,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <nxdplug/bf16_panels.h>
 
 #include <immintrin.h>
 
@@ -515,6 +518,49 @@ void bf16_matmul(const c10::BFloat16* x, int64_t rows, int64_t K, const uint8_t*
   });
 }
 
+// ---- prompts: a panel of 32 rows at a time, dequantized for the bf16 panel kernel ------------
+//
+// With more rows the dot products' reductions and their reloading of x for every tile of four
+// rows cost more than the products: there the weight goes a panel of 32 rows at a time
+// through the bfloat16 dequantization above into the panel layout of bf16_panels.h (the
+// inductor backend's kernel for bf16 weights) in the cache, and every row is multiplied by it.
+// No bfloat16 copy of the whole weight is written to memory and read back.
+template <typename S>
+void panel_matmul(const c10::BFloat16* x, int64_t rows, int64_t K, const uint8_t* packed,
+                  const S* scales, const int8_t* zeros, const Layout& layout,
+                  c10::BFloat16* out) {
+  using nxdplug::panels::PANEL;
+  const int64_t N = layout.rows, Kp = layout.padded_k, row_bytes = Kp / 2;
+  const auto* x_bits = reinterpret_cast<const uint16_t*>(x);
+  auto* out_bits = reinterpret_cast<uint16_t*>(out);
+  at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<c10::BFloat16> dense;
+    thread_local std::vector<uint16_t> panel;
+    thread_local std::vector<float> partial;
+    dense.resize(PANEL * Kp);
+    panel.resize(PANEL * K);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
+      for (int64_t n = n0; n < n0 + width;) {
+        const int64_t R = n + kRowsPerTile <= N ? kRowsPerTile : 1;
+        c10::BFloat16* w = dense.data() + (n - n0) * Kp;
+        if (R == kRowsPerTile) {
+          dequantize_tile_bf16<kRowsPerTile>(packed + n * row_bytes, scales + n * layout.groups,
+                                             zeros_from(zeros, n * layout.groups), layout, w);
+        } else {
+          dequantize_tile_bf16<1>(packed + n * row_bytes, scales + n * layout.groups,
+                                  zeros_from(zeros, n * layout.groups), layout, w);
+        }
+        n += R;
+      }
+      nxdplug::panels::rows_to_panel(reinterpret_cast<const uint16_t*>(dense.data()), Kp, width,
+                                     K, panel.data());
+      nxdplug::panels::multiply_panel(x_bits, rows, K, panel.data(), width, n0, N, nullptr,
+                                      out_bits, partial);
+    }
+  });
+}
+
 bool has_bf16_dot() {
   static const bool supported = __builtin_cpu_supports("avx512f") &&
                                 __builtin_cpu_supports("avx512bw") &&
@@ -590,14 +636,16 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scales,
                            int64_t in_features, at::ScalarType dtype);
 
 // Which way a product of `rows` rows goes. The integer path's cost grows by about a GEMV a row;
-// the bfloat16 one dequantizes each tile once, then costs about a fifth of that a row;
-// dequantizing the whole weight for a GEMM wins from a few hundred rows. Measured on this
-// machine's 2 cores, forty 2048x768 and 768x2048 weights in groups of 32, bfloat16 rows: integer
-// 5.1, 6.9, 10.0 ms at 4, 5, 8 rows, bfloat16 dot products 5.7, 6.0, 7.1; at 24, 64, 128 and
-// 256 rows the dot products take 11.5, 25.8, 56.0, 115.3 ms and the GEMM 23.3, 36.7, 66.1, 103.5.
-constexpr int64_t kBf16DotRows = 5;       // from here bfloat16 rows take the dot products,
-constexpr int64_t kBf16DotMaxRows = 128;  // up to here
-constexpr int64_t kIntegerMaxRows = 24;   // other rows take the integer path up to here
+// the bfloat16 dot products dequantize each tile once, then cost about a fifth of that a row;
+// the panels (from kPanelRows bfloat16 rows) cost about what the bf16 panel kernel does, plus
+// a dequantization of each panel; float32 rows past kIntegerMaxRows get the whole weight
+// dequantized for a GEMM. Measured on this machine's 2 cores, forty 2048x768 and 768x2048 weights
+// in groups of 32, bfloat16 rows: integer 5.1, 6.9, 10.0 ms at 4, 5, 8 rows, dot products 5.7,
+// 6.0, 7.1. One thread, a Llama-120m layer's four weights (2026-11-29): dot products 1.53, 2.69,
+// 9.34 ms at 16, 32, 128 rows, panels 1.59, 2.57, 7.84 (the bf16 panel kernel: 0.92, 1.89, 7.2).
+constexpr int64_t kBf16DotRows = 5;     // from here bfloat16 rows take the dot products,
+constexpr int64_t kPanelRows = 24;      // from here the panels
+constexpr int64_t kIntegerMaxRows = 24;  // float32 rows take the integer path up to here
 
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        const std::optional<at::Tensor>& zero_points, int64_t group) {
@@ -608,7 +656,18 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
               "int4_matmul: float32 or bfloat16 x expected, got ", x.scalar_type());
   const int64_t rows = x.size(0), K = x.size(1);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const bool dot = bf16 && rows >= kBf16DotRows && rows <= kBf16DotMaxRows && has_bf16_dot();
+  if (bf16 && rows >= kPanelRows && K % 2 == 0 && has_bf16_dot()) {
+    at::Tensor out = at::empty({rows, layout.rows}, x.options());
+    const at::Tensor inputs = x.contiguous();
+    with_scale_type(scales, [&](auto type) {
+      using S = decltype(type);
+      panel_matmul(inputs.data_ptr<c10::BFloat16>(), rows, K, packed.data_ptr<uint8_t>(),
+                   scales.data_ptr<S>(), zero_data(zero_points), layout,
+                   out.data_ptr<c10::BFloat16>());
+    });
+    return out;
+  }
+  const bool dot = bf16 && rows >= kBf16DotRows && has_bf16_dot();
   if (!dot && rows > kIntegerMaxRows) {
     return at::linear(x, int4_dequantize(packed, scales, zero_points, group, K,
                                          x.scalar_type()));

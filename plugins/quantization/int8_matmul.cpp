@@ -24,13 +24,22 @@
 // ran at 10-13 GB/s on 2 cores of this machine's EPYC, the tiled order at 21-31 (100 MB of
 // cold weights, /tmp benchmark, 2026-11-29).
 //
-// x86 CPUs without AVX512-VNNI take a plain loop (float32 accumulation); other CPUs do not build
-// this file, and the layers dequantize instead.
+// The integer path costs about a GEMV for each row of x. From kPanelRows bfloat16 rows (prompts)
+// the weight goes a panel of 32 rows at a time, dequantized into the bfloat16 panel layout in the
+// cache, to the bf16 panel kernel (bf16_panels.h, the inductor backend's kernel for bf16
+// weights), which multiplies every row by it: no bfloat16 copy of the whole weight is written to
+// memory and read back. Float32 rows past kIntegerMaxRows, and CPUs without AVX512-BF16, get the
+// whole weight dequantized for ATen's GEMM.
+//
+// x86 CPUs without AVX512-VNNI take a plain loop (float32 accumulation) for the rows the integer
+// path would take; other CPUs do not build this file, and the layers dequantize instead.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <nxdplug/bf16_panels.h>
 
 #include <immintrin.h>
 
@@ -48,6 +57,11 @@ constexpr int64_t kLane = 64;         // weight bytes per vpdpbusd
 constexpr int64_t kMaxK = 65536;      // |sum of K products of 255 x 128| stays in int32
 constexpr int64_t kRowsPerTile = 4;   // weight rows that share each digit load, tiled together
 constexpr int64_t kBytesPerTask = 65536;  // weight bytes below which a thread is not worth it
+// Measured on this machine (one thread, a Llama-120m layer's four weights: the integer path
+// takes 1.07 ms at 8 rows, 2.2 at 16, 4.3 at 32; the panels 1.09, 1.6, 2.4, then 1.1x the bf16
+// panel kernel's time at 128 rows and 1.02x at 512; 2026-11-29):
+constexpr int64_t kPanelRows = 12;       // bfloat16 rows from here take the panels
+constexpr int64_t kIntegerMaxRows = 32;  // other rows take a GEMM past here
 
 // Digits per activation: enough for a bfloat16 row's 8 significant bits well below its largest
 // value; float32 rows get one more.
@@ -294,6 +308,92 @@ const float* float_scales(const at::Tensor& scale) {
   return converted.data();
 }
 
+// Weight rows [n, n + count) (whole tiles, or untiled last rows) dequantized, row i at
+// out + i * K: each byte times its row's scale in float32, rounded once to T (to nearest), as
+// dequantizing in PyTorch rounds it.
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dequantize_rows_vector(
+    const int8_t* weight, int64_t N, int64_t K, int64_t n, int64_t count, const float* scale,
+    int64_t scale_stride, T* out) {
+  for (int64_t first = n; first < n + count;) {
+    const int64_t R = first < N / kRowsPerTile * kRowsPerTile ? kRowsPerTile : 1;
+    const int8_t* tile = weight + first * K;
+    for (int64_t lane = 0; lane < K; lane += kLane) {
+      const int64_t width = std::min(kLane, K - lane);
+      for (int64_t r = 0; r < R; ++r) {
+        const int8_t* bytes = tile + lane * R + r * width;
+        const __m512 s = _mm512_set1_ps(scale[(first + r) * scale_stride]);
+        T* row = out + (first - n + r) * K + lane;
+        for (int64_t i = 0; i < width; i += 16) {
+          const __mmask16 mask = floats_present(width - i);
+          const __m512 w = _mm512_mul_ps(
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, bytes + i))), s);
+          if constexpr (std::is_same_v<T, float>) {
+            _mm512_mask_storeu_ps(row + i, mask, w);
+          } else {
+            _mm256_mask_storeu_epi16(row + i, mask, (__m256i)_mm512_cvtneps_pbh(w));
+          }
+        }
+      }
+    }
+    first += R;
+  }
+}
+
+template <typename T>
+void dequantize_rows(const int8_t* weight, int64_t N, int64_t K, int64_t n, int64_t count,
+                     const float* scale, int64_t scale_stride, T* out) {
+  if (nxdplug::panels::usable()) {
+    dequantize_rows_vector(weight, N, K, n, count, scale, scale_stride, out);
+    return;
+  }
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t k = 0; k < K; ++k)
+      out[i * K + k] = static_cast<T>(static_cast<float>(weight[tiled_offset(n + i, k, N, K)]) *
+                                      scale[(n + i) * scale_stride]);
+}
+
+// The whole weight dequantized to `dtype` (float32 or bfloat16), [N, K].
+at::Tensor dequantized(const int8_t* weight, int64_t N, int64_t K, const float* scale,
+                       int64_t scale_stride, at::ScalarType dtype) {
+  at::Tensor dense = at::empty({N, K}, at::TensorOptions().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "int8_dequantize", [&] {
+    scalar_t* out = dense.data_ptr<scalar_t>();
+    const int64_t tiles = N / kRowsPerTile;
+    at::parallel_for(0, tiles + 1, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t n = tile * kRowsPerTile;
+        const int64_t count = tile < tiles ? kRowsPerTile : N - n;
+        if (count > 0) dequantize_rows(weight, N, K, n, count, scale, scale_stride, out + n * K);
+      }
+    });
+  });
+  return dense;
+}
+
+// bfloat16 rows (K even) by the weight a panel at a time (see the top of this file).
+void panel_matmul(const c10::BFloat16* x, int64_t rows, int64_t K, const int8_t* weight,
+                  int64_t N, const float* scale, int64_t scale_stride, c10::BFloat16* out) {
+  using nxdplug::panels::PANEL;
+  const auto* x_bits = reinterpret_cast<const uint16_t*>(x);
+  auto* out_bits = reinterpret_cast<uint16_t*>(out);
+  at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<c10::BFloat16> dense;
+    thread_local std::vector<uint16_t> panel;
+    thread_local std::vector<float> partial;
+    dense.resize(PANEL * K);
+    panel.resize(PANEL * K);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n = p * PANEL, width = std::min(PANEL, N - n);
+      dequantize_rows(weight, N, K, n, width, scale, scale_stride, dense.data());
+      nxdplug::panels::rows_to_panel(reinterpret_cast<const uint16_t*>(dense.data()), K, width,
+                                     K, panel.data());
+      nxdplug::panels::multiply_panel(x_bits, rows, K, panel.data(), width, n, N, nullptr,
+                                      out_bits, partial);
+    }
+  });
+}
+
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "int8_matmul: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ",
@@ -310,6 +410,17 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::
   const at::Tensor weights = weight.contiguous();
   const float* scales = float_scales(scale);
   const int64_t scale_stride = scale.numel() == 1 ? 0 : 1;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (bf16 && rows >= kPanelRows && K % 2 == 0 && nxdplug::panels::usable()) {
+    at::Tensor out = at::empty({rows, N}, x.options());
+    panel_matmul(inputs.data_ptr<c10::BFloat16>(), rows, K, weights.data_ptr<int8_t>(), N,
+                 scales, scale_stride, out.data_ptr<c10::BFloat16>());
+    return out;
+  }
+  if (rows > kIntegerMaxRows) {
+    return at::linear(inputs, dequantized(weights.data_ptr<int8_t>(), N, K, scales, scale_stride,
+                                          x.scalar_type()));
+  }
   at::Tensor out = at::empty({rows, N}, x.options());
   if (x.scalar_type() == at::kFloat) {
     matmul(inputs.data_ptr<float>(), rows, K, weights.data_ptr<int8_t>(), N, scales,

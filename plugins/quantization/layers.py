@@ -41,10 +41,6 @@ from nxdplug.plugins.quantization.targets import (
 if TYPE_CHECKING:
     from nxdplug.plugin_api import InferenceConfig, PipelineContext
 
-# Up to this many rows the int8 matmul beats dequantizing for a bf16 GEMM (measured on this
-# CPU, eager, 2048x768 weights: 28 against 295 us at 1 row, 110 against 320 at 8, 436 against
-# 671 at 32; its cost grows by about a GEMV a row, the GEMM's barely).
-INT8_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 INT4_KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -93,24 +89,22 @@ class QuantizedWeight(WeightMethod):
     def apply(
         self, layer: ShardedLinear, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """A few rows (decoding) times an int8 weight on the CPU go to the plugin's int8 matmul
-        (:mod:`.kernel`), which reads the 8-bit weight as it is, computes the products exactly
-        in integers and scales each output by its row's float32 scale: the step reads half the
-        bytes of a bf16 weight and makes no full-precision copy. Its cost grows with the rows
-        (about a GEMV each), so prompts, fp8 weights, float16 inputs and other devices dequantize
-        the weight for a GEMM."""
-        rows = x.numel() // x.shape[-1]
+        """float32 and bfloat16 rows times an int8 weight on the CPU go to the plugin's int8
+        matmul (:mod:`.kernel`): a few rows (decoding) are multiplied in integers from the 8-bit
+        weight as it is, scaled by each row's float32 scale, reading half the bytes of a bf16
+        weight and making no full-precision copy; more rows (prompts) get the weight dequantized
+        a panel at a time for a bf16 GEMM. fp8 weights, float16 inputs and other devices
+        dequantize the weight here for a GEMM."""
         int8_matmul = (
             int8_matmul_op()
             if layer.weight.dtype == torch.int8
             and x.device.type == "cpu"
             and x.dtype in INT8_KERNEL_INPUT_DTYPES
-            and rows <= INT8_KERNEL_MAX_ROWS
             else None
         )
         if int8_matmul is None:
             return F.linear(x, self.dense_weight(layer, x.dtype), bias)
-        out = int8_matmul(x.reshape(rows, x.shape[-1]), layer.weight, layer.weight_scale)
+        out = int8_matmul(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale)
         out = out.reshape(*x.shape[:-1], -1)
         return out if bias is None else out + bias
 

@@ -4,9 +4,9 @@ matmul against the exact product in float64 of the weights the layout stands for
 64, 128, 96 (run as 32) and one per row, symmetric weights (no zero points: the ops take None)
 and asymmetric ones (zero points), rows past the last tile of four, input features short of the
 padded block, float32 and bfloat16 activations spanning four decades in each of the matmul's
-three ways (integer digits for a few rows, bfloat16 dot products for more bfloat16 rows,
-dequantization and a GEMM for many), non-finite inputs, and the portable loop that CPUs without
-AVX512-VNNI take."""
+four ways (integer digits for a few rows, bfloat16 dot products for more bfloat16 rows, panels
+dequantized for the bf16 panel kernel for bfloat16 prompts, dequantization and a GEMM for many
+float32 rows), non-finite inputs, and the portable loop that CPUs without AVX512-VNNI take."""
 
 from __future__ import annotations
 
@@ -170,21 +170,24 @@ def test_bfloat16_rows_are_within_their_own_rounding(kernels) -> None:
 
 
 @pytest.mark.skipif(not cpu_has("avx512bw", "avx512_bf16"), reason="this CPU lacks AVX512-BF16")
-@pytest.mark.parametrize("count", [5, 17, 128])
+@pytest.mark.parametrize("count", [5, 17, 24, 128])
 @pytest.mark.parametrize("zeros", [True, False])
+@pytest.mark.parametrize("rows", [9, 70])
 def test_several_bfloat16_rows_multiply_the_weight_rounded_to_bfloat16(
-    kernels, count, zeros
+    kernels, count, zeros, rows
 ) -> None:
-    """From 5 rows, bfloat16 activations multiply each tile dequantized to bfloat16 (as the
-    dequantization rounds it), products exact and sums in float32: within one bfloat16 step
-    (and float32 accumulation) of that product, with and without zero points, groups of 96."""
-    packed, scales, zero_points, kernel_group, _ = operands(9, 1000, 96, zeros)
+    """From 5 rows, bfloat16 activations multiply each tile (from 24 rows, each panel of 32)
+    dequantized to bfloat16 (as the dequantization rounds it), products exact and sums in
+    float32: within one bfloat16 step (and float32 accumulation) of that product, with and
+    without zero points, groups of 96, a partial last panel and rows past the last tile."""
+    packed, scales, zero_points, kernel_group, _ = operands(rows, 1000, 96, zeros)
     weight = kernels.int4_dequantize(
         packed, scales, zero_points, kernel_group, 1000, torch.bfloat16
     ).double()
     x = activations(count, 1000, torch.bfloat16)
     expected = x.double() @ weight.T
     out = kernels.int4_matmul(x, packed, scales, zero_points, kernel_group).double()
+    assert out.shape == (count, rows)
     bound = expected.abs() * 2**-8 + expected.abs().max() * 1e-6
     assert ((out - expected).abs() <= bound).all()
 

@@ -1,7 +1,8 @@
 """The quantization plugin's int8 matmul (``plugins/quantization/int8_matmul.cpp``) against the
 exact product in float64: shapes that are not multiples of the kernel's lanes and tiles, 1-8
 rows, float32 and bfloat16 activations, per-row and per-tensor scales, weights using -128 (other
-tools' checkpoints may), and the portable loop that CPUs without AVX512-VNNI take."""
+tools' checkpoints may), prompts (bfloat16 rows through the dequantized panels, float32 rows
+through a GEMM), and the portable loop that CPUs without AVX512-VNNI take."""
 
 from __future__ import annotations
 
@@ -99,6 +100,38 @@ def test_float32_rows_are_closer_to_the_exact_product_than_a_float32_matmul(
     assert error <= 2 * torch.finfo(torch.float32).eps * expected.abs().max().item()
 
 
+PROMPT_SHAPES = [  # (rows, K, N): partial panels of 32 rows, rows past the last tile of four,
+    (12, 100, 70),  # K past the last lane of 64 and the last 16 pairs of a panel's transpose
+    (40, 768, 1280),
+    (130, 130, 33),
+    (33, 2048, 96),
+]
+
+
+@pytest.mark.skipif(not cpu_has("avx512bw", "avx512_bf16"), reason="this CPU lacks AVX512-BF16")
+@pytest.mark.parametrize(("rows", "K", "N"), PROMPT_SHAPES)
+def test_bfloat16_prompts_multiply_the_weight_rounded_to_bfloat16(int8_matmul, rows, K, N):
+    """From 12 bfloat16 rows the weight is dequantized a panel at a time (each value rounded to
+    bfloat16 as dequantizing in PyTorch rounds it) for the bf16 panel kernel: products exact and
+    sums in float32, so within one bfloat16 step (and float32 accumulation) of that product."""
+    x, weight, scale = operands(rows, K, N, torch.bfloat16)
+    out = int8_matmul(x, weight, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, N)
+    dequantized = (weight.float() * scale[:, None]).to(torch.bfloat16)
+    expected = x.double() @ dequantized.double().T
+    bound = expected.abs() * 2**-8 + expected.abs().max() * 1e-6
+    assert ((out.double() - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize(("rows", "K", "N"), PROMPT_SHAPES[1:])
+def test_float32_prompts_give_the_product_within_float32_accumulation(int8_matmul, rows, K, N):
+    """Past 32 float32 rows the weight is dequantized for a GEMM."""
+    x, weight, scale = operands(rows, K, N, torch.float32)
+    expected = exact(x, weight, scale)
+    error = (int8_matmul(x, weight, scale).double() - expected).abs().max().item()
+    assert error <= 1e-5 * expected.abs().max().item()
+
+
 @needs_vnni
 def test_per_tensor_and_bfloat16_scales(int8_matmul) -> None:
     x, weight, _ = operands(2, 300, 20, torch.float32)
@@ -192,8 +225,8 @@ def test_the_portable_loop_gives_the_product_too(int8_matmul, tmp_path) -> None:
 def test_quantized_layers_give_the_product_whichever_path_they_take(
     int8_op, monkeypatch, dtype, rows
 ) -> None:
-    """An int8 layer multiplies up to 32 float32 or bfloat16 rows in the int8 matmul and
-    dequantizes its weight for more rows or float16 inputs: each way, the product plus bias."""
+    """An int8 layer gives float32 and bfloat16 rows to the int8 matmul and dequantizes its
+    weight for float16 inputs: each way, the product plus bias."""
     calls = []
     monkeypatch.setattr(
         "nxdplug.plugins.quantization.layers.int8_matmul_op",
@@ -207,7 +240,7 @@ def test_quantized_layers_give_the_product_whichever_path_they_take(
     layer.weight_scale.data = scale  # float32, as in the checkpoint
     out = layer(x.to(dtype).reshape(1, rows, 96))
     assert out.dtype == dtype and out.shape == (1, rows, 40)
-    assert len(calls) == (1 if rows <= 32 and dtype != torch.float16 else 0)
+    assert len(calls) == (0 if dtype == torch.float16 else 1)
     expected = exact(x.to(dtype), weight, scale) + bias.to(dtype).double()
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(
