@@ -17,6 +17,7 @@ from torch import nn
 
 from nxdplug.plugin_api import ConfigError, NxdPlugError
 from nxdplug.plugins.inductor_backend.bf16_linear import may_hold_bf16_weights, panels_in_use
+from nxdplug.plugins.inductor_backend.fused_linears import declared_stackable_ops
 from nxdplug.plugins.inductor_backend.graph_runner import load_package
 from nxdplug.plugins.inductor_backend.prepacked_linear import (
     PrepackedWeights,
@@ -131,7 +132,9 @@ class InductorBackend:
         with torch_internal_warnings_silenced():
             program = torch.export.export(function, example_args, strict=False)
             if prepack and not frozen and prepacking_available():
-                options["aot_inductor.metadata"] = use_prepacked_linears(program, len(weights))
+                options["aot_inductor.metadata"] = use_prepacked_linears(
+                    program, len(weights), declared_stackable_ops()
+                )
             if debug:
                 output.with_suffix(".graph.txt").write_text(annotated_graph(program))
             torch._inductor.aoti_compile_and_package(

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from nxdplug.plugin_api import CompileBackend, hookimpl
+from nxdplug.plugin_api import CompileBackend, NxdPlugPluginManager, hookimpl
+from nxdplug.plugins.inductor_backend.hookspecs import RECORD_KINDS, InductorSpecs
 
 NXDPLUG_API_VERSION = 2
+
+
+@hookimpl
+def nxdplug_add_hookspecs(pluginmanager: NxdPlugPluginManager) -> None:
+    pluginmanager.add_plugin_hookspecs(InductorSpecs, *RECORD_KINDS)
 
 
 @hookimpl

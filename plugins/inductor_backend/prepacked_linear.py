@@ -24,7 +24,7 @@ a graph compiled so takes only the panels.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +35,12 @@ from nxdplug.plugin_api import ArtefactError
 from nxdplug.plugins.inductor_backend.bf16_linear import takes_panels, to_panels
 from nxdplug.plugins.inductor_backend.fused_linears import (
     FUSED_METADATA,
+    STACKED_METADATA,
+    StackableOp,
     fuse_linears_sharing_input,
     groups_text,
     parse_groups,
+    prepacked_linear_op,
 )
 
 PREPACKED_METADATA = "nxdplug.prepacked_weights"
@@ -126,11 +129,14 @@ def lower_prepacked_linear() -> None:
         return view(out, [*rows, weight.get_size()[0]])
 
 
-def use_prepacked_linears(program: ExportedProgram, weight_count: int) -> dict[str, str]:
+def use_prepacked_linears(
+    program: ExportedProgram, weight_count: int, stackable: Iterable[StackableOp] = ()
+) -> dict[str, str]:
     """Rewrite ``program`` so that every linear by a 2-D bf16/float32 weight input that nothing
-    else reads takes it prepacked, and linears of one input by such weights are one (see
-    :mod:`fused_linears`); the AOTInductor metadata saying which weights it takes prepacked,
-    which stacked, and which it reads in another way (those stay plain in every graph)."""
+    else reads takes it prepacked, and linears of one input by such weights are one, as are
+    calls of each ``stackable`` operator of one input (see :mod:`fused_linears`); the
+    AOTInductor metadata saying which weights it takes prepacked, which stacked, and which it
+    reads in another way (those stay plain in every graph)."""
     lower_prepacked_linear()
     weights = _weight_inputs(program, weight_count)
     prepacked, read_otherwise = [], []
@@ -153,14 +159,16 @@ def use_prepacked_linears(program: ExportedProgram, weight_count: int) -> dict[s
             user.target = torch.ops.nxdplug.prepacked_linear.default
             user.args = (x, weight, rest[0] if rest else None)
         prepacked.append(index)
-    groups = fuse_linears_sharing_input(program, weights)
-    stacked = {index for group in groups for index in group}
+    groups = fuse_linears_sharing_input(program, weights, prepacked_linear_op())
+    operands = [g for spec in stackable for g in fuse_linears_sharing_input(program, weights, spec)]
+    stacked = {i for group in (*groups, *operands) for indices in group for i in indices}
     program.graph.lint()
     program.graph_module.recompile()
     return {
         PREPACKED_METADATA: _indices_text(i for i in prepacked if i not in stacked),
         OTHER_USE_METADATA: _indices_text(i for i in read_otherwise if i not in stacked),
         FUSED_METADATA: groups_text(groups),
+        STACKED_METADATA: groups_text(operands),
     }
 
 
@@ -184,20 +192,23 @@ def _prepacked_if_possible(weight: torch.Tensor) -> torch.Tensor:
 
 class PrepackedWeights:
     """Which weights of a model the loaded graphs take prepacked (those some graph multiplies
-    as a linear weight and none reads otherwise) and which stacked (every graph reading them
-    multiplies them together)."""
+    as a linear weight and none reads otherwise), which stacked for one linear (every graph
+    reading them multiplies them together), and which stacked as another operator's operands
+    (an int8 weight and its scales, ...)."""
 
     def __init__(self) -> None:
         self.linear: set[int] = set()
         self.other: set[int] = set()
-        self.groups: set[tuple[int, ...]] = set()
+        self.groups: set[tuple[tuple[int, ...], ...]] = set()
+        self.operands: set[tuple[tuple[int, ...], ...]] = set()
 
     def add_graph(self, metadata: dict[str, str], source: str) -> None:
         """Take in the metadata of one loaded package, ``source``."""
         self.linear |= _indices(metadata.get(PREPACKED_METADATA))
         self.other |= _indices(metadata.get(OTHER_USE_METADATA))
         self.groups |= set(parse_groups(metadata.get(FUSED_METADATA)))
-        stacked = [i for group in self.groups for i in group]
+        self.operands |= set(parse_groups(metadata.get(STACKED_METADATA)))
+        stacked = [i for group in (*self.groups, *self.operands) for s in group for i in s]
         if len(stacked) != len(set(stacked)) or set(stacked) & (self.linear | self.other):
             raise ArtefactError(
                 f"{source} multiplies weights together that other graphs of the model read "
@@ -215,19 +226,38 @@ class PrepackedWeights:
         plain weight is freed as its replacement is made); returns the indices replaced."""
         replaced = set()
         for group in sorted(self.groups):
-            matrices = [i for i in group if weights[i].dim() == 2]
-            biases = [i for i in group if weights[i].dim() == 1]
-            stacked = torch.cat([weights[i] for i in matrices])
-            bias = torch.cat([weights[i] for i in biases]) if biases else None
-            for i in group:
-                weights[i] = weights[i].new_empty(0)  # no graph reads it
-            weights[matrices[0]] = _prepacked_if_possible(stacked)
-            if bias is not None:
-                weights[biases[0]] = bias
-            replaced |= set(group)
+            if len(group) == 1:  # weights, then biases, in one list (folders of before)
+                (indices,) = group
+                group = tuple(
+                    s
+                    for s in (
+                        tuple(i for i in indices if weights[i].dim() == 2),
+                        tuple(i for i in indices if weights[i].dim() == 1),
+                    )
+                    if s
+                )
+            _stack_in_place(weights, group, _prepacked_if_possible)
+            replaced |= {i for indices in group for i in indices}
+        for group in sorted(self.operands):
+            _stack_in_place(weights, group, lambda stacked: stacked)
+            replaced |= {i for indices in group for i in indices}
         for index, weight in enumerate(weights):
             if index not in replaced:
                 weights[index] = self.form(index, weight)
                 if weights[index] is not weight:
                     replaced.add(index)
         return replaced
+
+
+def _stack_in_place(
+    weights: list[torch.Tensor],
+    group: tuple[tuple[int, ...], ...],
+    form: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Each list of ``group`` stacked along the rows in its first index's place (the first
+    list, the weights, put in ``form``); the other places emptied (no graph reads them)."""
+    for position, indices in enumerate(group):
+        stacked = torch.cat([weights[i] for i in indices])
+        for i in indices:
+            weights[i] = weights[i].new_empty(0)
+        weights[indices[0]] = form(stacked) if position == 0 else stacked

@@ -16,6 +16,7 @@ f8e4m3 needs ``XLA_HANDLE_SPECIAL_SCALAR=1`` on Neuron only; on the CPU nothing 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from nxdplug.plugin_api import (
     CliExtension,
@@ -25,6 +26,9 @@ from nxdplug.plugin_api import (
     StateDictConverter,
     hookimpl,
 )
+
+if TYPE_CHECKING:
+    from nxdplug.plugins.inductor_backend.records import StackableLinear
 
 NXDPLUG_API_VERSION = 2
 
@@ -140,3 +144,26 @@ def nxdplug_quantized_checkpoint_formats() -> Iterable[QuantizedCheckpointFormat
             reader=f"{PACKAGE}.formats.{reader}",
             description=description,
         )
+
+
+@hookimpl(optionalhook=True)  # a hook of the inductor backend
+def nxdplug_stackable_linears() -> Iterable[StackableLinear]:
+    """The int8 and int4 matmuls: compiled graphs stack Q, K and V (gate and up) into one call,
+    as they do bf16 weights. Both hold weights (and int4 scales and zero points) in tiles of
+    four rows; an int8 weight stacks with per-row scales only (a per-tensor scale is one)."""
+    from nxdplug.plugins.inductor_backend.records import StackableLinear
+
+    yield StackableLinear(
+        name="int8-matmul",
+        operator="nxdplug_quantization::int8_matmul",
+        row_arguments=(1, 2),  # weight, scale
+        row_multiple=4,
+        description="int8_matmul(x, weight, scale)",
+    )
+    yield StackableLinear(
+        name="int4-matmul",
+        operator="nxdplug_int4::int4_matmul",
+        row_arguments=(1, 2, 3),  # packed weight, scales, zero points (or None)
+        row_multiple=4,
+        description="int4_matmul(x, packed, scales, zero_points, group)",
+    )

@@ -10,6 +10,7 @@ from torch import nn
 from nxdplug.plugins.inductor_backend import prepacked_linear as packing
 from nxdplug.plugins.inductor_backend.backend import InductorBackend
 from nxdplug.plugins.inductor_backend.bf16_linear import SWITCH
+from nxdplug.plugins.inductor_backend.fused_linears import StackableOp
 
 pytestmark = pytest.mark.skipif(
     not packing.prepacking_available(), reason="this torch has no oneDNN"
@@ -61,6 +62,7 @@ def test_rewrite_prepacks_only_weights_read_by_linears_alone() -> None:
         packing.PREPACKED_METADATA: "0,4",
         packing.OTHER_USE_METADATA: "1,2",
         packing.FUSED_METADATA: "",  # no two linears of one input
+        packing.STACKED_METADATA: "",
     }
     rewritten = [
         node
@@ -161,7 +163,7 @@ def test_linears_of_one_input_are_one_gemm_by_stacked_weights(tmp_path, dtype, m
     x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
     program = torch.export.export(SharedInputs(), (weights, [], x), strict=False)
     metadata = packing.use_prepacked_linears(program, len(weights))
-    assert metadata[packing.FUSED_METADATA] == "0+1+2+3+4+5;6+7"
+    assert metadata[packing.FUSED_METADATA] == "0+1+2|3+4+5;6+7"
     assert metadata[packing.OTHER_USE_METADATA] == "8"
     calls = [
         n for n in program.graph.nodes if n.target is torch.ops.nxdplug.prepacked_linear.default
@@ -186,8 +188,96 @@ def test_linears_of_one_input_are_one_gemm_by_stacked_weights(tmp_path, dtype, m
         assert error <= 2**-6 * exact.abs().max()
 
 
+def test_folders_of_before_stack_their_weights_and_biases_as_then() -> None:
+    """Metadata written before groups listed their row arguments apart ("0+1+2+3+4+5":
+    weights, then biases, in one list) forms the same weights."""
+    weights = shared_input_weights(torch.float32)
+    formed = {}
+    for text in ("0+1+2+3+4+5;6+7", "0+1+2|3+4+5;6+7"):
+        packed = packing.PrepackedWeights()
+        packed.add_graph({packing.FUSED_METADATA: text, packing.OTHER_USE_METADATA: "8"}, "a")
+        formed[text] = list(weights)
+        packed.form_all(formed[text])
+    old, new = formed.values()
+    assert torch.equal(old[3], torch.cat(weights[3:6])) and torch.equal(old[3], new[3])
+    assert [w.numel() for w in old] == [w.numel() for w in new]
+
+
 def test_graphs_that_disagree_on_stacking_are_refused() -> None:
     weights = packing.PrepackedWeights()
     weights.add_graph({packing.FUSED_METADATA: "0+1", packing.PREPACKED_METADATA: "2"}, "a.pt2")
     with pytest.raises(packing.ArtefactError, match=r"b\.pt2 multiplies weights together"):
         weights.add_graph({packing.PREPACKED_METADATA: "1"}, "b.pt2")
+
+
+@torch.library.custom_op("nxdplug_tests::scaled_matmul", mutates_args=())
+def scaled_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, shift: int
+) -> torch.Tensor:
+    """A plugin's linear-like operator: ``(x @ weight.T) * scale`` (per row or one), plus
+    ``shift``, which calls must agree on to be stacked."""
+    return (x.reshape(-1, x.shape[-1]) @ weight.T * scale + shift).reshape(*x.shape[:-1], -1)
+
+
+@scaled_matmul.register_fake
+def _scaled_matmul_shape(x, weight, scale, shift):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+SCALED = StackableOp(torch.ops.nxdplug_tests.scaled_matmul.default, 0, (1, 2), row_multiple=4)
+
+
+class ScaledProjections(nn.Module):
+    """Weights 0-2 (scales 3-5) Q/K/V-like projections of one input; 6, 7 (scales 8, 9) two
+    of another with different shifts; 10, 11 (scales 12, 13) two of a third whose rows are
+    not a multiple of 4; 14, 15 (scales 16, 17): per-tensor scales; 18 (scale 19) also
+    multiplied by a plain linear."""
+
+    def forward(self, weights, caches, x):
+        w = weights
+        op = torch.ops.nxdplug_tests.scaled_matmul
+        h = op(x, w[0], w[3], 0) + op(x, w[1], w[4], 0).sum(-1, keepdim=True) * op(x, w[2], w[5], 0)
+        g = op(h, w[6], w[8], 0) * op(h, w[7], w[9], 1)
+        t = op(g, w[10], w[12], 0) + op(g, w[11], w[13], 0)
+        u = op(t, w[14], w[16], 0) * op(t, w[15], w[17], 0)
+        return op(u, w[18], w[19], 0) + F.linear(u, w[18])
+
+
+def scaled_weights() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    shapes = {0: (8, 16), 1: (4, 16), 2: (8, 16), 6: (8, 8), 7: (8, 8), 10: (6, 8), 11: (6, 8)}
+    shapes |= {14: (8, 6), 15: (8, 6), 18: (8, 8)}
+    scale_of = {0: 3, 1: 4, 2: 5, 6: 8, 7: 9, 10: 12, 11: 13, 14: 16, 15: 17, 18: 19}
+    weights: list[torch.Tensor] = [torch.empty(0)] * 20
+    for index, shape in shapes.items():
+        weights[index] = torch.randn(shape, generator=generator) / 3
+        rows = 1 if index in (14, 15) else shape[0]  # per-tensor scales
+        weights[scale_of[index]] = torch.rand(rows, generator=generator) + 0.5
+    return weights
+
+
+def test_a_plugins_linear_operator_stacks_with_its_scales(tmp_path) -> None:
+    """Calls of a declared operator on one input stack their weights and per-row scales,
+    placed in the first member's places, and give the same output; calls with other arguments,
+    rows short of the operator's multiple, per-tensor scales or a weight read otherwise do not
+    stack."""
+    weights = scaled_weights()
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(4))
+    expected = ScaledProjections()(weights, [], x)
+    program = torch.export.export(ScaledProjections(), (weights, [], x), strict=False)
+    metadata = packing.use_prepacked_linears(program, len(weights), [SCALED])
+    assert metadata[packing.STACKED_METADATA] == "0+1+2|3+4+5"
+    calls = [n for n in program.graph.nodes if n.target is SCALED.op]
+    assert len(calls) == 8  # Q/K/V as one, the seven others apart
+
+    stacked = packing.PrepackedWeights()
+    stacked.add_graph(metadata, "g.pt2")
+    formed = list(weights)
+    stacked.form_all(formed)
+    assert torch.equal(formed[0], torch.cat(weights[0:3]))
+    assert torch.equal(formed[3], torch.cat(weights[3:6]))
+    assert [formed[i].numel() for i in (1, 2, 4, 5)] == [0] * 4
+    (out,) = program.graph_module(*formed, x)  # the rewritten graph, on the flat inputs
+    # one GEMM in place of three sums in another order; a misplaced slice would be O(1)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6 * scale)
