@@ -98,6 +98,7 @@ if TYPE_CHECKING:
         SpeculationMetrics,
         SpeculativeConfig,
         chain_length,
+        draft_ranks,
         tree_nodes,
     )
     from nxdplug.errors import (

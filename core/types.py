@@ -243,14 +243,13 @@ class SpeculationMode(SelectableRecord):
     follows :class:`nxdplug.runtime.speculation.Speculator`. In the serving engine, the mode
     serves the ``method`` values of vLLM's ``speculative_config`` named in ``engine_methods``,
     each step's proposals coming from ``engine_proposer`` (a class built with
-    ``(application, speculative_config, draft)`` that follows
-    :class:`nxdplug.engine.speculative.Proposer`; the engine verifies them), or, for a mode
-    whose own phases draft and verify, from ``engine_fused`` (built the same way and with
-    what runs its calls on every rank, following
-    :class:`nxdplug.engine.speculative.FusedSpeculator`). The engine refuses a mode with
-    neither. ``engine_settings(speculative_config) -> dict`` gives the NeuronConfig settings
-    that build a model for those methods besides ``speculation_length`` (``nxdplug serve
-    --speculative-config`` applies them).
+    ``(application, speculative_config, draft, every_rank)``, ``every_rank`` what runs calls
+    on every rank, that follows :class:`nxdplug.engine.speculative.Proposer`; the engine
+    verifies them), or, for a mode whose own phases draft and verify, from ``engine_fused``
+    (built the same way, following :class:`nxdplug.engine.speculative.FusedSpeculator`). The
+    engine refuses a mode with neither. ``engine_settings(speculative_config) -> dict`` gives
+    the NeuronConfig settings that build a model for those methods besides
+    ``speculation_length`` (``nxdplug serve --speculative-config`` applies them).
     """
 
     implementation: str = ref_field(follows="nxdplug.runtime.speculation:Speculator")

@@ -9,6 +9,7 @@ target's config.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -95,9 +96,10 @@ def add_speculative_config_option(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculate in the engine, as vLLM\'s flag: \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\', \'{"method": '
-        '"draft_model", "model": DIR, "num_speculative_tokens": 4}\', eagle / eagle3 (model: '
-        "the EAGLE draft), medusa (model: the heads' folder); a tree: "
-        '"speculative_token_tree": "[(0,), (1,), (0, 0)]"',
+        '"draft_model", "model": DIR, "num_speculative_tokens": 4}\' (with tensor parallelism '
+        'the draft is sharded as the target; "draft_tensor_parallel_size": 1 runs it whole on '
+        "the first rank), eagle / eagle3 (model: the EAGLE draft), medusa (model: the heads' "
+        'folder); a tree: "speculative_token_tree": "[(0,), (1,), (0, 0)]"',
     )
 
 
@@ -151,23 +153,30 @@ def engine_draft(args: argparse.Namespace, config: InferenceConfig) -> NeuronBas
     """The draft application of --speculative-config's ``model`` for ``draft_model`` (None
     otherwise): the target's settings without speculation and with lines of its own (no
     block layout), compiled and loaded as the target is (beside --compiled-model-path, with
-    ``-draft``)."""
+    ``-draft``). With tensor parallelism every rank calls it: with ``draft_tensor_parallel_size``
+    the target's (the default) each builds its shard of the draft; with 1 the first rank
+    builds the whole draft for itself alone, and the others get None."""
     from nxdplug.cli.inference import load_model  # which imports this module
     from nxdplug.config import load_pretrained_config
+    from nxdplug.engine.speculative import draft_ranks
+    from nxdplug.modules.parallel_linear import tp_rank
+    from nxdplug.modules.process_groups import this_rank_alone
 
     speculative = args.speculative_config
     if speculative is None or speculative.method != "draft_model" or speculative.model is None:
         return None
-    if config.neuron_config.tp_degree > 1:
-        raise NxdPlugError(
-            "--speculative-config method draft_model with tensor parallelism is not "
-            "implemented (the draft runs on the first rank alone, and the other ranks do not "
-            "load it); use method ngram, eagle or medusa, or tp_degree 1"
-        )
+    try:
+        ranks = draft_ranks(speculative, config.neuron_config.tp_degree)
+    except ConfigError as exc:
+        raise NxdPlugError(f"--speculative-config: {'; '.join(exc.problems)}") from None
     path = Path(speculative.model)
     if not path.is_dir():
         raise NxdPlugError(f"--speculative-config's model {path} is not a folder")
+    alone = ranks < config.neuron_config.tp_degree
+    if alone and tp_rank() != 0:
+        return None
     neuron_config = without_speculation(config.neuron_config)
+    neuron_config.tp_degree = ranks
     for name in ("is_block_kv_layout", "is_prefix_caching", "is_chunked_prefill"):
         if getattr(neuron_config, name, False):
             setattr(neuron_config, name, False)
@@ -178,4 +187,5 @@ def engine_draft(args: argparse.Namespace, config: InferenceConfig) -> NeuronBas
     draft_args = argparse.Namespace(
         **vars(args) | {"model_path": path, "compiled_model_path": beside}
     )
-    return load_model(draft_args, draft_config, compile_by_default=True)
+    with this_rank_alone() if alone else contextlib.nullcontext():
+        return load_model(draft_args, draft_config, compile_by_default=True)

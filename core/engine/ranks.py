@@ -9,17 +9,21 @@ broadcast does not reach the process group's timeout. A change to what the model
 adapter loaded at run time) is sent the same way, between two steps, as a function reference
 each rank runs on its own application; so is a call every rank must make together that is no
 scheduled step (a fused speculator's sub-model, :class:`nxdplug.engine.runner.EveryRank`).
+Such a call may be another application's that every rank holds a shard of (a draft model):
+the first rank's broadcaster and the followers know it by the same name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from nxdplug.errors import NxdPlugError
 from nxdplug.lazy import resolve_ref
 from nxdplug.runtime.scheduled_step import ScheduledStep
 
@@ -33,12 +37,17 @@ HEARTBEAT_SECONDS = 60.0
 
 
 class StepBroadcaster:
-    """The engine's runner on the first rank."""
+    """The engine's runner on the first rank; ``others``: the other applications every rank
+    holds a shard of (a draft), by the names :func:`follow_steps` is given them under."""
 
     def __init__(
-        self, application: NeuronBaseForCausalLM, heartbeat_seconds: float = HEARTBEAT_SECONDS
+        self,
+        application: NeuronBaseForCausalLM,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
+        others: Mapping[str, NeuronBaseForCausalLM] | None = None,
     ) -> None:
         self.application = application
+        self.others = dict(others or {})
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._heartbeat = threading.Thread(
@@ -55,16 +64,30 @@ class StepBroadcaster:
         """Have every other rank run ``function`` (a ``"module:function"`` reference) with its
         application and ``args``, before the next step."""
         with self._lock:
-            _send((CALL, function, args))
+            _send((CALL, function, args, None))
 
     def call_on_every_rank(
         self, application: NeuronBaseForCausalLM, function: str, args: tuple[Any, ...]
     ) -> Any:
-        """Run ``function`` with ``application`` and ``args`` here and on every other rank
-        (a plugin's call of a sub-model); this rank's result."""
+        """Run ``function`` with ``application`` and ``args`` here and, on every other rank,
+        with its shard of ``application`` (the target or one of ``others``: a plugin's call
+        of a sub-model, a draft's step); this rank's result."""
+        name = self._name_of(application)
         with self._lock:
-            _send((CALL, function, args))
+            _send((CALL, function, args, name))
             return resolve_ref(function)(application, *args)
+
+    def _name_of(self, application: NeuronBaseForCausalLM) -> str | None:
+        """None for the target; the name the followers know another application by."""
+        if application is self.application:
+            return None
+        for name, other in self.others.items():
+            if other is application:
+                return name
+        raise NxdPlugError(
+            "a call on every rank of an application the other ranks do not hold: build it on "
+            "every rank, and name it in StepBroadcaster's and follow_steps' others"
+        )
 
     def stop(self) -> None:
         """Tell the followers to return; the broadcaster cannot be used after."""
@@ -83,8 +106,12 @@ class StepBroadcaster:
                     _send(HEARTBEAT)
 
 
-def follow_steps(application: NeuronBaseForCausalLM) -> None:
-    """Run every step the first rank broadcasts, until it says stop."""
+def follow_steps(
+    application: NeuronBaseForCausalLM, others: Mapping[str, NeuronBaseForCausalLM] | None = None
+) -> None:
+    """Run every step the first rank broadcasts, until it says stop; ``others``: this rank's
+    shards of the other applications the first rank's broadcaster names (a draft)."""
+    held = dict(others or {})
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
@@ -94,8 +121,14 @@ def follow_steps(application: NeuronBaseForCausalLM) -> None:
         if message == HEARTBEAT:
             continue
         if isinstance(message, tuple) and message[0] == CALL:
-            _, function, args = message
-            resolve_ref(function)(application, *args)
+            _, function, args, name = message
+            if name is not None and name not in held:
+                raise NxdPlugError(
+                    f"the first rank runs {function} on application {name!r}, which this "
+                    f"rank does not hold (it holds: {', '.join(held) or 'none'}): give it "
+                    "to follow_steps' others"
+                )
+            resolve_ref(function)(application if name is None else held[name], *args)
             continue
         with torch.inference_mode():
             application.run(message)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from nxdplug.runtime.scheduled_step import ScheduledStep
 
 SUBMODEL_CALL = "nxdplug.engine.runner:run_submodel"
+STEP_CALL = "nxdplug.engine.runner:run_step"
 MOVE_CALL = "nxdplug.engine.runner:move_kept_paths_of"
 
 
@@ -44,14 +45,26 @@ class StepRunner(Protocol):
 
 
 class EveryRank:
-    """What a fused speculator runs on every rank at once: its sub-models' calls (their
-    layers' collectives pair the ranks up) and changes to each rank's share of the cache.
-    With tensor parallelism the engine's runner sends each call to the other ranks before
-    running it here; the results, and the speculator's state per request, stay here."""
+    """What a speculator runs on every rank at once: its sub-models' calls, or a draft's steps
+    (their layers' collectives pair the ranks up), and changes to each rank's share of the
+    cache. With tensor parallelism the engine's runner sends each call to the other ranks
+    before running it here; the results, and the speculator's state per request, stay here."""
 
     def __init__(self, application: NeuronBaseForCausalLM, runner: StepRunner) -> None:
         self.application = application
         self.runner = with_defaults(runner, StepRunner)
+
+    def of(self, application: NeuronBaseForCausalLM) -> EveryRank:
+        """The same ranks running ``application``'s calls: a draft sharded as the target is,
+        which every other rank holds too (a :class:`~nxdplug.engine.ranks.StepBroadcaster`
+        names it to them)."""
+        return EveryRank(application, self.runner)
+
+    @classmethod
+    def here(cls, application: NeuronBaseForCausalLM) -> EveryRank:
+        """``application``'s calls run on this rank alone: a draft the first rank holds whole
+        while the others serve the target with it."""
+        return cls(application, application)
 
     def call(self, function: str, *args: Any) -> Any:
         """``function`` (a ``"module:function"`` reference) run on every rank with its
@@ -62,6 +75,10 @@ class EveryRank:
         """The sub-model ``tag`` run on ``inputs`` on every rank; this rank's outputs."""
         return self.call(SUBMODEL_CALL, tag, inputs)
 
+    def run(self, step: ScheduledStep) -> CausalLMOutputWithTokens:
+        """The application's ``step`` run on every rank; this rank's outputs."""
+        return self.call(STEP_CALL, step)
+
     def move_kept_paths(
         self, lines: Sequence[int], roots: Sequence[int], paths: Sequence[Sequence[int]]
     ) -> None:
@@ -69,10 +86,15 @@ class EveryRank:
         self.call(MOVE_CALL, list(lines), list(roots), [list(p) for p in paths])
 
 
-# Both run under inference mode on every rank alike (a follower runs a call outside it).
+# They run under inference mode on every rank alike (a follower runs a call outside it).
 @torch.inference_mode()
 def run_submodel(application: NeuronBaseForCausalLM, tag: str, inputs: StepInputs) -> Any:
     return application.submodel(tag)(inputs)
+
+
+@torch.inference_mode()
+def run_step(application: NeuronBaseForCausalLM, step: ScheduledStep) -> CausalLMOutputWithTokens:
+    return application.run(step)
 
 
 @torch.inference_mode()

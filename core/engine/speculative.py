@@ -47,6 +47,7 @@ KEYS = (
     "prompt_lookup_min",
     "prompt_lookup_max",
     "speculative_token_tree",
+    "draft_tensor_parallel_size",
 )
 TREE_EXAMPLE = '"[(0,), (1,), (0, 0)]"'
 # vLLM's default n-gram sizes when neither bound is given.
@@ -60,8 +61,9 @@ class SpeculativeConfig:
     length; a tree's nodes below its root), ``model`` (the draft's folder, for
     ``draft_model`` and ``eagle``; the heads' folder, for ``medusa``), for ``ngram`` the
     n-gram sizes looked up, longest first (``prompt_lookup_min`` .. ``prompt_lookup_max``),
-    and ``speculative_token_tree``, a tree's rank paths (``[(0,), (1,), (0, 0)]``: the best
-    and second-best next tokens, and the best after the best), depth first then by rank."""
+    ``speculative_token_tree``, a tree's rank paths (``[(0,), (1,), (0, 0)]``: the best
+    and second-best next tokens, and the best after the best), depth first then by rank, and
+    ``draft_tensor_parallel_size``, the ranks the draft runs on (see :func:`draft_ranks`)."""
 
     method: str
     num_speculative_tokens: int | None = None
@@ -69,6 +71,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_NGRAM
     prompt_lookup_max: int = DEFAULT_NGRAM
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
+    draft_tensor_parallel_size: int | None = None
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str) -> SpeculativeConfig:
@@ -99,6 +102,12 @@ class SpeculativeConfig:
         model = values.get("model")
         if model is not None and not isinstance(model, str):
             problems.append(f"'model' must be a folder (the draft's, or the heads'), got {model!r}")
+        draft_tp = values.get("draft_tensor_parallel_size")
+        if draft_tp is not None and not _is_positive(draft_tp):
+            problems.append(
+                "'draft_tensor_parallel_size' must be 1 (the draft on the first rank alone) or "
+                f"the target's tp_degree, got {draft_tp!r}"
+            )
         tree = values.get("speculative_token_tree")
         paths = None
         if tree is not None:
@@ -114,7 +123,7 @@ class SpeculativeConfig:
                 count = len(paths)
         if problems:
             raise ConfigError(problems, source=source)
-        return cls(method, count, model, low, high, paths)
+        return cls(method, count, model, low, high, paths, draft_tp)
 
 
 def _tree_paths(value: object) -> tuple[tuple[tuple[int, ...], ...], str | None]:
@@ -194,8 +203,10 @@ class DraftTree:
 
 class Proposer(Protocol):
     """The engine side of a speculation mode (a ``SpeculationMode.engine_proposer``), built
-    with ``(application, speculative_config, draft)``; ``draft`` is the draft application for
-    ``draft_model``, else None."""
+    with ``(application, speculative_config, draft, every_rank)``; ``draft`` is the draft
+    application for ``draft_model``, else None; ``every_rank``
+    (:class:`~nxdplug.engine.runner.EveryRank`) runs calls on the engine's ranks (a draft
+    sharded over them runs its calls through ``every_rank.of(draft)``)."""
 
     def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
         """At most ``k`` tokens to follow each request's tokens so far (``token_ids``; its
@@ -331,7 +342,17 @@ def engine_speculation(
             ],
             source=source,
         )
+    ranks = draft_ranks(config, application.neuron_config.tp_degree)
     if mode.engine_fused is not None:
+        if ranks != application.neuron_config.tp_degree:
+            raise ConfigError(
+                [
+                    f"draft_tensor_parallel_size={ranks}: method {config.method!r}'s draft is "
+                    "part of the target's graphs, sharded as they are: leave it out, or give "
+                    f"the target's tp_degree ({application.neuron_config.tp_degree})"
+                ],
+                source=source,
+            )
         fused = mode.load("engine_fused")(application, config, draft, every_rank)
         depth = fused.draft_depth
         return Speculation(config, depth, None, fused, SpeculationMetrics(depth))
@@ -344,8 +365,28 @@ def engine_speculation(
             source=source,
         )
     wanted = chain_length(config, k)
-    proposer = mode.load("engine_proposer")(application, config, draft)
+    proposer = mode.load("engine_proposer")(application, config, draft, every_rank)
     return Speculation(config, wanted, proposer, None, SpeculationMetrics(wanted))
+
+
+def draft_ranks(config: SpeculativeConfig, tp_degree: int) -> int:
+    """The ranks a draft runs on beside a target of ``tp_degree`` ranks, as vLLM's
+    ``draft_tensor_parallel_size``: the target's (the default: every rank holds a shard of
+    the draft, and runs its calls with the others) or 1 (the first rank holds the whole draft
+    and runs it alone). A ConfigError for any other value."""
+    ranks = config.draft_tensor_parallel_size
+    if ranks is None:
+        return tp_degree
+    if ranks not in (1, tp_degree):
+        raise ConfigError(
+            [
+                f"draft_tensor_parallel_size={ranks}: a draft runs on the target's "
+                f"{tp_degree} rank(s), sharded as the target is, or on the first rank alone: "
+                f"give {tp_degree} (the default) or 1"
+            ],
+            source="the engine's speculative_config",
+        )
+    return ranks
 
 
 def chain_length(config: SpeculativeConfig, k: int) -> int:

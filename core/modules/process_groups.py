@@ -7,12 +7,15 @@ ranks into equal blocks, each block one group. Each process builds the groups on
 order on every rank (torch.distributed requires every rank to take part in making each group),
 and looks its own block up by name.
 
-Without an initialized process group there is one rank, and every group is that rank alone.
+Without an initialized process group there is one rank, and every group is that rank alone;
+so it is inside :func:`this_rank_alone`, where a model for one rank is built among several
+(a draft the first rank holds whole).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -95,12 +98,16 @@ class ParallelLayout:
 
 
 _layout: ParallelLayout | None = None
+_alone: ParallelLayout | None = None
 
 
 def current_layout() -> ParallelLayout:
     """The layout of this process: made with the ``tp`` group when first asked for, and made
-    anew when the default process group changes (one rank when there is none)."""
+    anew when the default process group changes (one rank when there is none, or inside
+    :func:`this_rank_alone`)."""
     global _layout
+    if _alone is not None:
+        return _alone
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.group.WORLD if initialized else None
     if _layout is None or _layout.world is not world:
@@ -109,6 +116,21 @@ def current_layout() -> ParallelLayout:
         _layout = ParallelLayout(size, rank, world)
         _layout.add(TP, [range(size)])
     return _layout
+
+
+@contextlib.contextmanager
+def this_rank_alone() -> Iterator[None]:
+    """Inside, this process is a launch of one rank: every group is this rank alone. A model
+    built (and loaded) here is whole, not sharded, and its layers never talk to the other
+    ranks; the first rank builds a draft it runs by itself this way."""
+    global _alone
+    outer = _alone
+    _alone = ParallelLayout(1, 0)
+    _alone.add(TP, [range(1)])
+    try:
+        yield
+    finally:
+        _alone = outer
 
 
 def add_group(name: str, partition: Sequence[Sequence[int]]) -> None:

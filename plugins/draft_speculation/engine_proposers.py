@@ -12,10 +12,12 @@ import torch
 
 from nxdplug.plugin_api import (
     ConfigError,
+    EveryRank,
     Proposer,
     Request,
     ScheduledStep,
     SpeculativeConfig,
+    draft_ranks,
     greedy_tokens,
 )
 from nxdplug.plugins.draft_speculation.proposers import is_application
@@ -28,13 +30,15 @@ def engine_proposer(
     application: NeuronBaseForCausalLM,
     config: SpeculativeConfig,
     draft: NeuronBaseForCausalLM | None,
+    every_rank: EveryRank,
 ) -> Proposer:
     """The proposer of ``config.method``."""
     if config.method == "ngram":
         if draft is not None:
             raise ConfigError(["method 'ngram' looks tokens up: drop the draft model"])
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    return DraftProposer(application, draft)
+    ranks = draft_ranks(config, application.neuron_config.tp_degree)
+    return DraftProposer(application, draft, ranks, every_rank)
 
 
 class NgramProposer:
@@ -85,9 +89,19 @@ class DraftProposer:
     line; later ones catch up on the one token the draft lacks when the target kept every
     proposal. A request that cannot be encoded (its tokens exceed the draft's
     ``max_context_length``, after a preemption) gets no proposals.
+
+    With tensor parallelism the draft runs on ``ranks`` ranks: the target's (each holds a
+    shard of it and runs its steps with the others, through ``every_rank``), or the first
+    alone (built whole, ``tp_degree`` 1).
     """
 
-    def __init__(self, application: NeuronBaseForCausalLM, draft: NeuronBaseForCausalLM) -> None:
+    def __init__(
+        self,
+        application: NeuronBaseForCausalLM,
+        draft: NeuronBaseForCausalLM,
+        ranks: int,
+        every_rank: EveryRank,
+    ) -> None:
         target = application.neuron_config
         problems = []
         if draft is None:
@@ -110,6 +124,17 @@ class DraftProposer:
                     "the draft keeps a cache line per request of the target: build it with "
                     f"is_continuous_batching=True and batch_size >= {target.max_batch_size}"
                 )
+            if nc.tp_degree != ranks:
+                alone = (
+                    " (or give draft_tensor_parallel_size 1: the first rank runs it alone)"
+                    if nc.tp_degree == 1
+                    else ""
+                )
+                problems.append(
+                    f"the draft is built for tp_degree {nc.tp_degree}, but runs on {ranks} "
+                    "rank(s) (draft_tensor_parallel_size; by default the target's tp_degree, "
+                    f"{target.tp_degree}): build it with tp_degree {ranks}{alone}"
+                )
             if nc.seq_len < target.seq_len:
                 problems.append(f"the draft's seq_len {nc.seq_len} is below the target's")
             if getattr(nc, "is_block_kv_layout", False) or nc.on_device_sampling_config:
@@ -120,6 +145,7 @@ class DraftProposer:
         if problems:
             raise ConfigError(problems, source="the draft model")
         self.draft = draft
+        self.ranks = every_rank.of(draft) if ranks == target.tp_degree else EveryRank.here(draft)
         self.max_prompt = draft.neuron_config.max_context_length
         self.ctx_rows = draft.neuron_config.ctx_batch_size
         self.tkg_rows = draft.neuron_config.tkg_batch_size
@@ -190,5 +216,5 @@ class DraftProposer:
                 [r.line for r in rows[part]],
                 device=self.draft.device,
             )
-            logits.append(self.draft.run(step).logits[:, -1])
+            logits.append(self.ranks.run(step).logits[:, -1])
         return torch.cat(logits)

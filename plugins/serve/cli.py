@@ -124,7 +124,9 @@ def run_serve(args: argparse.Namespace) -> int:
     config = _serving_config(args, settings)
     prepare_config(args, config)
     model = load_model(args, config, compile_by_default=True)
+    draft = engine_draft(args, config)  # on every rank that holds a shard of it
     tokenizer = load_tokenizer(args.model_path, "serve")
+    others = {} if draft is None else {"draft": draft}
 
     from nxdplug.plugin_api import tp_rank, tp_world_size
 
@@ -132,15 +134,14 @@ def run_serve(args: argparse.Namespace) -> int:
         from nxdplug.plugin_api import follow_steps
 
         with _on_stop_signals(signal.SIG_IGN):
-            follow_steps(model)
+            follow_steps(model, others)
         return 0
     assert sock is not None
-    draft = engine_draft(args, config)
     broadcaster = None
     if tp_world_size() > 1:
         from nxdplug.plugin_api import StepBroadcaster
 
-        broadcaster = StepBroadcaster(model)
+        broadcaster = StepBroadcaster(model, others=others)
     try:
         parsers = (tool_parser, reasoning_parser)
         _serve(args, sock, (model, draft), tokenizer, broadcaster, parsers, access)

@@ -243,6 +243,31 @@ def test_a_draft_unlike_the_target_is_refused(tiny_checkpoint) -> None:
     assert "vocabulary" in problems and "batch_size >= 4" in problems
 
 
+def test_draft_tensor_parallel_size_is_the_targets_or_one(tiny_checkpoint) -> None:
+    """vLLM's draft_tensor_parallel_size: the target's tp_degree (the default) or 1, with a
+    draft built for it; anything else is refused by name. The target of two ranks is built
+    here as its first rank's shard (one process)."""
+    checkpoint = tiny_checkpoint("llama", seed=1)
+    target = application(checkpoint, tp_degree=2, speculation_length=3, batch_size=2)
+    whole = application(checkpoint, batch_size=2)
+    config = {"method": "draft_model", "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match=r"=3: .* give 2 \(the default\) or 1"):
+        Engine(target, speculative_config=config | {"draft_tensor_parallel_size": 3})
+    with pytest.raises(ConfigError, match=r"'draft_tensor_parallel_size' must be 1 .*, got 0"):
+        Engine(target, speculative_config=config | {"draft_tensor_parallel_size": 0})
+    with pytest.raises(
+        ConfigError,
+        match=r"built for tp_degree 1, but runs on 2 rank\(s\).*give draft_tensor_parallel_size 1",
+    ):
+        Engine(target, speculative_config=config, draft_model=whole)
+    alone = Engine(
+        target,
+        speculative_config=config | {"draft_tensor_parallel_size": 1},
+        draft_model=whole,
+    )
+    assert alone.speculation.proposer.ranks.application is whole
+
+
 def test_ngram_lookup_takes_the_longest_latest_match() -> None:
     from nxdplug.plugins.draft_speculation.engine_proposers import NgramProposer
 

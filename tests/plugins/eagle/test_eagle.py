@@ -326,6 +326,15 @@ def test_the_engine_refuses_a_model_that_samples_on_device(target, draft):
         Engine(sampling, speculative_config={"method": "eagle"})
 
 
+def test_the_engine_refuses_a_draft_tensor_parallel_size_below_the_targets(target, draft):
+    """The fused draft is sharded as the target is (the target of two ranks built here as
+    its first rank's shard): vLLM's draft_tensor_parallel_size 1 cannot hold."""
+    app = eagle_app(target, draft, is_continuous_batching=True, tp_degree=2)
+    alone = {"method": "eagle", "draft_tensor_parallel_size": 1}
+    with pytest.raises(ConfigError, match="part of the target's graphs, sharded as they are"):
+        Engine(app, speculative_config=alone)
+
+
 def test_tree_in_the_engine_is_lossless(target, draft):
     """vLLM's eagle method on a model built with a token tree: requests of different lengths,
     arriving at different steps, get HF's greedy tokens (float32) and the engine's own without
