@@ -18,6 +18,7 @@ from nxdplug.lazy import lazy_attribute_getter
 if TYPE_CHECKING:
     from nxdplug.checkpoint.atomic_folders import staged_folder
     from nxdplug.checkpoint.generation_config import model_generation_config
+    from nxdplug.checkpoint.huge_pages import huge_page_buffer
     from nxdplug.checkpoint.state_dict import load_state_dict, load_tensor_file
     from nxdplug.cli.extensions import (
         OptionsOnly,

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from nxdplug import __version__
 from nxdplug.checkpoint.atomic_folders import save_text_atomically, staged_folder, writer_lock
+from nxdplug.checkpoint.huge_pages import move_to_huge_pages
 from nxdplug.checkpoint.state_dict import (
     check_state_dict,
     dtype_keeping_names,
@@ -405,6 +406,7 @@ def load_application(app: NeuronApplicationBase, path: Path, *, quiet: bool = Fa
         loaded.setdefault(entry.tag, {})[entry.bucket] = graph
     form_weights = weights_former(backend)
     form_weights(weights)
+    move_to_huge_pages(weights)
     for wrapper in app.models:
         if wrapper.tag not in loaded:
             raise ArtefactError(f"{path} has no graphs for {wrapper.tag}; compile again")

@@ -27,7 +27,7 @@ import attrs
 import torch
 from torch import nn
 
-from nxdplug.plugin_api import NxdPlugError, greedy_tokens, head_dim_of
+from nxdplug.plugin_api import NxdPlugError, greedy_tokens, head_dim_of, huge_page_buffer
 from nxdplug.plugins.benchmark.roofline import GEMM_SIZE, PrefillCeiling
 
 if TYPE_CHECKING:
@@ -350,13 +350,18 @@ def measure_read_bandwidth(
     nbytes: int = BANDWIDTH_BYTES, repeats: int = BANDWIDTH_REPEATS
 ) -> float:
     """Memory read bandwidth in GB/s (1e9 bytes): the best of ``repeats`` timed ``sum()`` over a
-    float32 tensor of ``nbytes``, on torch's current threads.
+    float32 tensor of ``nbytes``, on torch's current threads, in huge pages where the loaded
+    models' weights are (:func:`nxdplug.plugin_api.huge_page_buffer`): in the allocator's 4 KiB
+    pages it reads slower than the weights are read.
 
     ``sum()`` reads every byte once and writes nothing, as a decode step reads its weights; a
     copy would add as many writes. The tensor must be much larger than the caches (the default,
     256 MiB, is) for this to measure memory rather than cache.
     """
-    data = torch.empty(max(nbytes // 4, 1), dtype=torch.float32).fill_(1.0)
+    count = max(nbytes // 4, 1)
+    buffer = huge_page_buffer(count * 4)
+    data = torch.empty(count) if buffer is None else buffer.view(torch.float32)
+    data.fill_(1.0)
     data.sum()  # touch every page before timing
     best = math.inf
     for _ in range(repeats):
