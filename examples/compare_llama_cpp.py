@@ -6,14 +6,15 @@ process, the systems taking turns run by run so that load from other processes f
 
 - llama.cpp's own converter (``convert_hf_to_gguf.py``, in llama-cpp-python's source
   distribution: fetched with ``pip download`` unless ``--converter`` names it) writes the
-  checkpoint as bf16 GGUF, and llama.cpp's quantizer (through llama-cpp-python) makes q8_0 and
-  q4_0 from it. A tokenizer llama.cpp does not know is written with GPT-2's pre-tokenizer: the
-  benchmark feeds token ids, so only the vocabulary's metadata is affected.
+  checkpoint as bf16 GGUF, and llama.cpp's quantizer (through llama-cpp-python) makes q8_0,
+  q4_0 and q4_K_M (the 4-bit file most of its users download) from it. A tokenizer llama.cpp
+  does not know is written with GPT-2's pre-tokenizer: the benchmark feeds token ids, so only
+  the vocabulary's metadata is affected.
 - nxdplug runs bf16, int8 per channel and int4 in blocks of 32 input features (q4_0's block),
   compiled with inductor (eagerly with ``--eager``), in folders kept under ``--work-dir``.
-- Printed per pair (bf16 / bf16, int8 / q8_0, int4 / q4_0): median decode tok/s and TTFT, the
-  ratios, and each system's fraction of the bandwidth ceiling (the bytes a decode step reads,
-  weights and KV cache, over the machine's measured read bandwidth).
+- Printed per pair (bf16 / bf16, int8 / q8_0, int4 / q4_0 and q4_K_M): median decode tok/s and
+  TTFT, the ratios, and each system's fraction of the bandwidth ceiling (the bytes a decode step
+  reads, weights and KV cache, over the machine's measured read bandwidth).
 
 Where llama-cpp-python is missing or the conversion fails, it says why and times nxdplug alone.
 """
@@ -54,7 +55,8 @@ NXDPLUG_MODES = {
         "quantization_block_size": 32,
     },
 }
-LLAMA_CPP_TYPES = {"bf16": None, "int8": "Q8_0", "int4": "Q4_0"}  # paired with nxdplug's modes
+# paired with nxdplug's modes (None: the bf16 file as converted)
+LLAMA_CPP_TYPES = {"bf16": (None,), "int8": ("Q8_0",), "int4": ("Q4_0", "Q4_K_M")}
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
 # Runs llama.cpp's converter with an unknown BPE pre-tokenizer taken as GPT-2's.
 CONVERT = """
@@ -118,7 +120,7 @@ def nxdplug_system(
 
 
 def llama_cpp_systems(args: argparse.Namespace, config: Any, prompt: list[int]) -> list[System]:
-    """llama.cpp's bf16, q8_0 and q4_0, or none (and why) where it cannot run here."""
+    """llama.cpp's bf16, q8_0, q4_0 and q4_K_M, or none (and why) where it cannot run here."""
     try:
         import gguf
         import llama_cpp
@@ -138,37 +140,53 @@ def llama_cpp_systems(args: argparse.Namespace, config: Any, prompt: list[int]) 
     positions = mean_decode_positions(args.prompt_length, args.max_new_tokens)
     kv = kv_cache_bytes(config, 1, positions)  # llama.cpp's f16 cache: bf16's size
     systems = []
-    for mode, ftype in LLAMA_CPP_TYPES.items():
+    for mode, ftypes in LLAMA_CPP_TYPES.items():
         if mode not in args.modes:
             continue
-        path = bf16 if ftype is None else args.work_dir / f"model-{ftype.lower()}.gguf"
-        if not path.exists():
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
-            params.nthread = args.threads
-            status = llama_cpp.llama_model_quantize(
-                str(bf16).encode(), str(path).encode(), ctypes.byref(params)
-            )
-            if status != 0:
-                print(f"llama.cpp {ftype} not timed: its quantizer returned {status}")
-                continue
-        llm = llama_cpp.Llama(
-            str(path),
-            n_ctx=args.prompt_length + args.max_new_tokens,
-            n_batch=args.prompt_length,
-            n_threads=args.threads,
-            n_threads_batch=args.threads,
-            verbose=False,
-        )
-        systems.append(
-            System(
-                f"llama.cpp {ftype or 'bf16'}".lower(),
-                lambda llm=llm: llama_cpp_run(llm, llama_cpp, np, prompt, args.max_new_tokens),
-                step_bytes(gguf.GGUFReader(str(path))) + kv,
-                [],
-            )
-        )
+        for ftype in ftypes:
+            system = llama_cpp_system(args, llama_cpp, np, gguf, bf16, ftype, prompt, kv)
+            if system is not None:
+                systems.append(system)
     return systems
+
+
+def llama_cpp_system(
+    args: argparse.Namespace,
+    llama_cpp: Any,
+    np: Any,
+    gguf: Any,
+    bf16: Path,
+    ftype: str | None,
+    prompt: list[int],
+    kv: int,
+) -> System | None:
+    """llama.cpp on the bf16 file, or on it quantized to ``ftype`` (made once); None, after
+    saying why, where its quantizer fails."""
+    path = bf16 if ftype is None else args.work_dir / f"model-{ftype.lower()}.gguf"
+    if not path.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        params.nthread = args.threads
+        status = llama_cpp.llama_model_quantize(
+            str(bf16).encode(), str(path).encode(), ctypes.byref(params)
+        )
+        if status != 0:
+            print(f"llama.cpp {ftype} not timed: its quantizer returned {status}")
+            return None
+    llm = llama_cpp.Llama(
+        str(path),
+        n_ctx=args.prompt_length + args.max_new_tokens,
+        n_batch=args.prompt_length,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        verbose=False,
+    )
+    return System(
+        f"llama.cpp {(ftype or 'bf16').lower()}",
+        lambda: llama_cpp_run(llm, llama_cpp, np, prompt, args.max_new_tokens),
+        step_bytes(gguf.GGUFReader(str(path))) + kv,
+        [],
+    )
 
 
 def fetch_converter(work_dir: Path, version: str) -> Path:
@@ -248,15 +266,17 @@ def print_table(results: dict[str, dict[str, float]], bandwidth: float) -> None:
             f"{row['of_bandwidth_ceiling']:10.0%}"
         )
     bf16 = results.get("nxdplug bf16")
-    for mode, ftype in LLAMA_CPP_TYPES.items():
+    for mode, ftypes in LLAMA_CPP_TYPES.items():
         ours = results.get(f"nxdplug {mode}")
-        theirs = results.get(f"llama.cpp {(ftype or 'bf16').lower()}")
-        if ours and theirs:
-            print(
-                f"nxdplug {mode} / llama.cpp {(ftype or 'bf16').lower()}: decode "
-                f"{ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x, TTFT "
-                f"{ours['ttft_ms'] / theirs['ttft_ms']:.2f}x"
-            )
+        for ftype in ftypes:
+            name = (ftype or "bf16").lower()
+            theirs = results.get(f"llama.cpp {name}")
+            if ours and theirs:
+                print(
+                    f"nxdplug {mode} / llama.cpp {name}: decode "
+                    f"{ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x, TTFT "
+                    f"{ours['ttft_ms'] / theirs['ttft_ms']:.2f}x"
+                )
         if ours and bf16 and mode != "bf16":
             print(
                 f"nxdplug {mode} / nxdplug bf16: decode "

@@ -6,10 +6,11 @@ tools' asymmetric int4 weights load with ``quantization_zero_points=True``.
 quantization_type=...)`` switches it on. ``save_quantized_state_dict`` writes the checkpoint
 with the method record ``<dtype>-<per_tensor|per_channel|blockwise>``; loading gives the
 projections (:mod:`.targets` says which, less ``modules_to_not_convert``) weight methods that keep
-the quantized weights in memory: on the CPU, int8 weights times up to 32 rows (decoding) go to
-the plugin's int8 matmul (:mod:`.kernel`), int4 weights to its int4 matmul (:mod:`.int4`, which
-dequantizes for long prompts itself); prompts, fp8 weights and other devices dequantize per
-call.
+the quantized weights in memory: on the CPU, int8 weights go to the plugin's int8 matmul
+(:mod:`.kernel`), int4 weights to its int4 matmul (:mod:`.int4`); each reads the weight in its
+bits when decoding and dequantizes it a panel at a time in the cache for prompts. fp8 weights and
+other devices dequantize per call. Compiled graphs stack the projections of one input into one
+call of either matmul (``nxdplug_stackable_linears``, a hook of the inductor backend).
 f8e4m3 needs ``XLA_HANDLE_SPECIAL_SCALAR=1`` on Neuron only; on the CPU nothing is needed.
 """
 
