@@ -529,36 +529,25 @@ template <typename S>
 void panel_matmul(const c10::BFloat16* x, int64_t rows, int64_t K, const uint8_t* packed,
                   const S* scales, const int8_t* zeros, const Layout& layout,
                   c10::BFloat16* out) {
-  using nxdplug::panels::PANEL;
   const int64_t N = layout.rows, Kp = layout.padded_k, row_bytes = Kp / 2;
-  const auto* x_bits = reinterpret_cast<const uint16_t*>(x);
-  auto* out_bits = reinterpret_cast<uint16_t*>(out);
-  at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<c10::BFloat16> dense;
-    thread_local std::vector<uint16_t> panel;
-    thread_local std::vector<float> partial;
-    dense.resize(PANEL * Kp);
-    panel.resize(PANEL * K);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * PANEL, width = std::min(PANEL, N - n0);
-      for (int64_t n = n0; n < n0 + width;) {
-        const int64_t R = n + kRowsPerTile <= N ? kRowsPerTile : 1;
-        c10::BFloat16* w = dense.data() + (n - n0) * Kp;
-        if (R == kRowsPerTile) {
-          dequantize_tile_bf16<kRowsPerTile>(packed + n * row_bytes, scales + n * layout.groups,
-                                             zeros_from(zeros, n * layout.groups), layout, w);
-        } else {
-          dequantize_tile_bf16<1>(packed + n * row_bytes, scales + n * layout.groups,
-                                  zeros_from(zeros, n * layout.groups), layout, w);
-        }
-        n += R;
+  const auto dequantize_panel = [&](int64_t first, int64_t width, uint16_t* dense) {
+    for (int64_t n = first; n < first + width;) {
+      auto* w = reinterpret_cast<c10::BFloat16*>(dense) + (n - first) * Kp;
+      const uint8_t* tile = packed + n * row_bytes;
+      const S* s = scales + n * layout.groups;
+      const int8_t* z = zeros_from(zeros, n * layout.groups);
+      if (n + kRowsPerTile <= N) {
+        dequantize_tile_bf16<kRowsPerTile>(tile, s, z, layout, w);
+        n += kRowsPerTile;
+      } else {
+        dequantize_tile_bf16<1>(tile, s, z, layout, w);
+        n += 1;
       }
-      nxdplug::panels::rows_to_panel(reinterpret_cast<const uint16_t*>(dense.data()), Kp, width,
-                                     K, panel.data());
-      nxdplug::panels::multiply_panel(x_bits, rows, K, panel.data(), width, n0, N, nullptr,
-                                      out_bits, partial);
     }
-  });
+  };
+  nxdplug::panels::multiply_dequantized_panels(reinterpret_cast<const uint16_t*>(x), rows, K, N,
+                                               Kp, dequantize_panel,
+                                               reinterpret_cast<uint16_t*>(out));
 }
 
 bool has_bf16_dot() {

@@ -374,24 +374,13 @@ at::Tensor dequantized(const int8_t* weight, int64_t N, int64_t K, const float* 
 // bfloat16 rows (K even) by the weight a panel at a time (see the top of this file).
 void panel_matmul(const c10::BFloat16* x, int64_t rows, int64_t K, const int8_t* weight,
                   int64_t N, const float* scale, int64_t scale_stride, c10::BFloat16* out) {
-  using nxdplug::panels::PANEL;
-  const auto* x_bits = reinterpret_cast<const uint16_t*>(x);
-  auto* out_bits = reinterpret_cast<uint16_t*>(out);
-  at::parallel_for(0, (N + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<c10::BFloat16> dense;
-    thread_local std::vector<uint16_t> panel;
-    thread_local std::vector<float> partial;
-    dense.resize(PANEL * K);
-    panel.resize(PANEL * K);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n = p * PANEL, width = std::min(PANEL, N - n);
-      dequantize_rows(weight, N, K, n, width, scale, scale_stride, dense.data());
-      nxdplug::panels::rows_to_panel(reinterpret_cast<const uint16_t*>(dense.data()), K, width,
-                                     K, panel.data());
-      nxdplug::panels::multiply_panel(x_bits, rows, K, panel.data(), width, n, N, nullptr,
-                                      out_bits, partial);
-    }
-  });
+  nxdplug::panels::multiply_dequantized_panels(
+      reinterpret_cast<const uint16_t*>(x), rows, K, N, K,
+      [&](int64_t n, int64_t width, uint16_t* dense) {
+        dequantize_rows(weight, N, K, n, width, scale, scale_stride,
+                        reinterpret_cast<c10::BFloat16*>(dense));
+      },
+      reinterpret_cast<uint16_t*>(out));
 }
 
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {

@@ -14,6 +14,8 @@
 
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -241,6 +243,27 @@ NXDPLUG_BF16 inline void rows_to_panel(const uint16_t* rows, int64_t row_stride,
       std::memcpy(&word, rows + i * row_stride + 2 * p, sizeof(word));
       out[p * width + i] = word;
     }
+}
+
+// out [m, n] = x [m, k] (k even) times a weight that is not held in panels: each thread takes
+// whole panels, has `dequantize(first_row, width, rows)` write the panel's `width` weight rows
+// as bf16 (row i at rows + i * row_stride, k values used), turns them into one panel in the
+// cache and multiplies every row of x by it. No bf16 copy of the whole weight is made.
+template <typename Dequantize>
+void multiply_dequantized_panels(const uint16_t* x, int64_t m, int64_t k, int64_t n,
+                                 int64_t row_stride, Dequantize&& dequantize, uint16_t* out) {
+  at::parallel_for(0, (n + PANEL - 1) / PANEL, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint16_t> rows, panel;
+    thread_local std::vector<float> partial;
+    rows.resize(PANEL * row_stride);
+    panel.resize(PANEL * k);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * PANEL, width = std::min(PANEL, n - first);
+      dequantize(first, width, rows.data());
+      rows_to_panel(rows.data(), row_stride, width, k, panel.data());
+      multiply_panel(x, m, k, panel.data(), width, first, n, nullptr, out, partial);
+    }
+  });
 }
 
 #undef NXDPLUG_BF16
