@@ -468,9 +468,27 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void tile_dot_pr
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], rows[r], xs);
     }
   }
-  for (int i = 0; i < MC; ++i)
-    for (int r = 0; r < R; ++r)
-      out[(m0 + i) * N + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[i][r]));
+  for (int i = 0; i < MC; ++i) {
+    if constexpr (R == kRowsPerTile) {
+      // The four sums of a row of x at once, pairwise across registers (about 10 instructions
+      // against four reductions of 8), rounded to bfloat16 together.
+      const __m512 pairs01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[i][0], acc[i][1]),
+                                           _mm512_unpackhi_ps(acc[i][0], acc[i][1]));
+      const __m512 pairs23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[i][2], acc[i][3]),
+                                           _mm512_unpackhi_ps(acc[i][2], acc[i][3]));
+      // Each 128-bit lane now holds one partial sum of outputs 0, 1, 2, 3, in that order.
+      const __m512 quads = _mm512_add_ps(
+          _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(pairs01), _mm512_castps_pd(pairs23))),
+          _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(pairs01), _mm512_castps_pd(pairs23))));
+      const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(quads),
+                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quads), 1)));
+      const __m128 totals = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + (m0 + i) * N), (__m128i)_mm_cvtneps_pbh(totals));
+    } else {
+      for (int r = 0; r < R; ++r)
+        out[(m0 + i) * N + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[i][r]));
+    }
+  }
 }
 
 template <int R>
