@@ -142,7 +142,8 @@ def _operands_of(
 
 
 def _rows_stack(parts: list[torch.fx.Node], spec: StackableOp) -> bool:
-    """Whether tensors stacked along their rows give the stacked weight's operand."""
+    """Whether each of ``parts`` holds whole tiles of the operator's layout, so that stacking
+    them along their rows keeps it."""
     fakes = [part.meta["val"] for part in parts]
     return all(fake.shape[0] % spec.row_multiple == 0 for fake in fakes)
 
