@@ -1,4 +1,5 @@
-"""The plugin's int8 matmul for decoding on the CPU (``int8_matmul.cpp``), built on first use.
+"""The plugin's int8 matmul on the CPU (``int8_matmul.cpp``: decoding in integers, prompts by
+dequantized panels), built on first use.
 
 The C++ source is built by :mod:`nxdplug.runtime.cpp_ops` and registers
 ``torch.ops.nxdplug_quantization.int8_matmul``. Eager models call it; a process that loads a

@@ -107,8 +107,9 @@ def quantized(checkpoint: Path, dtype: str, folder: Path):
 def test_quantized_bfloat16_is_as_close_to_its_float32_weights_as_hf_bfloat16(
     tiny_checkpoint, tmp_path
 ) -> None:
-    """int8 weights: up to 32 rows (decoding, these prompts) multiply by them in the plugin's
-    int8 matmul (integer products, float32 scales), longer prompts by the dequantized weight."""
+    """int8 weights: a few rows (decoding) multiply by them in the plugin's int8 matmul
+    (integer products, float32 scales), prompts of 12 rows and more by panels dequantized to
+    bf16."""
     app, reference = quantized(tiny_checkpoint("llama", seed=5), "bfloat16", tmp_path)
     held = app.weight_tensors()
     assert next(t for n, t in held.items() if n.endswith("q_proj.weight")).dtype == torch.int8
