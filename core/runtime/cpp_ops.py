@@ -22,8 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Headers the operators may include (``#include <nxdplug/bf16_panels.h>``).
-INCLUDE_DIRECTORY = Path(__file__).with_name("include")
+# Headers the operators may include (``#include <nxdplug_bf16_panels.h>``): this folder's.
+INCLUDE_DIRECTORY = Path(__file__).parent
 # A build takes seconds; a lock older than this was left by a build that was killed.
 STALE_LOCK_SECONDS = 600
 

@@ -1,6 +1,6 @@
 // x @ weight^T + bias for bfloat16 x and weight on x86 CPUs with AVX512-BF16, the weight stored
-// in panels of 32 output features (bf16_panels.h, in nxdplug's runtime, holds the layout and the
-// products; bf16_linear.py says how the weights get there).
+// in panels of 32 output features (nxdplug_bf16_panels.h, in nxdplug's runtime, holds the layout
+// and the products; bf16_linear.py says how the weights get there).
 //
 // Why not oneDNN's prepacked linear: decoding multiplies 1 to 16 rows by every weight, and a
 // 12-layer ~120M Llama's weights (200 MB) come from memory at each step; oneDNN's bf16 GEMM
@@ -16,7 +16,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <nxdplug/bf16_panels.h>
+#include <nxdplug_bf16_panels.h>
 
 #include <cstdint>
 #include <optional>
@@ -25,7 +25,8 @@ namespace {
 
 using nxdplug::panels::PANEL;
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(nxdplug::panels::usable(),
               "nxdplug_bf16_linear::linear needs an x86-64 CPU with AVX512-BF16; this graph was "
               "compiled where one was: compile the model again on this machine");

@@ -38,7 +38,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <nxdplug/bf16_panels.h>
+#include <nxdplug_bf16_panels.h>
 
 #include <immintrin.h>
 
@@ -477,13 +477,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void tile_dot_pr
       const __m512 pairs23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[i][2], acc[i][3]),
                                            _mm512_unpackhi_ps(acc[i][2], acc[i][3]));
       // Each 128-bit lane now holds one partial sum of outputs 0, 1, 2, 3, in that order.
-      const __m512 quads = _mm512_add_ps(
-          _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(pairs01), _mm512_castps_pd(pairs23))),
-          _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(pairs01), _mm512_castps_pd(pairs23))));
-      const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(quads),
-                                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quads), 1)));
-      const __m128 totals = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + (m0 + i) * N), (__m128i)_mm_cvtneps_pbh(totals));
+      const __m512d low01 = _mm512_castps_pd(pairs01), low23 = _mm512_castps_pd(pairs23);
+      const __m512 quads = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(low01, low23)),
+                                         _mm512_castpd_ps(_mm512_unpackhi_pd(low01, low23)));
+      const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(quads), 1));
+      const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(quads), high);
+      const __m128 totals =
+          _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + (m0 + i) * N),
+                       (__m128i)_mm_cvtneps_pbh(totals));
     } else {
       for (int r = 0; r < R; ++r)
         out[(m0 + i) * N + r] = static_cast<c10::BFloat16>(_mm512_reduce_add_ps(acc[i][r]));
@@ -540,7 +542,7 @@ void bf16_matmul(const c10::BFloat16* x, int64_t rows, int64_t K, const uint8_t*
 //
 // With more rows the dot products' reductions and their reloading of x for every tile of four
 // rows cost more than the products: there the weight goes a panel of 32 rows at a time
-// through the bfloat16 dequantization above into the panel layout of bf16_panels.h (the
+// through the bfloat16 dequantization above into the panel layout of nxdplug_bf16_panels.h (the
 // inductor backend's kernel for bf16 weights) in the cache, and every row is multiplied by it.
 // No bfloat16 copy of the whole weight is written to memory and read back.
 template <typename S>

@@ -26,7 +26,7 @@
 //
 // The integer path costs about a GEMV for each row of x. From kPanelRows bfloat16 rows (prompts)
 // the weight goes a panel of 32 rows at a time, dequantized into the bfloat16 panel layout in the
-// cache, to the bf16 panel kernel (bf16_panels.h, the inductor backend's kernel for bf16
+// cache, to the bf16 panel kernel (nxdplug_bf16_panels.h, the inductor backend's kernel for bf16
 // weights), which multiplies every row by it: no bfloat16 copy of the whole weight is written to
 // memory and read back. Float32 rows past kIntegerMaxRows, and CPUs without AVX512-BF16, get the
 // whole weight dequantized for ATen's GEMM.
@@ -39,7 +39,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <nxdplug/bf16_panels.h>
+#include <nxdplug_bf16_panels.h>
 
 #include <immintrin.h>
 

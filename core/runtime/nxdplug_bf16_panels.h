@@ -47,6 +47,7 @@ inline bool usable() {
 
 #if defined(__x86_64__)
 #define NXDPLUG_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#define NXDPLUG_BF16_INLINE NXDPLUG_BF16 __attribute__((always_inline)) inline
 
 // What a tile writes: float32 partial sums to carry to the next stretch, or the bf16 result.
 struct TileOutput {
@@ -68,7 +69,7 @@ inline int32_t two_values(const uint16_t* values) {
 // One k-pair of a panel (`w`: its 32 outputs x 2 bf16; `low` / `high` mask a narrower last
 // panel's two halves) multiplied by R rows' pair at `x` and added to their sums.
 template <int R>
-NXDPLUG_BF16 __attribute__((always_inline)) inline void add_pair(__m512 (&sums)[R][2], const uint16_t* x, int64_t x_stride,
+NXDPLUG_BF16_INLINE void add_pair(__m512 (&sums)[R][2], const uint16_t* x, int64_t x_stride,
                                   const uint16_t* w, bool full, __mmask32 low, __mmask32 high) {
   const __m512bh w0 =
       (__m512bh)(full ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi16(low, w));
@@ -87,8 +88,8 @@ NXDPLUG_BF16 __attribute__((always_inline)) inline void add_pair(__m512 (&sums)[
 // of sums (even and odd pairs) so that the adds do not wait on each other. Inlined into
 // multiply_panel: GCC 12 compiles it on its own with its sums spilled to the stack, 2.5x slower.
 template <int R>
-NXDPLUG_BF16 __attribute__((always_inline)) inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel,
-                       int64_t pairs, const TileOutput& o) {
+NXDPLUG_BF16_INLINE void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel,
+                              int64_t pairs, const TileOutput& o) {
   constexpr int SETS = R < 4 ? 2 : 1;
   const bool full = o.width == PANEL;
   const int64_t pair_stride = 2 * o.width;
@@ -146,7 +147,7 @@ NXDPLUG_BF16 __attribute__((always_inline)) inline void tile(const uint16_t* x, 
   }
 }
 
-NXDPLUG_BF16 __attribute__((always_inline)) inline void rows_tile(int64_t rows, const uint16_t* x, int64_t x_stride,
+NXDPLUG_BF16_INLINE void rows_tile(int64_t rows, const uint16_t* x, int64_t x_stride,
                                    const uint16_t* panel, int64_t pairs, const TileOutput& o) {
   switch (rows) {
     case 1: return tile<1>(x, x_stride, panel, pairs, o);
@@ -266,6 +267,7 @@ void multiply_dequantized_panels(const uint16_t* x, int64_t m, int64_t k, int64_
   });
 }
 
+#undef NXDPLUG_BF16_INLINE
 #undef NXDPLUG_BF16
 #endif  // __x86_64__
 
