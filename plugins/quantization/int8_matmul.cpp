@@ -308,65 +308,74 @@ const float* float_scales(const at::Tensor& scale) {
   return converted.data();
 }
 
+// Row r of a tile of R rows (K bytes each, in the tiled order) times `scale` in float32, rounded
+// once to the row's type (to nearest), as dequantizing in PyTorch rounds it.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void dequantize_row(
+    const int8_t* tile, int64_t R, int64_t r, int64_t K, float scale, float* row) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t lane = 0; lane < K; lane += kLane) {
+    const int64_t width = std::min(kLane, K - lane);
+    const int8_t* bytes = tile + lane * R + r * width;
+    for (int64_t i = 0; i < width; i += 16) {
+      const __mmask16 mask = floats_present(width - i);
+      const __m512i wide = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, bytes + i));
+      _mm512_mask_storeu_ps(row + lane + i, mask, _mm512_mul_ps(_mm512_cvtepi32_ps(wide), s));
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dequantize_row(
+    const int8_t* tile, int64_t R, int64_t r, int64_t K, float scale, c10::BFloat16* row) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t lane = 0; lane < K; lane += kLane) {
+    const int64_t width = std::min(kLane, K - lane);
+    const int8_t* bytes = tile + lane * R + r * width;
+    for (int64_t i = 0; i < width; i += 16) {
+      const __mmask16 mask = floats_present(width - i);
+      const __m512i wide = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, bytes + i));
+      const __m256bh words = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(wide), s));
+      _mm256_mask_storeu_epi16(row + lane + i, mask, (__m256i)words);
+    }
+  }
+}
+
 // Weight rows [n, n + count) (whole tiles, or untiled last rows) dequantized, row i at
-// out + i * K: each byte times its row's scale in float32, rounded once to T (to nearest), as
-// dequantizing in PyTorch rounds it.
+// out + i * K (`vector`: float32 rows need AVX-512, bfloat16 ones AVX512-BF16 too); a plain
+// loop where the CPU has neither.
 template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void dequantize_rows_vector(
-    const int8_t* weight, int64_t N, int64_t K, int64_t n, int64_t count, const float* scale,
-    int64_t scale_stride, T* out) {
+void dequantize_rows(const int8_t* weight, int64_t N, int64_t K, int64_t n, int64_t count,
+                     const float* scale, int64_t scale_stride, T* out) {
+  const bool vector = std::is_same_v<T, float> ? has_vnni() : nxdplug::panels::usable();
+  if (!vector) {
+    for (int64_t i = 0; i < count; ++i) {
+      const float row_scale = scale[(n + i) * scale_stride];
+      for (int64_t k = 0; k < K; ++k)
+        out[i * K + k] =
+            static_cast<T>(static_cast<float>(weight[tiled_offset(n + i, k, N, K)]) * row_scale);
+    }
+    return;
+  }
   for (int64_t first = n; first < n + count;) {
     const int64_t R = first < N / kRowsPerTile * kRowsPerTile ? kRowsPerTile : 1;
-    const int8_t* tile = weight + first * K;
-    for (int64_t lane = 0; lane < K; lane += kLane) {
-      const int64_t width = std::min(kLane, K - lane);
-      for (int64_t r = 0; r < R; ++r) {
-        const int8_t* bytes = tile + lane * R + r * width;
-        const __m512 s = _mm512_set1_ps(scale[(first + r) * scale_stride]);
-        T* row = out + (first - n + r) * K + lane;
-        for (int64_t i = 0; i < width; i += 16) {
-          const __mmask16 mask = floats_present(width - i);
-          const __m512 w = _mm512_mul_ps(
-              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, bytes + i))), s);
-          if constexpr (std::is_same_v<T, float>) {
-            _mm512_mask_storeu_ps(row + i, mask, w);
-          } else {
-            _mm256_mask_storeu_epi16(row + i, mask, (__m256i)_mm512_cvtneps_pbh(w));
-          }
-        }
-      }
-    }
+    for (int64_t r = 0; r < R; ++r)
+      dequantize_row(weight + first * K, R, r, K, scale[(first + r) * scale_stride],
+                     out + (first - n + r) * K);
     first += R;
   }
 }
 
-template <typename T>
-void dequantize_rows(const int8_t* weight, int64_t N, int64_t K, int64_t n, int64_t count,
-                     const float* scale, int64_t scale_stride, T* out) {
-  if (nxdplug::panels::usable()) {
-    dequantize_rows_vector(weight, N, K, n, count, scale, scale_stride, out);
-    return;
-  }
-  for (int64_t i = 0; i < count; ++i)
-    for (int64_t k = 0; k < K; ++k)
-      out[i * K + k] = static_cast<T>(static_cast<float>(weight[tiled_offset(n + i, k, N, K)]) *
-                                      scale[(n + i) * scale_stride]);
-}
-
-// The whole weight dequantized to `dtype` (float32 or bfloat16), [N, K].
+// The whole weight dequantized, [N, K] float32 (for a GEMM where the panels do not run).
 at::Tensor dequantized(const int8_t* weight, int64_t N, int64_t K, const float* scale,
-                       int64_t scale_stride, at::ScalarType dtype) {
-  at::Tensor dense = at::empty({N, K}, at::TensorOptions().dtype(dtype));
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, dtype, "int8_dequantize", [&] {
-    scalar_t* out = dense.data_ptr<scalar_t>();
-    const int64_t tiles = N / kRowsPerTile;
-    at::parallel_for(0, tiles + 1, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t n = tile * kRowsPerTile;
-        const int64_t count = tile < tiles ? kRowsPerTile : N - n;
-        if (count > 0) dequantize_rows(weight, N, K, n, count, scale, scale_stride, out + n * K);
-      }
-    });
+                       int64_t scale_stride) {
+  at::Tensor dense = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
+  float* out = dense.data_ptr<float>();
+  const int64_t tiles = N / kRowsPerTile;
+  at::parallel_for(0, tiles + 1, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t n = tile * kRowsPerTile;
+      const int64_t count = tile < tiles ? kRowsPerTile : N - n;
+      if (count > 0) dequantize_rows(weight, N, K, n, count, scale, scale_stride, out + n * K);
+    }
   });
   return dense;
 }
@@ -407,8 +416,8 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::
     return out;
   }
   if (rows > kIntegerMaxRows) {
-    return at::linear(inputs, dequantized(weights.data_ptr<int8_t>(), N, K, scales, scale_stride,
-                                          x.scalar_type()));
+    const at::Tensor dense = dequantized(weights.data_ptr<int8_t>(), N, K, scales, scale_stride);
+    return at::linear(inputs, dense.to(x.scalar_type()));
   }
   at::Tensor out = at::empty({rows, N}, x.options());
   if (x.scalar_type() == at::kFloat) {
