@@ -2,7 +2,9 @@
 ``LlamaForCausalLMEagle3`` checkpoints).
 
 EAGLE-3 reads the target at three depths rather than at its last layer: the inputs of target
-layers 2, L//2 and L-3 (a low, a middle and a high feature, concatenated, 3h wide). One draft
+layers 2, L//2 and L-3 (a low, a middle and a high feature, concatenated, 3h wide), or of the
+three layers the draft's config names in ``eagle_aux_hidden_state_layer_ids`` (vLLM's and
+``speculators``' key; id j is the input of layer j, 0 the embedding). One draft
 step at draft position t takes the token x_{t+1} and a feature g_t:
 
     g = fc(g_t)          if g_t is the target's 3h-wide feature (no bias)
@@ -42,8 +44,15 @@ if TYPE_CHECKING:
     from nxdplug.plugin_api import InferenceConfig, PipelineContext
 
 
-def feature_layers(num_layers: int) -> tuple[int, int, int]:
-    """The target layers whose inputs EAGLE-3 reads (as its authors, vLLM and NxD Inference)."""
+AUX_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+def feature_layers(num_layers: int, draft: InferenceConfig | None = None) -> tuple[int, ...]:
+    """The target layers whose inputs EAGLE-3 reads: those the draft's config names, else
+    2, L//2 and L-3 (as its authors, vLLM and NxD Inference)."""
+    chosen = getattr(draft, AUX_LAYERS_KEY, None) if draft is not None else None
+    if chosen:
+        return tuple(chosen)
     return 2, num_layers // 2, num_layers - 3
 
 
@@ -95,7 +104,7 @@ class Eagle3DraftModel(nn.Module):
         self.d2t = nn.Parameter(torch.zeros(draft_vocab, dtype=torch.long), requires_grad=False)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config))
         self.target_vocab = target_config.vocab_size
-        self.layers_read = feature_layers(target_config.num_hidden_layers)
+        self.layers_read = feature_layers(target_config.num_hidden_layers, config)
         self.feature_size = 3 * target_hidden
         self.kv_mgr = draft_cache(context, 1, self.midlayer.self_attn)
 
@@ -163,10 +172,22 @@ def eagle3_draft_problems(config: InferenceConfig, draft: InferenceConfig) -> li
             f"the EAGLE-3 draft's target_hidden_size is {target_hidden} but the target's "
             f"hidden_size is {config.hidden_size}"
         )
-    if config.num_hidden_layers < 4:
+    layers = config.num_hidden_layers
+    chosen = getattr(draft, AUX_LAYERS_KEY, None)
+    if chosen is None and layers < 4:
         problems.append(
-            f"EAGLE-3 reads target layers {feature_layers(config.num_hidden_layers)}; the "
-            f"target has only {config.num_hidden_layers} layers"
+            f"EAGLE-3 reads target layers {feature_layers(layers)}; the target has only "
+            f"{layers} layers (name the layers to read in the draft config's {AUX_LAYERS_KEY})"
+        )
+    elif chosen is not None and (
+        not isinstance(chosen, (list, tuple))
+        or len(chosen) != 3
+        or not all(type(i) is int and 0 <= i < layers for i in chosen)
+    ):
+        problems.append(
+            f"the EAGLE-3 draft's {AUX_LAYERS_KEY} is {chosen!r}; expected three layer ids "
+            f"from 0 to {layers - 1} (id j reads the input of target layer j), as its fc "
+            "reads three target features"
         )
     if config.neuron_config.sequence_parallel_enabled:
         problems.append("EAGLE-3 with sequence_parallel_enabled is not implemented")

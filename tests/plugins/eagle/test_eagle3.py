@@ -48,6 +48,7 @@ def make_eagle3_draft(
     seed: int = 0,
     scale: float = 0.05,
     bigram: bool = False,
+    aux_layers: list[int] | None = None,
 ) -> Path:
     """A random EAGLE-3 head for ``target`` in the authors' and ``speculators``' layout: a
     draft vocabulary of ``draft_vocab`` target ids (``d2t`` offsets, ``t2d`` mask), no
@@ -56,7 +57,10 @@ def make_eagle3_draft(
     ``bigram``: a head that guesses the near-bigram target's next token (so some drafts are
     accepted): each pair attends mostly to itself and passes its token's normed embedding
     through (q, k, v read the embedding half; one KV head per query head), and scores it
-    with the target's final norm and LM head, as the target nearly does."""
+    with the target's final norm and LM head, as the target nearly does.
+
+    ``aux_layers``: the target layers to read, as the config's
+    ``eagle_aux_hidden_state_layer_ids`` (else the default three)."""
     config = json.loads((target / "config.json").read_text())
     hidden, inner, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -105,6 +109,8 @@ def make_eagle3_draft(
         "num_hidden_layers": 1,
         "draft_vocab_size": draft_vocab,
     }
+    if aux_layers is not None:
+        config["eagle_aux_hidden_state_layer_ids"] = aux_layers
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config))
     save_file(tensors, folder / "model.safetensors")
@@ -130,6 +136,13 @@ def guessing(target, tmp_path_factory) -> Path:
     return make_eagle3_draft(target, tmp_path_factory.mktemp("eagle3") / "guess", 448, bigram=True)
 
 
+@pytest.fixture(scope="module")
+def chosen_layers(target, tmp_path_factory) -> Path:
+    """A random head that names the layers it reads (the embedding, layers 2 and 4's inputs)."""
+    folder = tmp_path_factory.mktemp("eagle3") / "chosen"
+    return make_eagle3_draft(target, folder, 300, seed=1, scale=0.3, aux_layers=[0, 2, 4])
+
+
 # --- the draft's math, against a forward written from the format ---
 
 
@@ -149,8 +162,9 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 
 def reference_drafts(target: Path, draft: Path, prompt: list[int], first: int, k: int) -> list[int]:
     """k greedy EAGLE-3 drafts after ``prompt`` and the target's token ``first``: the pairs
-    (x_{t+1}, the inputs of target layers 2, L//2, L-3 at t) through fc, then each draft's
-    own output fed back, every step recomputed over the whole sequence (no cache)."""
+    (x_{t+1}, the inputs of the config's target layers, else 2, L//2, L-3, at t) through fc,
+    then each draft's own output fed back, every step recomputed over the whole sequence (no
+    cache)."""
     config = json.loads((draft / "config.json").read_text())
     weights = load_file(draft / "model.safetensors")
     target_weights = load_file(target / "model.safetensors")
@@ -158,7 +172,8 @@ def reference_drafts(target: Path, draft: Path, prompt: list[int], first: int, k
     with torch.no_grad():
         states = hf(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     layers = hf.config.num_hidden_layers
-    aux = torch.cat([states[i][0] for i in (2, layers // 2, layers - 3)], dim=-1)
+    read = config.get("eagle_aux_hidden_state_layer_ids") or (2, layers // 2, layers - 3)
+    aux = torch.cat([states[i][0] for i in read], dim=-1)
     eps, theta = config["rms_norm_eps"], config.get("rope_theta", 10000.0)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     embed = target_weights["model.embed_tokens.weight"]
@@ -201,7 +216,9 @@ def reference_drafts(target: Path, draft: Path, prompt: list[int], first: int, k
     return drafts
 
 
-def test_proposals_are_the_formats_forward(target, draft):
+@pytest.mark.parametrize("head", ["draft", "chosen_layers"])
+def test_proposals_are_the_formats_forward(target, head, request):
+    draft = request.getfixturevalue(head)
     app = eagle_app(target, draft, k=3, batch_size=1, is_eagle3=True)
     prompt = random_prompts(512, (9,), seed=2)[0][0].tolist()
     tokens = torch.tensor([prompt])
@@ -300,6 +317,15 @@ def test_config_and_checkpoint_errors(target, draft, tmp_path):
     assert "the target has only 3 layers" in problems_of(
         eagle_config(shallow, draft, is_eagle3=True)
     )
+    named = make_eagle3_draft(shallow, tmp_path / "named", 300, aux_layers=[0, 1, 2])
+    assert problems_of(eagle_config(shallow, named, is_eagle3=True)) == ""
+    for wrong in ([0, 1, 3], [1, 2], [0, 1, True]):
+        config = json.loads((named / "config.json").read_text())
+        config["eagle_aux_hidden_state_layer_ids"] = wrong
+        (named / "config.json").write_text(json.dumps(config))
+        assert "expected three layer ids from 0 to 2" in problems_of(
+            eagle_config(shallow, named, is_eagle3=True)
+        )
     alone = eagle_config(target, draft, is_eagle3=True, enable_eagle_speculation=False)
     assert "is_eagle3=True says the fused draft is an EAGLE-3 head" in problems_of(alone)
     weights = load_file(draft / "model.safetensors")
@@ -319,17 +345,16 @@ def test_config_and_checkpoint_errors(target, draft, tmp_path):
 
 # --- the trained head for pycoder-tiny ---
 
-# Measured when the head was shipped, on the float32 target: 2.363 tokens per call against
-# EAGLE-1's 2.438 (0.97x; the issue's goal is 1.2x, not met by 24 minutes of CPU training, see
-# the docs); on the shipped bf16-rounded target and EAGLE-1 draft: 2.355 against 2.449 (0.96x).
-# The bound guards against a head that loads or runs wrongly, which would accept next to nothing.
-EAGLE3_OVER_EAGLE1 = 0.95
+# The issue's goal: EAGLE-3 keeps at least 1.2x EAGLE-1's tokens per target call. Measured when
+# the head was shipped (65 minutes of training, layers 1, 3, 5, the whole vocabulary), on the
+# shipped bf16-rounded target and EAGLE-1 draft: 3.354 against 2.449 (1.37x).
+EAGLE3_OVER_EAGLE1 = 1.2
 
 
 def test_pycoder_head_is_lossless_and_accepted():
     """The shipped EAGLE-3 head (``examples/train_eagle3.py``) against the EAGLE-1 draft, k=4
-    chains, greedy, on the held-out prompts: both lossless, and the head accepts about as much
-    (see ``EAGLE3_OVER_EAGLE1``)."""
+    chains, greedy, on the held-out prompts: both lossless, and the head keeps at least 1.2x
+    the tokens per target call (``EAGLE3_OVER_EAGLE1``)."""
     prompts = file_start_prompts(20)
     options = {"batch_size": 4, "seq_len": 136, "max_context_length": 64}
     apps = {
