@@ -5,17 +5,22 @@ standard library's source without its ``test``, ``tests`` and ``idle_test`` fold
 without the held-out files listed in ``heldout_files.txt``, each file preceded by token 0.
 
 The head is EAGLE-3's (as :mod:`nxdplug.plugins.eagle.draft3` runs it): ``fc`` over the inputs
-of target layers 2, L//2 and L-3, one layer whose attention reads the token's normed embedding
-beside the normed feature, a final norm and an LM head over the ``--draft-vocab`` most frequent
-tokens of the corpus (``d2t`` maps them to target ids). Training is EAGLE-3's "training-time
-test": step 0 drafts from the target's features at every position; step j drafts from step
-j-1's own outputs, each position attending to the real pairs before it and to its own earlier
-steps, so later draft steps are trained on the features they will see. The loss at each step is
-the cross-entropy against the frozen target's next-token distribution (restricted to the draft
-vocabulary), weighted 0.8^j.
+of three target layers (``--aux-layers``, written to the config as vLLM's
+``eagle_aux_hidden_state_layer_ids``; by default 2, L//2 and L-3), one layer whose attention
+reads the token's normed embedding beside the normed feature, a final norm and an LM head over
+the ``--draft-vocab`` most frequent tokens of the corpus (by default the whole vocabulary;
+``d2t`` maps them to target ids). Training is EAGLE-3's "training-time test": step 0 drafts
+from the target's features at every position; step j drafts from step j-1's own outputs, each
+position attending to the real pairs before it and to its own earlier steps, so later draft
+steps are trained on the features they will see. The loss at each step is the cross-entropy
+against the frozen target's next-token distribution (restricted to the draft vocabulary),
+weighted 0.8^j. The head runs under bf16 autocast (float32 weights) unless ``--float32``.
+
+The shipped head (``examples/models/pycoder-tiny-eagle3``):
 
     python examples/train_eagle3.py --target ../shared/models/pycoder-tiny \\
-        --output examples/models/pycoder-tiny-eagle3 --minutes 15
+        --output examples/models/pycoder-tiny-eagle3 --minutes 65 \\
+        --steps-unrolled 4 --aux-layers 1 3 5
 
 Writes ``config.json``, ``model.safetensors`` (bf16 weights, int64 ``d2t``, bool ``t2d``; no
 embedding, as published heads) and ``training.json`` (settings and the validation history).
@@ -200,15 +205,31 @@ def main() -> None:
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--heldout", type=Path, default=None, help="heldout_files.txt")
     parser.add_argument("--minutes", type=float, default=15.0)
-    parser.add_argument("--draft-vocab", type=int, default=1024)
+    parser.add_argument(
+        "--draft-vocab", type=int, default=None, help="default: the target's vocabulary"
+    )
+    parser.add_argument(
+        "--aux-layers",
+        type=int,
+        nargs=3,
+        default=None,
+        help="the target layers whose inputs the head reads (default: 2, L//2, L-3)",
+    )
     parser.add_argument("--steps-unrolled", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--float32",
+        action="store_true",
+        help="train the head in float32 (default: bf16 autocast, float32 weights; about 1.7x "
+        "faster a step on CPUs with AVX512-BF16)",
+    )
     args = parser.parse_args()
     torch.manual_seed(args.seed)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
 
     heldout_list = args.heldout or args.target.parent / "heldout_files.txt"
     heldout = set(heldout_list.read_text().split())
@@ -221,11 +242,15 @@ def main() -> None:
     config = json.loads((args.target / "config.json").read_text())
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     num_layers = config["num_hidden_layers"]
-    layers = (2, num_layers // 2, num_layers - 3)
+    layers = tuple(args.aux_layers or (2, num_layers // 2, num_layers - 3))
+    draft_vocab = args.draft_vocab or config["vocab_size"]
     embedding = target.get_input_embeddings().weight.detach()
 
     counts = Counter(train.tolist())
-    vocab_ids = torch.tensor(sorted(t for t, _ in counts.most_common(args.draft_vocab)))
+    if draft_vocab >= config["vocab_size"]:
+        vocab_ids = torch.arange(config["vocab_size"])
+    else:
+        vocab_ids = torch.tensor(sorted(t for t, _ in counts.most_common(draft_vocab)))
     d2t = vocab_ids - torch.arange(len(vocab_ids))
     t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
     t2d[vocab_ids] = True
@@ -244,7 +269,9 @@ def main() -> None:
     def batch_loss(rows: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         aux, probs = target_batch(target, rows[:, : args.seq], layers)
         embeds = embedding[rows[:, 1:]]  # x_{t+1} for each step's shift
-        return step_losses(head.unrolled(embeds, aux, args.steps_unrolled), probs, vocab_ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.float32):
+            logits = head.unrolled(embeds, aux, args.steps_unrolled)
+        return step_losses([step.float() for step in logits], probs, vocab_ids)
 
     generator = torch.Generator().manual_seed(1)
     held_rows = windows(held, torch.arange(0, 48 * args.seq, args.seq))
@@ -289,6 +316,7 @@ def main() -> None:
         "architectures": ["LlamaForCausalLMEagle3"],
         "num_hidden_layers": 1,
         "draft_vocab_size": len(vocab_ids),
+        "eagle_aux_hidden_state_layer_ids": list(layers),
         "torch_dtype": "bfloat16",
     }
     (args.output / "config.json").write_text(json.dumps(draft_config, indent=2) + "\n")
