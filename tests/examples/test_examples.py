@@ -168,6 +168,17 @@ def test_bf16_linear_example_times_onednn_and_panels() -> None:
     assert re.fullmatch(line.format(1) + line.format(9), result.stdout), result.stdout
 
 
+@needs_avx512_bf16
+def test_int4_rows_bound_example_times_both_kernels_both_ways() -> None:
+    command = [sys.executable, str(EXAMPLES / "int4_rows_bound.py"), "--rows", "1", "9"]
+    command += ["--layers", "1", "--passes", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    line = r" +{} rows, {} *: bf16 +[\d.]+ ms +[\d.]+ GMAC/s; int4 +[\d.]+ ms +[\d.]+ GMAC/s; "
+    line += r"int4 / bf16 [\d.]+\n"
+    expected = "".join(line.format(r, w) for r in (1, 9) for w in ("streamed", "hot"))
+    assert re.fullmatch(expected, result.stdout), result.stdout
+
+
 def test_served_perplexity_is_hf_perplexity(tiny_checkpoint, tmp_path: Path) -> None:
     """The lm-evaluation-harness way (echo + logprobs through a running ``nxdplug serve``)
     gives the perplexity HF transformers computes on the same token ids."""
